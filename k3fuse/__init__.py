@@ -1,0 +1,1 @@
+"""k3fuse: compiler passes for Kimi K3 decode."""

@@ -1,0 +1,103 @@
+"""Runtime clarity: which implementation each fused op ran, strict mode and the kill switch.
+
+Every fused op reports each call here. A *fallback* is any call that did not run the
+implementation the op exists for (a kernel on GPU, the reference path on CPU), with its reason.
+Strict mode turns a fallback into an error, so a test can prove the fast path ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+
+_lock = threading.Lock()
+_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+_strict_override: bool | None = None
+_disabled_override: bool | None = None
+
+
+class K3FuseFallbackError(RuntimeError):
+    """A fused op fell back while strict mode was on."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def is_strict() -> bool:
+    """Strict mode from `strict()` or, if unset, from K3FUSE_STRICT."""
+    return _strict_override if _strict_override is not None else _env_flag("K3FUSE_STRICT")
+
+
+def is_disabled() -> bool:
+    """The kill switch from `disable()` or, if unset, from K3FUSE_DISABLE."""
+    return _disabled_override if _disabled_override is not None else _env_flag("K3FUSE_DISABLE")
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Within the block, every fallback of a fused op raises K3FuseFallbackError."""
+    global _strict_override
+    previous, _strict_override = _strict_override, enabled
+    try:
+        yield
+    finally:
+        _strict_override = previous
+
+
+@contextlib.contextmanager
+def disable(disabled: bool = True) -> Iterator[None]:
+    """Within the block, fused ops run the stock sequence and the passes rewrite nothing."""
+    global _disabled_override
+    previous, _disabled_override = _disabled_override, disabled
+    try:
+        yield
+    finally:
+        _disabled_override = previous
+
+
+def set_strict(enabled: bool | None) -> None:
+    """Process-wide strict mode (None: follow K3FUSE_STRICT)."""
+    global _strict_override
+    _strict_override = enabled
+
+
+def set_disabled(disabled: bool | None) -> None:
+    """Process-wide kill switch (None: follow K3FUSE_DISABLE)."""
+    global _disabled_override
+    _disabled_override = disabled
+
+
+def record(op: str, impl: str) -> None:
+    """Count one call of `op` that ran implementation `impl`."""
+    with _lock:
+        _counts[op][impl] += 1
+
+
+def record_fallback(op: str, reason: str, *, strict: bool = False) -> None:
+    """Count a fallback; raise instead if strict mode is on (globally or for this call)."""
+    if strict or is_strict():
+        raise K3FuseFallbackError(f"k3fuse op {op} fell back in strict mode: {reason}")
+    record(op, f"fallback:{reason}")
+
+
+def stats() -> dict[str, dict[str, int]]:
+    """{op: {implementation or "fallback:<reason>": calls}} since the last reset."""
+    with _lock:
+        return {op: dict(impls) for op, impls in _counts.items()}
+
+
+def fallbacks() -> dict[str, dict[str, int]]:
+    """Only the fallback entries of `stats()`."""
+    return {
+        op: {k: v for k, v in impls.items() if k.startswith("fallback:")}
+        for op, impls in stats().items()
+        if any(k.startswith("fallback:") for k in impls)
+    }
+
+
+def reset_stats() -> None:
+    with _lock:
+        _counts.clear()
