@@ -1,0 +1,163 @@
+"""Multi-rank launcher: run a function on N local ranks with a process group, get results back.
+
+Gloo on CPU, NCCL when there is a GPU per rank. Children are spawned (never forked, so CUDA and
+threads are safe), join a process group on 127.0.0.1 and send back a pickled result or their
+traceback. A failing rank raises `RankFailedError` naming the rank; a run past `timeout_s` kills
+every child and raises `LaunchTimeout`, so a deadlocked collective never hangs a test.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Set by the people running the GPUs; children inherit them and we never unset them.
+_PRESERVED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+
+
+class ProcessGroupMissing(RuntimeError):
+    """A tensor-parallel path was asked for but torch.distributed has no process group."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised; carries the rank and the traceback text from the child."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} failed with {exc_type}: {message}\n"
+                         f"--- traceback on rank {rank} ---\n{remote_traceback}")
+
+
+class LaunchTimeout(TimeoutError):
+    """The ranks did not all finish within timeout_s; they were killed."""
+
+
+def require_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The process group to use (`group`, else WORLD); a clear error when there is none."""
+    if not dist.is_available():
+        raise ProcessGroupMissing("torch.distributed is not available in this torch build")
+    if not dist.is_initialized():
+        raise ProcessGroupMissing(
+            "tensor parallelism needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) first or run under k3fuse.dist.launch")
+    return dist.group.WORLD if group is None else group
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_backend(world_size: int, backend: str | None = None) -> str:
+    """nccl when CUDA has a GPU per rank, else gloo; validates an explicit choice."""
+    if backend is None:
+        if torch.cuda.is_available() and torch.cuda.device_count() >= world_size and dist.is_nccl_available():
+            return "nccl"
+        backend = "gloo"
+    if backend == "gloo":
+        if not dist.is_gloo_available():
+            raise RuntimeError("backend 'gloo' is not available in this torch build")
+    elif backend == "nccl":
+        if not dist.is_nccl_available():
+            raise RuntimeError("backend 'nccl' is not available in this torch build")
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > n_gpu:
+            raise ValueError(f"backend 'nccl' needs one GPU per rank: world_size={world_size} "
+                             f"but {n_gpu} CUDA device(s) are visible")
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use 'gloo', 'nccl' or None (auto)")
+    return backend
+
+
+def _child(fn: Callable, rank: int, world_size: int, backend: str, port: int, args: tuple,
+           timeout_s: float, env: dict[str, str], results: Any) -> None:
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        payload = ("ok", pickle.dumps(result))
+    except BaseException as exc:  # report everything, including SystemExit from the fn
+        payload = ("err", (type(exc).__name__, str(exc), traceback.format_exc()))
+    results.put((rank,) + payload)
+
+
+def launch(fn: Callable[..., Any], world_size: int, *, backend: str | None = None,
+           args: tuple = (), timeout_s: float = 300) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` spawned ranks; results in rank order.
+
+    `fn` and `args` must be picklable (a module-level function). Each rank's return value is
+    pickled with the standard pickler (tensors travel by value, not shared memory, so a rank may
+    exit before the parent reads it).
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {fn!r}")
+    backend = pick_backend(world_size, backend)
+    port = free_port()
+    env = {k: os.environ[k] for k in _PRESERVED_ENV if k in os.environ}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, name=f"k3fuse-rank{rank}", daemon=True,
+                         args=(fn, rank, world_size, backend, port, args, timeout_s, env, results))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    done: dict[int, Any] = {}
+    try:
+        while len(done) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(done))
+                raise LaunchTimeout(f"ranks {missing} of {world_size} did not finish within "
+                                    f"{timeout_s}s (backend {backend}); all ranks were killed")
+            try:
+                rank, status, payload = results.get(timeout=min(0.2, remaining))
+            except queue_module.Empty:
+                for rank, p in enumerate(procs):
+                    # a rank that died without reporting (segfault, os._exit, OOM kill)
+                    if rank not in done and p.exitcode is not None and results.empty():
+                        time.sleep(0.5)  # its report may still be in the pipe
+                        if results.empty():
+                            raise RankFailedError(rank, "ProcessDied",
+                                                  f"exit code {p.exitcode} without a result",
+                                                  "(no traceback: the process died)")
+                continue
+            if status == "err":
+                exc_type, message, tb = payload
+                raise RankFailedError(rank, exc_type, message, tb)
+            done[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(done) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    return [done[r] for r in range(world_size)]

@@ -1,0 +1,131 @@
+"""Dimensions and hyper-parameters of the reference Kimi K3 decode model.
+
+One frozen dataclass, a few presets and the divisibility checks tensor parallelism needs. The
+`k3` preset carries the published dimensions (for shape and byte arithmetic, or `device="meta"`);
+`tiny` and `small` keep the same structure at sizes a CPU test can run, with every sharded width
+divisible by TP 2, 4 and 8.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+RESIDUAL_KINDS = ("plain", "attnres")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class K3Config:
+    """Every layer is the reference layer: KDA + LatentMoE (with shared experts).
+
+    K3's MLA layers and its dense first layer are not modelled: the fusion rules target the
+    KDA + LatentMoE layer, which is 68 of K3's 93 layers.
+    """
+
+    hidden: int
+    n_layers: int
+    kda_heads: int
+    head_dim: int
+    gate_rank: int  # rows of W_fa (the low-rank decay-gate projection), 128 in K3
+    n_experts: int
+    top_k: int
+    moe_inter: int  # routed expert intermediate width I
+    latent: int  # LatentMoE latent width L
+    shared_inter: int  # fused shared-expert intermediate width S
+    conv_kernel: int = 4
+    rms_eps: float = 1e-5
+    l2_eps: float = 1e-6
+    gate_lower_bound: float = -5.0
+    routed_scaling: float = 1.0
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    residual: str = "plain"  # "plain" pre-norm residual or "attnres" (Block Attention Residuals)
+    attn_res_block: int = 12  # layers per AttnRes block (a bank entry every this many layers)
+    dtype: str = "float32"  # model (trunk) dtype name; KDA state, router and SiTU are fp32 anyway
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "n_layers", "kda_heads", "head_dim", "gate_rank", "n_experts",
+                      "top_k", "moe_inter", "latent", "shared_inter", "conv_kernel",
+                      "attn_res_block"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"K3Config.{field} must be a positive int, got {value!r}")
+        if self.conv_kernel < 2:
+            raise ValueError(f"K3Config.conv_kernel must be >= 2 (the conv state keeps "
+                             f"conv_kernel - 1 inputs), got {self.conv_kernel}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"K3Config.top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.residual not in RESIDUAL_KINDS:
+            raise ValueError(f"K3Config.residual must be one of {RESIDUAL_KINDS}, got {self.residual!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"K3Config.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not self.gate_lower_bound < 0:
+            raise ValueError(f"K3Config.gate_lower_bound must be negative (decay exp(g) < 1), "
+                             f"got {self.gate_lower_bound}")
+        for field in ("rms_eps", "l2_eps", "situ_beta", "situ_linear_beta", "routed_scaling"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"K3Config.{field} must be positive, got {getattr(self, field)}")
+
+    @property
+    def kda_dim(self) -> int:
+        """P = heads * head_dim, the width of q, k, v and the output gate."""
+        return self.kda_heads * self.head_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def sharded_dims(self) -> dict[str, int]:
+        """The widths tensor parallelism splits (heads, expert/shared intermediate) or that the
+        sharded-front rule splits (experts = router rows, latent = W_down rows)."""
+        return {
+            "kda_heads": self.kda_heads,
+            "n_experts": self.n_experts,
+            "latent": self.latent,
+            "moe_inter": self.moe_inter,
+            "shared_inter": self.shared_inter,
+        }
+
+    def validate_for_tp(self, tp: int) -> None:
+        """Raise ValueError naming the first dimension that `tp` does not divide."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tp must be a positive int, got {tp!r}")
+        for dim, value in self.sharded_dims().items():
+            if value % tp:
+                raise ValueError(f"TP={tp} does not divide {dim}={value} of config {self.name!r}")
+
+
+PRESETS: dict[str, K3Config] = {
+    # Published Kimi K3 dimensions (AttnRes block 12, BF16 trunk).
+    "k3": K3Config(hidden=7168, n_layers=93, kda_heads=96, head_dim=128, gate_rank=128,
+                   n_experts=896, top_k=16, moe_inter=3072, latent=3584, shared_inter=6144,
+                   residual="attnres", attn_res_block=12, dtype="bfloat16", name="k3"),
+    # CPU test sizes: same structure, every sharded width divisible by 2, 4 and 8.
+    "tiny": K3Config(hidden=128, n_layers=2, kda_heads=8, head_dim=16, gate_rank=16,
+                     n_experts=16, top_k=4, moe_inter=32, latent=64, shared_inter=64,
+                     attn_res_block=2, dtype="float32", name="tiny"),
+    "small": K3Config(hidden=256, n_layers=4, kda_heads=16, head_dim=32, gate_rank=32,
+                      n_experts=32, top_k=4, moe_inter=64, latent=128, shared_inter=128,
+                      attn_res_block=2, dtype="float32", name="small"),
+}
+
+
+def get_config(name: str, **overrides) -> K3Config:
+    """A preset by name, with fields replaced by `overrides` (validated again)."""
+    try:
+        base = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown K3 preset {name!r}; known presets: {sorted(PRESETS)}") from None
+    fields = {f.name for f in dataclasses.fields(K3Config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown K3Config field(s) {unknown}; fields are {sorted(fields)}")
+    return dataclasses.replace(base, **overrides)

@@ -1,0 +1,308 @@
+"""Sublayers of the reference Kimi K3 decode layer, written in the ATen spelling the rules match.
+
+See docs/architecture.md "Reference model spelling": projections are `F.linear`, RMSNorm computes
+its variance in fp32, and every row-parallel linear is followed directly by a functional
+`all_reduce` (only when tp > 1) and then the add. Changing the spelling here changes what the
+compiler rules see, so change both together.
+
+Sharding follows the serving engines: KDA q/k/v/g/f_b/b column-parallel by heads, W_fa
+replicated, W_o row-parallel; router, W_down and W_up replicated; routed experts split along the
+intermediate width (latent partial sum reduced before the latent norm); shared experts
+column/row-parallel.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from .config import K3Config
+
+
+# --- weights ------------------------------------------------------------------------------------
+class WeightSource:
+    """Deterministic random weights: each FULL tensor comes from its own generator seeded by
+    (seed, layer, name), then each rank slices its shard. TP=1/2/4 models are the same function."""
+
+    def __init__(self, seed: int, dtype: torch.dtype, device: torch.device | str):
+        self.seed = int(seed)
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    def _generator(self, layer: int, name: str) -> torch.Generator:
+        key = zlib.crc32(f"k3fuse/{self.seed}/{layer}/{name}".encode())
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + key) % (2**63))
+
+    def normal(self, layer: int, name: str, shape: tuple[int, ...], std: float,
+               mean: float = 0.0) -> torch.Tensor:
+        """Full fp32 tensor on CPU (or an empty meta tensor when building on the meta device)."""
+        if self.device.type == "meta":
+            return torch.empty(shape, device="meta")
+        t = torch.randn(shape, generator=self._generator(layer, name), dtype=torch.float32)
+        return t * std + mean
+
+    def uniform(self, layer: int, name: str, shape: tuple[int, ...], low: float,
+                high: float) -> torch.Tensor:
+        if self.device.type == "meta":
+            return torch.empty(shape, device="meta")
+        t = torch.rand(shape, generator=self._generator(layer, name), dtype=torch.float32)
+        return low + (high - low) * t
+
+    def param(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Parameter:
+        """A frozen parameter in `dtype` (the model dtype unless told, e.g. fp32 vectors)."""
+        # clone: a shard must not keep the full tensor's storage alive
+        t = t.to(device=self.device, dtype=dtype or self.dtype).clone(memory_format=torch.contiguous_format)
+        return nn.Parameter(t, requires_grad=False)
+
+
+def shard(t: torch.Tensor, dim: int, tp_size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous 1/tp_size slice of `t` along `dim`."""
+    size = t.shape[dim] // tp_size
+    return t.narrow(dim, rank * size, size)
+
+
+# --- shared pieces ------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm with the variance in fp32, times the weight in fp32, back to x's dtype."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU in fp32: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)."""
+    gf, uf = g.float(), u.float()
+    act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
+    return act.to(g.dtype)
+
+
+class TensorParallel:
+    """Who this module is in the TP group; `all_reduce` is the identity at tp=1."""
+
+    def __init__(self, tp_size: int, rank: int, group: dist.ProcessGroup | None):
+        self.tp_size = tp_size
+        self.rank = rank
+        self.group = group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return t
+        return funcol.all_reduce(t, "sum", self.group)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def make_norm(cfg: K3Config, src: WeightSource, layer: int, name: str, width: int) -> RMSNorm:
+    """RMSNorm with weight 1 + small noise, so a wrong weight shows up in tests."""
+    return RMSNorm(src.param(src.normal(layer, name, (width,), std=0.1, mean=1.0)), cfg.rms_eps)
+
+
+# --- KDA ----------------------------------------------------------------------------------------
+class KDADecode(nn.Module):
+    """One recurrent Kimi Delta Attention decode step for T sequences (one token each).
+
+    Inputs x [T, H]; recurrent state [T, h/tp, d, d] fp32 (key x value); conv state
+    [T, 3P/tp, K-1] in the model dtype holding the last K-1 pre-conv inputs of [q; k; v].
+    Returns the all-reduced out-projection [T, H] and the NEW states (inputs are not mutated).
+    """
+
+    def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        H, P, R, h, d, K = (cfg.hidden, cfg.kda_dim, cfg.gate_rank, cfg.kda_heads, cfg.head_dim,
+                            cfg.conv_kernel)
+        n, r = tp.tp_size, tp.rank
+        self.local_heads = h // n
+        col = lambda name, rows, cols: src.param(shard(src.normal(layer, name, (rows, cols), cols ** -0.5), 0, n, r))
+        self.w_q = col("kda.w_q", P, H)
+        self.w_k = col("kda.w_k", P, H)
+        self.w_v = col("kda.w_v", P, H)
+        self.w_g = col("kda.w_g", P, H)
+        self.w_fa = src.param(src.normal(layer, "kda.w_fa", (R, H), H ** -0.5))  # replicated
+        self.w_fb = col("kda.w_fb", P, R)
+        self.w_b = col("kda.w_b", h, H)
+        # fp32 vectors
+        self.dt_bias = src.param(shard(src.normal(layer, "kda.dt_bias", (P,), 0.5), 0, n, r), torch.float32)
+        self.A_log = src.param(shard(src.uniform(layer, "kda.A_log", (h,), math.log(0.5), math.log(2.0)), 0, n, r),
+                               torch.float32)
+        conv = [shard(src.normal(layer, f"kda.conv_{c}", (P, K), 0.5), 0, n, r) for c in "qkv"]
+        self.conv_weight = src.param(torch.cat(conv, 0), torch.float32)  # [3P/tp, K], local [q;k;v]
+        self.w_onorm = src.param(src.normal(layer, "kda.w_onorm", (d,), 0.1, 1.0), torch.float32)
+        self.w_o = src.param(shard(src.normal(layer, "kda.w_o", (H, P), P ** -0.5), 1, n, r))  # row-parallel
+
+    def forward(self, x: torch.Tensor, recurrent: torch.Tensor, conv_state: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        T = x.shape[0]
+        h, d = self.local_heads, cfg.head_dim
+        q = F.linear(x, self.w_q)
+        k = F.linear(x, self.w_k)
+        v = F.linear(x, self.w_v)
+        gate_out = F.linear(x, self.w_g)
+        z = F.linear(F.linear(x, self.w_fa), self.w_fb).float() + self.dt_bias
+        b = F.linear(x, self.w_b).float()
+
+        # short causal depthwise conv over [q; k; v] with a rolling window of K-1 past inputs
+        u = torch.cat([q, k, v], dim=-1)  # [T, 3P/tp]
+        window = torch.cat([conv_state, u.unsqueeze(-1)], dim=-1)  # [T, 3P/tp, K]
+        new_conv_state = window[..., 1:]
+        conv = F.silu((window.float() * self.conv_weight).sum(-1))  # fp32 [T, 3P/tp]
+        qc, kc, vc = conv.view(T, 3, h, d).unbind(1)  # each [T, h, d]
+        qc = qc * torch.rsqrt(qc.pow(2).sum(-1, keepdim=True) + cfg.l2_eps) * d ** -0.5
+        kc = kc * torch.rsqrt(kc.pow(2).sum(-1, keepdim=True) + cfg.l2_eps)
+
+        # gates: lower-bounded per-key-channel decay and per-head write strength
+        g = cfg.gate_lower_bound * torch.sigmoid(torch.exp(self.A_log).unsqueeze(-1) * z.view(T, h, d))
+        beta = torch.sigmoid(b)  # [T, h]
+
+        # delta rule, fp32 state S [T, h, d_k, d_v]
+        S = recurrent * torch.exp(g).unsqueeze(-1)
+        e = beta.unsqueeze(-1) * (vc - torch.einsum("thkv,thk->thv", S, kc))
+        S = S + kc.unsqueeze(-1) * e.unsqueeze(-2)
+        o = torch.einsum("thkv,thk->thv", S, qc)
+
+        # gated RMSNorm per head, then the row-parallel out-projection and its reduction
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_eps) * self.w_onorm
+        o = o * torch.sigmoid(gate_out.float().view(T, h, d))
+        o = o.reshape(T, h * d).to(x.dtype)
+        y = F.linear(o, self.w_o)
+        y = self.tp.all_reduce(y)
+        return y, S, new_conv_state
+
+
+# --- MoE ----------------------------------------------------------------------------------------
+def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with bias-corrected top-k: the bias picks experts but never weights them.
+
+    Returns (weights fp32 [T, k], expert ids int64 [T, k]); weights = sigma_e / sum_sel sigma,
+    times routed_scaling. Ties go to torch.topk's order (identical on every rank).
+    """
+    scores = torch.sigmoid(logits.float())
+    _, idx = torch.topk(scores + b_corr, top_k, dim=-1)
+    weights = scores.gather(-1, idx)
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling, idx
+
+
+class Router(nn.Module):
+    """Replicated router: fp32 logits F.linear(x.float(), W_r.float()) [T, E], then `route`."""
+
+    def __init__(self, cfg: K3Config, layer: int, src: WeightSource):
+        super().__init__()
+        self.cfg = cfg
+        self.w_r = src.param(src.normal(layer, "moe.w_r", (cfg.n_experts, cfg.hidden), cfg.hidden ** -0.5))
+        self.b_corr = src.param(src.normal(layer, "moe.b_corr", (cfg.n_experts,), 0.05), torch.float32)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.w_r.float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(self.logits(x), self.b_corr, self.cfg.top_k, self.cfg.routed_scaling)
+
+
+class LatentMoE(nn.Module):
+    """Routed experts in latent space: a = W_down x; r = sum_e w_e W2_e SiTU(W1_e a, W3_e a);
+    all_reduce(r) (each rank holds a slice of the expert intermediate); y = W_up RMSNorm_L(r).
+
+    The selected experts' weights are gathered by index and applied with bmm over the T*top_k
+    (token, slot) pairs instead of looping over experts. At decode T*top_k is small (16..1024), so
+    this reads the same expert bytes a grouped GEMM would, keeps shapes static (no data-dependent
+    control flow, which torch.compile(fullgraph) and torch.export need) and keeps the traced graph
+    a handful of nodes instead of one branch per expert.
+    """
+
+    def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        E, H, L, I = cfg.n_experts, cfg.hidden, cfg.latent, cfg.moe_inter
+        n, r = tp.tp_size, tp.rank
+        self.router = Router(cfg, layer, src)
+        self.w_down = src.param(src.normal(layer, "moe.w_down", (L, H), H ** -0.5))  # replicated
+        self.w1 = src.param(shard(src.normal(layer, "moe.w1", (E, I, L), L ** -0.5), 1, n, r))
+        self.w3 = src.param(shard(src.normal(layer, "moe.w3", (E, I, L), L ** -0.5), 1, n, r))
+        self.w2 = src.param(shard(src.normal(layer, "moe.w2", (E, L, I), I ** -0.5), 2, n, r))
+        self.latent_norm = make_norm(cfg, src, layer, "moe.latent_norm", L)
+        self.w_up = src.param(src.normal(layer, "moe.w_up", (H, L), L ** -0.5))  # replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        T, k, L = x.shape[0], cfg.top_k, cfg.latent
+        weights, idx = self.router(x)
+        a = F.linear(x, self.w_down)  # [T, L]
+        experts = idx.reshape(-1)  # [T*k]
+        a_rep = a.unsqueeze(1).expand(T, k, L).reshape(T * k, L, 1)
+        g = torch.bmm(self.w1[experts], a_rep).squeeze(-1)  # [T*k, I/tp]
+        u = torch.bmm(self.w3[experts], a_rep).squeeze(-1)
+        act = situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta)
+        z = torch.bmm(self.w2[experts], act.unsqueeze(-1)).squeeze(-1)  # [T*k, L]
+        partial = (z.float().view(T, k, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        r = self.tp.all_reduce(partial)
+        r = self.latent_norm(r)
+        return F.linear(r, self.w_up)
+
+
+class SharedExperts(nn.Module):
+    """The fused shared experts: gate/up column-parallel, down row-parallel, then all_reduce."""
+
+    def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        H, S = cfg.hidden, cfg.shared_inter
+        n, r = tp.tp_size, tp.rank
+        self.w_gate = src.param(shard(src.normal(layer, "shared.w_gate", (S, H), H ** -0.5), 0, n, r))
+        self.w_up = src.param(shard(src.normal(layer, "shared.w_up", (S, H), H ** -0.5), 0, n, r))
+        self.w_down = src.param(shard(src.normal(layer, "shared.w_down", (H, S), S ** -0.5), 1, n, r))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = F.linear(x, self.w_gate)
+        u = F.linear(x, self.w_up)
+        h = situ_glu(g, u, self.cfg.situ_beta, self.cfg.situ_linear_beta)
+        y = F.linear(h, self.w_down)
+        return self.tp.all_reduce(y)
+
+
+class MoEBlock(nn.Module):
+    """MoE(x) = routed LatentMoE(x) + shared experts(x)."""
+
+    def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
+        super().__init__()
+        self.routed = LatentMoE(cfg, layer, src, tp)
+        self.shared = SharedExperts(cfg, layer, src, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y_routed = self.routed(x)
+        y_sh = self.shared(x)
+        return y_routed + y_sh
+
+
+# --- Block Attention Residuals --------------------------------------------------------------------
+def attn_res_mix(bank: list[torch.Tensor], partial: torch.Tensor, query: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Depth softmax over [bank..., partial]: s_i = w_q . RMSNorm(V_i); h = sum_i alpha_i V_i (fp32).
+
+    The key norm has no weight of its own: it folds into the pseudo-query w_q.
+    """
+    V = torch.stack(bank + [partial], dim=0).float()  # [n, T, H]
+    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    scores = (keys * query.float()).sum(-1)  # [n, T]
+    alpha = torch.softmax(scores, dim=0)
+    return (alpha.unsqueeze(-1) * V).sum(0).to(partial.dtype)
