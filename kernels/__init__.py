@@ -1,1 +1,7 @@
+"""k3fuse.kernels: the fused custom ops torch.ops.k3fuse.* and their implementations.
 
+Importing this package registers the ops and the plain-torch reference implementations. The CuTe
+DSL and Triton modules are imported lazily by `dispatch` on the first CUDA call, never here.
+"""
+from . import ops  # noqa: F401  (registers torch.ops.k3fuse.*)
+from .dispatch import Impl, dispatch, register_impl, warmup  # noqa: F401

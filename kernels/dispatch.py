@@ -1,0 +1,274 @@
+"""Per-call implementation choice for the fused ops, with counted fallbacks.
+
+Each op (`torch.ops.k3fuse.<op>`) has an ordered list of implementations (`Impl`) and one *stock*
+function: the unfused torch sequence the op replaced. `dispatch(op, *args)` runs, in order:
+
+1. kill switch (`runtime.is_disabled()`): the stock sequence, counted as `fallback:disabled`;
+2. call guard: when the op has `max_tokens`, a token count T outside [1, max_tokens] runs the stock
+   sequence, counted as `fallback:tokens T outside [1, max_tokens]`;
+3. the highest-priority Impl for the tensors' device whose `supports(*args, **kw)` returns None.
+   "reference" is the expected implementation on CPU; on CUDA choosing it is a fallback whose
+   reason lists why every kernel declined (or failed to import).
+
+GPU kernel modules register themselves when imported::
+
+    from k3fuse.kernels.dispatch import Impl, register_impl
+    register_impl("decode_gemm", Impl("cute.gemv", supports=_supports, run=_run, priority=100,
+                                      warmup=_warmup))
+
+`supports` and `run` receive the op's arguments exactly as the op received them, in schema order,
+without `strict` (ops with a call guard also pass `max_tokens=` as a keyword). `run` returns what
+the op returns (see kernels/ops.py). The modules under k3fuse.kernels.cute and
+k3fuse.kernels.triton are imported lazily on the first CUDA call (or `warmup`), never at
+`import k3fuse.kernels`; a module that fails to import simply registers nothing, and its error is
+quoted in the fallback reason. A kernel whose `run` raises is disabled for that op (its error becomes
+its decline reason) and the next implementation runs; in strict mode the error is raised instead.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3fuse import runtime
+
+REFERENCE = "reference"
+ALL_DEVICES: tuple[str, ...] = ("cpu", "cuda")
+KERNEL_PACKAGES: tuple[str, ...] = ("k3fuse.kernels.cute", "k3fuse.kernels.triton")
+# K3FUSE_DISABLE_CUTE=1 / K3FUSE_DISABLE_TRITON=1 skip importing that family (e.g. a broken toolchain).
+_PACKAGE_SWITCHES = {"k3fuse.kernels.cute": "K3FUSE_DISABLE_CUTE",
+                     "k3fuse.kernels.triton": "K3FUSE_DISABLE_TRITON"}
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op.
+
+    supports(*args, **kw) -> None if it can run these arguments, else a short reason (shown in the
+    fallback message). run(*args, **kw) -> the op's result. priority: higher is tried first.
+    device_types: tensor device types it is considered for (kernels: cuda only).
+    warmup(shapes) compiles ahead of CUDA-graph capture; `shapes` is op-specific (see `warmup`).
+    """
+
+    name: str
+    supports: Callable[..., str | None]
+    run: Callable[..., Any]
+    priority: int = 0
+    device_types: tuple[str, ...] = ("cuda",)
+    warmup: Callable[[Sequence[Any]], None] | None = None
+
+
+@dataclass
+class _OpEntry:
+    impls: list[Impl] = field(default_factory=list)
+    stock: Callable[..., Any] | None = None
+    broken: dict[str, str] = field(default_factory=dict)  # impl name -> why it was disabled
+
+
+_lock = threading.RLock()
+_ops: dict[str, _OpEntry] = {}
+_gpu_loaded = False
+_import_errors: dict[str, str] = {}  # module -> "ExcType: message"
+
+
+def _entry(op: str) -> _OpEntry:
+    with _lock:
+        return _ops.setdefault(op, _OpEntry())
+
+
+def register_impl(op: str, impl: Impl) -> None:
+    """Add (or replace, by name) an implementation of `op`; order is by priority, then age."""
+    with _lock:
+        entry = _entry(op)
+        entry.impls = [i for i in entry.impls if i.name != impl.name] + [impl]
+        entry.impls.sort(key=lambda i: -i.priority)  # stable: equal priorities keep their order
+        entry.broken.pop(impl.name, None)
+
+
+def unregister_impl(op: str, name: str) -> None:
+    """Remove an implementation (tests, or a kernel that found its toolchain broken)."""
+    with _lock:
+        entry = _entry(op)
+        entry.impls = [i for i in entry.impls if i.name != name]
+        entry.broken.pop(name, None)
+
+
+def register_stock(op: str, fn: Callable[..., Any]) -> None:
+    """The unfused torch sequence `op` replaced; run by the kill switch and the call guard."""
+    _entry(op).stock = fn
+
+
+def implementations(op: str) -> list[Impl]:
+    """The registered implementations of `op`, highest priority first."""
+    with _lock:
+        return list(_entry(op).impls)
+
+
+def import_errors() -> dict[str, str]:
+    """Kernel modules that failed to import: {module: "ExcType: message"}."""
+    with _lock:
+        return dict(_import_errors)
+
+
+def load_gpu_impls() -> None:
+    """Import every public module of the CuTe and Triton packages once, so they register.
+
+    Guarded per module: an ImportError (or any error while importing, e.g. a broken driver) is
+    recorded and that module registers nothing. Called on the first CUDA dispatch and by `warmup`.
+    """
+    global _gpu_loaded
+    with _lock:
+        if _gpu_loaded:
+            return
+        _gpu_loaded = True
+        for package in KERNEL_PACKAGES:
+            switch = _PACKAGE_SWITCHES.get(package)
+            if switch and runtime._env_flag(switch):
+                _import_errors[package] = f"disabled by {switch}=1"
+                continue
+            try:
+                pkg = importlib.import_module(package)
+            except Exception as exc:
+                _import_errors[package] = _short_error(exc)
+                continue
+            for info in pkgutil.iter_modules(getattr(pkg, "__path__", [])):
+                if info.name.startswith("_"):
+                    continue
+                name = f"{package}.{info.name}"
+                try:
+                    importlib.import_module(name)
+                except Exception as exc:
+                    _import_errors[name] = _short_error(exc)
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _device_type(args: Iterable[Any]) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+        if isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    return t.device.type
+    return "cpu"
+
+
+def token_count(x: torch.Tensor) -> int:
+    """Tokens of a decode activation [..., features]: the product of the leading dims."""
+    n = 1
+    for d in x.shape[:-1]:
+        n *= int(d)
+    return n
+
+
+def _run_stock(op: str, entry: _OpEntry, args: tuple, kw: dict) -> Any:
+    if entry.stock is None:
+        raise RuntimeError(f"k3fuse op {op} has no stock implementation registered")
+    return entry.stock(*args, **kw)
+
+
+def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
+    """Run `op` with the best implementation for these arguments and count what ran."""
+    entry = _entry(op)
+    if runtime.is_disabled():
+        runtime.record_fallback(op, "disabled", strict=strict)
+        return _run_stock(op, entry, args, kw)
+
+    max_tokens = kw.get("max_tokens")
+    if max_tokens is not None and args and isinstance(args[0], torch.Tensor):
+        tokens = token_count(args[0])
+        if not 1 <= tokens <= max_tokens:
+            runtime.record_fallback(op, f"tokens {tokens} outside [1, {max_tokens}]", strict=strict)
+            return _run_stock(op, entry, args, kw)
+
+    device = _device_type(args)
+    if device == "cuda":
+        load_gpu_impls()
+
+    declined: list[str] = []
+    for impl in implementations(op):
+        if device not in impl.device_types:
+            continue
+        reason = entry.broken.get(impl.name)
+        if reason is None:
+            reason = impl.supports(*args, **kw)
+        if reason is not None:
+            declined.append(f"{impl.name}: {reason}")
+            continue
+        if impl.name == REFERENCE:
+            if device == "cuda":
+                runtime.record_fallback(op, _no_kernel_reason(declined), strict=strict)
+            else:
+                runtime.record(op, REFERENCE)
+            return impl.run(*args, **kw)
+        try:
+            result = impl.run(*args, **kw)
+        except Exception as exc:
+            if strict or runtime.is_strict():
+                raise runtime.K3FuseFallbackError(
+                    f"k3fuse op {op} fell back in strict mode: {impl.name} failed: "
+                    f"{_short_error(exc)}") from exc
+            reason = f"failed: {_short_error(exc)}"
+            with _lock:
+                entry.broken[impl.name] = reason
+            warnings.warn(f"k3fuse: {op} implementation {impl.name} {reason}; disabled for this "
+                          "process, falling back", RuntimeWarning, stacklevel=2)
+            return dispatch(op, *args, strict=strict, **kw)
+        runtime.record(op, impl.name)
+        return result
+    raise RuntimeError(f"k3fuse op {op}: no implementation accepts these arguments on {device}: "
+                       + "; ".join(declined or ["none registered"]))
+
+
+def _no_kernel_reason(declined: list[str]) -> str:
+    parts = list(declined) or ["no kernel registered"]
+    errors = import_errors()
+    if errors:
+        parts.append("import failed: " + ", ".join(f"{m} ({e})" for m, e in sorted(errors.items())))
+    return "; ".join(parts)
+
+
+def warmup(op: str, shapes: Sequence[Any]) -> dict[str, str | None]:
+    """Let every implementation of `op` compile for `shapes` before CUDA-graph capture.
+
+    `shapes` is op-specific and passed through unchanged (the engine and the kernels agree on it,
+    e.g. a list of {"M": 1, "N": 7168, "K": 6144, "dtype": torch.bfloat16} for decode_gemm).
+    Returns {impl name: None if warmed up, else the error}; imports the GPU modules first when CUDA
+    is available.
+    """
+    if torch.cuda.is_available():
+        load_gpu_impls()
+    result: dict[str, str | None] = {}
+    for impl in implementations(op):
+        if impl.warmup is None:
+            continue
+        try:
+            impl.warmup(shapes)
+            result[impl.name] = None
+        except Exception as exc:
+            result[impl.name] = _short_error(exc)
+    return result
+
+
+def _reset_for_tests() -> None:
+    """Forget the lazy GPU import and disabled kernels (tests only)."""
+    global _gpu_loaded
+    with _lock:
+        _gpu_loaded = False
+        _import_errors.clear()
+        for entry in _ops.values():
+            entry.broken.clear()
+
+
+__all__ = ["Impl", "REFERENCE", "register_impl", "unregister_impl", "register_stock", "dispatch",
+           "implementations", "import_errors", "load_gpu_impls", "warmup", "token_count"]

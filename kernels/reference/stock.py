@@ -1,0 +1,94 @@
+"""The stock sequences: what the unfused model runs, op by op, with its rounding points.
+
+The kill switch and the call guard run these instead of a fused implementation, so "disabled"
+reproduces the unfused model: projections with F.linear in the model dtype, the functional
+all-reduce / all-gather on the group named in the graph, adds in the model dtype, RMSNorm with the
+variance in fp32 and the result cast back (the spelling of k3fuse/model/layers.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3fuse import compat
+
+from .. import streams
+from .shared_expert import K3_SITU_BETA, K3_SITU_LINEAR_BETA
+
+
+def all_reduce(t: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    if world_size == 1:
+        return t
+    return compat.WAIT_TENSOR(compat.ALL_REDUCE(t, "sum", group_name))
+
+
+def all_gather_last_dim(t: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    if world_size == 1:
+        return t
+    gathered = compat.WAIT_TENSOR(compat.ALL_GATHER(t.contiguous(), world_size, group_name))
+    return torch.cat(gathered.chunk(world_size, dim=0), dim=-1)  # [ws*T, n] -> [T, ws*n]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    gf, uf = g.float(), u.float()
+    act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
+    return act.to(g.dtype)
+
+
+def gemm_ar_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                     addend: torch.Tensor | None, group_name: str, world_size: int,
+                     max_tokens: int = 64) -> torch.Tensor:
+    y = all_reduce(F.linear(x, weight), group_name, world_size)
+    if addend is not None:
+        y = addend + y  # MoE: moe = y_routed + y_shared, then r = r + moe
+    return residual + y
+
+
+def gemm_ar_residual_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                             addend: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                             group_name: str, world_size: int, max_tokens: int = 64
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    out = gemm_ar_residual(x, weight, residual, addend, group_name, world_size)
+    return out, rms_norm(out, norm_weight, eps)
+
+
+def moe_front_sharded(x: torch.Tensor, router_w_shard: torch.Tensor, down_w_shard: torch.Tensor,
+                      group_name: str, world_size: int, max_tokens: int = 64
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(x.float(), router_w_shard.float())
+    latent = F.linear(x, down_w_shard)
+    return (all_gather_last_dim(logits, group_name, world_size),
+            all_gather_last_dim(latent, group_name, world_size))
+
+
+def shared_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+               w_down: torch.Tensor | None, beta: float = K3_SITU_BETA,
+               linear_beta: float = K3_SITU_LINEAR_BETA) -> torch.Tensor:
+    h = situ_glu(F.linear(x, w_gate), F.linear(x, w_up), beta, linear_beta)
+    return F.linear(h, w_down) if w_down is not None else h
+
+
+def shared_expert_fork(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                       w_down: torch.Tensor | None, site: int, beta: float = K3_SITU_BETA,
+                       linear_beta: float = K3_SITU_LINEAR_BETA) -> None:
+    """Stock: the shared MLP synchronously on the current stream (no side stream)."""
+    streams.store(site, x.device, shared_mlp(x, w_gate, w_up, w_down, beta, linear_beta), "stock")
+
+
+def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if out_dtype is not None and out_dtype != x.dtype:
+        # the router spelling: F.linear(x.float(), W_r.float())
+        return F.linear(x.to(out_dtype), weight.to(out_dtype),
+                        bias.to(out_dtype) if bias is not None else None)
+    return F.linear(x, weight, bias)
+
+
+def l2_prefetch(anchor: torch.Tensor, weights: list[torch.Tensor], budget_bytes: int) -> None:
+    return None
