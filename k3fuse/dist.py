@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
-import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 # Set by the people running the GPUs; children inherit them and we never unset them.
 _PRESERVED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+_HOST = "127.0.0.1"
 
 
 class ProcessGroupMissing(RuntimeError):
@@ -55,13 +56,6 @@ def require_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     return dist.group.WORLD if group is None else group
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pick_backend(world_size: int, backend: str | None = None) -> str:
     """nccl when CUDA has a GPU per rank, else gloo; validates an explicit choice."""
     if backend is None:
@@ -87,13 +81,18 @@ def _child(fn: Callable, rank: int, world_size: int, backend: str, port: int, ar
            timeout_s: float, env: dict[str, str], results: Any) -> None:
     for key, value in env.items():
         os.environ.setdefault(key, value)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # CPU ranks share the cores: oversubscribed OpenMP spin-waits make them crawl
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -102,6 +101,12 @@ def _child(fn: Callable, rank: int, world_size: int, backend: str, port: int, ar
     except BaseException as exc:  # report everything, including SystemExit from the fn
         payload = ("err", (type(exc).__name__, str(exc), traceback.format_exc()))
     results.put((rank,) + payload)
+    # Hand the result over, then skip the interpreter teardown (seconds with torch loaded).
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *, backend: str | None = None,
@@ -119,18 +124,27 @@ def launch(fn: Callable[..., Any], world_size: int, *, backend: str | None = Non
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
     backend = pick_backend(world_size, backend)
-    port = free_port()
+    try:
+        pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(f"launch needs a picklable fn and args (a module-level function, plain "
+                        f"values): {exc}") from exc
     env = {k: os.environ[k] for k in _PRESERVED_ENV if k in os.environ}
+    # The parent hosts the rendezvous store on a port the OS picks, so concurrent launches
+    # never race for a port and the store outlives any rank.
+    store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, name=f"k3fuse-rank{rank}", daemon=True,
-                         args=(fn, rank, world_size, backend, port, args, timeout_s, env, results))
+                         args=(fn, rank, world_size, backend, store.port, args, timeout_s, env,
+                               results))
              for rank in range(world_size)]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + timeout_s
     done: dict[int, Any] = {}
     try:
+        for p in procs:
+            p.start()
         while len(done) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -155,9 +169,12 @@ def launch(fn: Callable[..., Any], world_size: int, *, backend: str | None = Non
             done[rank] = pickle.loads(payload)
     finally:
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=5 if len(done) == world_size else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
         results.close()
+        del store
     return [done[r] for r in range(world_size)]

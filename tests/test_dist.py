@@ -98,3 +98,8 @@ def test_require_group_without_process_group():
         pytest.skip("a process group is already initialised in this test process")
     with pytest.raises(ProcessGroupMissing, match="init_process_group"):
         require_group()
+
+
+def test_launch_rejects_unpicklable_fn_before_spawning():
+    with pytest.raises(TypeError, match="picklable"):
+        launch(lambda rank, world_size: rank, 1)
