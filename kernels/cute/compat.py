@@ -1,0 +1,201 @@
+"""Every CuTe DSL version difference k3fuse meets (nvidia-cutlass-dsl 4.3.5 .. 4.8.x) lives here.
+
+Kernels import `cutlass`/`cute` and the helpers below from this module only, so a version
+change touches one file. What differs between the versions we run:
+
+- version string: `cutlass.__version__` exists only from 4.4.0 -> `importlib.metadata`.
+- `SmemAllocator`: `cutlass.utils` (4.3.5) vs `cutlass.memory` (4.8, the old one deprecated).
+- memory-ordered loads/stores: `CopyUniversalOp(memory_order=...)` is honoured on 4.3.x, silently
+  ignored on 4.6/4.7 and rejected on 4.8 -> never use it; flags, fences, atomics, the global timer
+  and L2 prefetch are inline PTX through `llvm.inline_asm` in `@dsl_user_op`, which all versions share.
+- 4.3.5's AST preprocessor re-executes the imports of a kernel's module and resolves
+  `from . import x` to `<pkg>.None` (ImportError); kernel modules therefore import this module as
+  `from .compat import SELF as compat`.
+- compiling without a GPU: 4.8 compiles fully with CUTE_DSL_ARCH=sm_90a; 4.3.5 lowers to PTX and then
+  fails its driver check (`compile_to_ptx_on_cpu` handles both).
+
+The compile cache also lives here: one `cute.compile(..., options="--enable-tvm-ffi")` per
+specialisation key on fake tensors, never while a CUDA graph is being captured.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+try:  # CuTe DSL is optional: without it the Triton / reference paths run.
+    import cutlass  # noqa: F401
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float16, Float32, Int32, Int64  # noqa: F401
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    HAVE_CUTE = True
+    IMPORT_ERROR: str | None = None
+except Exception as exc:  # ImportError, or a broken install (missing driver libs, bad wheel)
+    HAVE_CUTE = False
+    IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    cute = None  # type: ignore[assignment]
+
+
+SELF = sys.modules[__name__]  # `from .compat import SELF as compat` (see the 4.3.5 note above)
+
+
+def cute_version() -> str | None:
+    """The installed nvidia-cutlass-dsl version (4.3.5 has no cutlass.__version__)."""
+    if not HAVE_CUTE:
+        return None
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        import cutlass as _c
+
+        return getattr(_c, "__version__", "unknown")
+
+
+def version_tuple() -> tuple[int, ...]:
+    v = cute_version() or "0"
+    return tuple(int(p) for p in v.split(".")[:3] if p.isdigit())
+
+
+def available() -> bool:
+    """CuTe kernels may run: the DSL imports and K3FUSE_DISABLE_CUTE is not set."""
+    return HAVE_CUTE and os.environ.get("K3FUSE_DISABLE_CUTE", "") not in {"1", "true", "yes"}
+
+
+if HAVE_CUTE:
+    try:  # 4.8: cutlass.memory; 4.3.5: cutlass.utils (deprecated in 4.8)
+        from cutlass.memory import SmemAllocator  # type: ignore[attr-defined]
+    except Exception:
+        from cutlass.utils import SmemAllocator  # type: ignore[no-redef]
+
+    # torch dtype <-> cutlass numeric type
+    TORCH2CUTE = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32}
+
+    # ---------------- inline PTX (same in 4.3.5 .. 4.8) -----------------------------------------
+    def _addr(ptr, loc, ip):
+        return ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+
+    def _asm(ret, args, text, cons):
+        return llvm.inline_asm(ret, args, text, cons, has_side_effects=True,
+                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    @dsl_user_op
+    def ld_acquire_sys_s32(ptr, *, loc=None, ip=None) -> Int32:
+        """Acquire load at system scope: what a peer released before its flag is visible after."""
+        return Int32(_asm(T.i32(), [_addr(ptr, loc, ip)], "ld.acquire.sys.global.s32 $0, [$1];", "=r,l"))
+
+    @dsl_user_op
+    def ld_relaxed_gpu_s32(ptr, *, loc=None, ip=None) -> Int32:
+        """Relaxed (never hoisted, never cached stale) load of a device-local counter."""
+        return Int32(_asm(T.i32(), [_addr(ptr, loc, ip)], "ld.relaxed.gpu.global.s32 $0, [$1];", "=r,l"))
+
+    @dsl_user_op
+    def st_release_sys_s32(ptr, val, *, loc=None, ip=None) -> None:
+        """Release store at system scope: publishes this thread's (and, after a barrier, its CTA's) writes."""
+        _asm(None, [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
+             "st.release.sys.global.s32 [$0], $1;", "l,r")
+
+    @dsl_user_op
+    def st_relaxed_gpu_s32(ptr, val, *, loc=None, ip=None) -> None:
+        _asm(None, [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
+             "st.relaxed.gpu.global.s32 [$0], $1;", "l,r")
+
+    @dsl_user_op
+    def atom_add_acq_rel_gpu_s32(ptr, val, *, loc=None, ip=None) -> Int32:
+        """Arrival counter: returns the old value; acq_rel so the last arriver sees everyone's work."""
+        return Int32(_asm(T.i32(), [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
+                          "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
+
+    @dsl_user_op
+    def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
+        """Orders this thread's peer-memory stores before a later flag store (threadfence_system)."""
+        _asm(None, [], "fence.acq_rel.sys;", "")
+
+    @dsl_user_op
+    def globaltimer_ns(*, loc=None, ip=None) -> Int64:
+        """%globaltimer in ns, for the debug spin timeout only (coarse, but monotonic)."""
+        return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
+
+    @dsl_user_op
+    def prefetch_l2_bulk(ptr, nbytes, *, loc=None, ip=None) -> None:
+        """Bulk L2 prefetch (sm_90): size and address 16 B aligned."""
+        _asm(None, [_addr(ptr, loc, ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+             "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r")
+
+    # ---------------- fake tensors for compile-once ---------------------------------------------
+    def fake_tensor(dtype, shape, stride, align: int = 16):
+        """A compile-time tensor; ints in shape/stride are static, `cute.sym_int*` dynamic."""
+        return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+    def fake_stream():
+        """The TVM-FFI env stream: calls run on torch's current stream (graph capture included)."""
+        return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+# ---------------- compile cache -----------------------------------------------------------------
+class CompileWhileCapturing(RuntimeError):
+    """A kernel variant was first needed inside CUDA-graph capture: warm it up before capturing."""
+
+
+_cache: dict[Any, Any] = {}
+_cache_lock = threading.Lock()   # cute.compile is not thread-safe (MLIR thread-local state)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def compiled(key: Any, build: Callable[[], Any], options: str = "--enable-tvm-ffi") -> Any:
+    """The compiled kernel for `key`, compiling once with `build() -> (jit_fn, *fake_args)`."""
+    fn = _cache.get(key)
+    if fn is not None:
+        return fn
+    if _capturing():
+        raise CompileWhileCapturing(
+            f"CuTe kernel {key!r} is not compiled yet and a CUDA graph is being captured; "
+            "call the op once (warm-up) before capture")
+    with _cache_lock:
+        fn = _cache.get(key)
+        if fn is None:
+            jit_fn, *args = build()
+            fn = cute.compile(jit_fn, *args, options=options)
+            _cache[key] = fn
+    return fn
+
+
+def cache_size() -> int:
+    return len(_cache)
+
+
+def compile_to_ptx_on_cpu(key: Any, build: Callable[[], Any], dump_dir: str) -> str:
+    """Compile without a GPU and return the PTX text (CPU CI).
+
+    4.8.x with CUTE_DSL_ARCH=sm_90a compiles fully; 4.3.5 lowers to PTX, writes it to the dump
+    directory and then fails at its driver check / JIT link, which is accepted here only on 4.3.x
+    and only if this compile wrote a PTX file. Any other failure propagates.
+    """
+    os.makedirs(dump_dir, exist_ok=True)
+    jit_fn, *args = build()
+    before = set(glob.glob(os.path.join(dump_dir, "*.ptx")))
+    try:
+        fn = cute.compile(jit_fn, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir {dump_dir}")
+        ptx = getattr(fn, "__ptx__", None)
+        if ptx:
+            return ptx
+    except Exception:
+        # 4.3.x without a driver: the first compile raises CudaDriverDependencyError, later ones
+        # fail to JIT-link the driver runtime ("Unknown function"); both after the PTX is written.
+        # From 4.4 on a CPU compile must succeed, so any error there is real.
+        if version_tuple() >= (4, 4):
+            raise
+    new = sorted(set(glob.glob(os.path.join(dump_dir, "*.ptx"))) - before, key=os.path.getmtime)
+    if not new:
+        raise RuntimeError(f"CuTe compile of {key!r} wrote no PTX to {dump_dir}")
+    with open(new[-1]) as f:
+        return f.read()

@@ -1,0 +1,73 @@
+"""decode_gemm on CUDA: registers the CuTe GEMV and picks GEMV vs Triton split-K per call.
+
+Why: the GEMV (CUDA-core FMA, pure weight stream) wins at 1-2 tokens; above that the tensor-core
+split-K kernel wins (FMA becomes compute-bound by 8..64 tokens). The crossover was measured on
+H200 (docs/perf.md) and can be overridden with K3FUSE_GEMV_MAX_M for experiments.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import compat, decode_gemv
+
+GEMV_MAX_M = int(os.environ.get("K3FUSE_GEMV_MAX_M", "2"))
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def gemv_supports(x, weight, bias, out_dtype=None, **_) -> str | None:
+    if not compat.available():
+        return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"
+    x2 = _flat(x)
+    if x2.shape[0] > GEMV_MAX_M:
+        return f"M={x2.shape[0]} > {GEMV_MAX_M} (split-K wins)"
+    if not decode_gemv.supports(x2, weight, bias, out_dtype or x.dtype):
+        return f"shape/dtype/alignment unsupported (x {tuple(x.shape)} {x.dtype}, w {tuple(weight.shape)})"
+    return None
+
+
+def gemv_run(x, weight, bias, out_dtype=None, **_):
+    y = decode_gemv.run(_flat(x), weight, bias, out_dtype or x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def best_gemm(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> str:
+    """out[M, N] = x2 @ weight.T with the best kernel; returns its name ('' if none applies)."""
+    if compat.available() and x2.shape[0] <= GEMV_MAX_M and decode_gemv.supports(x2, weight, None, out.dtype):
+        decode_gemv.run(x2, weight, None, out.dtype, out=out)
+        return "cute.gemv"
+    try:
+        from ..triton import splitk_gemm
+    except Exception:
+        splitk_gemm = None
+    if splitk_gemm is not None and splitk_gemm.supports(x2, weight, None, out.dtype):
+        splitk_gemm.run(x2, weight, None, out.dtype, out=out)
+        return "triton.splitk"
+    if compat.available() and decode_gemv.supports(x2, weight, None, out.dtype):
+        decode_gemv.run(x2, weight, None, out.dtype, out=out)
+        return "cute.gemv"
+    return ""
+
+
+def gemv_warmup(shapes) -> None:
+    """Compile the GEMV for every {"M","N","K","dtype","out_dtype"} with M <= GEMV_MAX_M."""
+    for s in shapes:
+        M, N, K = s["M"], s["N"], s["K"]
+        dt = s.get("dtype", torch.bfloat16)
+        cfg = decode_gemv.pick_config(M, N, K)
+        if M > GEMV_MAX_M or cfg is None:
+            continue
+        key, build = decode_gemv.builder(M, K, *cfg, dt, dt, s.get("out_dtype") or dt,
+                                         bool(s.get("bias", False)))
+        compat.compiled(key, build)
+
+
+if compat.HAVE_CUTE:
+    from ..dispatch import Impl, register_impl
+
+    register_impl("decode_gemm", Impl("cute.gemv", supports=gemv_supports, run=gemv_run,
+                                      priority=100, warmup=gemv_warmup))

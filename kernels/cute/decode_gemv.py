@@ -1,0 +1,167 @@
+"""CuTe DSL small-matrix decode GEMM (dot-product GEMV) for 1..8 tokens.
+
+Why: at 1-2 tokens a decode GEMM is a pure weight stream (about 1 FLOP per byte); tensor cores
+do not help and cuBLAS leaves 20-50 % of the bandwidth unused on skinny shapes. Each CTA owns
+`rows` output columns (rows of W), its threads stride over K in 16-byte chunks (8 bf16), all
+loads of a thread are issued before its FMAs (K is static, the loop is unrolled), fp32
+accumulation, warp shuffle then shared-memory reduction, bias and cast in the epilogue.
+
+y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]);  M, K static per compiled kernel, N dynamic.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compat import SELF as compat
+
+VEC = 8  # bf16 per 16-byte load
+
+if compat.HAVE_CUTE:
+    import cutlass
+    from cutlass import Float32, const_expr
+
+    cute = compat.cute
+
+    class DecodeGemv:
+        """One CTA computes `rows` outputs for all M tokens; `threads` stride over K/8 chunks."""
+
+        def __init__(self, M: int, K: int, rows: int, threads: int, has_bias: bool):
+            assert K % VEC == 0 and (K // VEC) % threads == 0 and threads % 32 == 0
+            self.M, self.K, self.rows, self.threads, self.has_bias = M, K, rows, threads, has_bias
+            self.iters = (K // VEC) // threads
+            self.num_warps = threads // 32
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor, stream):
+            n_blocks = mW.shape[0] // self.rows
+            self.kernel(mX, mW, mB, mY).launch(
+                grid=(n_blocks, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            warp = cute.arch.warp_idx()
+            lane = cute.arch.lane_idx()
+            M: cutlass.Constexpr = self.M
+            R: cutlass.Constexpr = self.rows
+            n0 = bidx * R
+
+            acc = cute.make_rmem_tensor((R * M,), Float32)
+            acc.fill(0.0)
+            for i in cutlass.range_constexpr(self.iters):
+                c = tidx + i * self.threads
+                # weights first: R independent 16-byte loads in flight per thread per step
+                wv = []
+                for r in cutlass.range_constexpr(R):
+                    wr = cute.make_rmem_tensor((VEC,), mW.element_type)
+                    cute.autovec_copy(cute.zipped_divide(mW[n0 + r, None], (VEC,))[None, c], wr)
+                    wv.append(wr)
+                xv = []
+                for m in cutlass.range_constexpr(M):
+                    a = cute.make_rmem_tensor((VEC,), mX.element_type)
+                    cute.autovec_copy(cute.zipped_divide(mX[m, None], (VEC,))[None, c], a)
+                    xv.append(a)
+                for r in cutlass.range_constexpr(R):
+                    wf = wv[r].load().to(Float32)
+                    for m in cutlass.range_constexpr(M):
+                        prod = xv[m].load().to(Float32) * wf
+                        acc[r * M + m] = acc[r * M + m] + prod.reduce(
+                            cute.ReductionOp.ADD, Float32(0.0), 0)
+
+            smem = compat.SmemAllocator()
+            red = smem.allocate_tensor(
+                Float32, cute.make_layout((R * M, self.num_warps), stride=(self.num_warps, 1)),
+                byte_alignment=16)
+            for j in cutlass.range_constexpr(R * M):
+                v = cute.arch.warp_reduction_sum(acc[j])
+                if lane == 0:
+                    red[j, warp] = v
+            cute.arch.sync_threads()
+            if tidx < R * M:
+                tot = Float32(0.0)
+                for wi in cutlass.range_constexpr(self.num_warps):
+                    tot = tot + red[tidx, wi]
+                r = tidx // M
+                m = tidx - r * M
+                if const_expr(self.has_bias):
+                    tot = tot + mB[n0 + r].to(Float32)
+                mY[m, n0 + r] = tot.to(mY.element_type)
+
+
+def pick_config(M: int, N: int, K: int) -> tuple[int, int] | None:
+    """(rows, threads) for this shape, or None when the GEMV does not apply.
+
+    threads divides K/8 so the K loop has no tail; rows keeps rows*iters loads per thread
+    modest (register pressure) and divides N.
+    """
+    if K % VEC:
+        return None
+    chunks = K // VEC
+    threads = next((t for t in (128, 256, 192, 224, 160, 96, 64, 32) if chunks % t == 0 and chunks // t <= 12), None)
+    if threads is None:
+        return None
+    iters = chunks // threads
+    for rows in ((4, 2, 1) if iters <= 4 else (2, 1)):
+        if N % rows == 0 and rows * M <= 32:
+            return rows, threads
+    return None
+
+
+def _key(M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias):
+    return ("decode_gemv", M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias)
+
+
+def _build(M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias):
+    C = compat.TORCH2CUTE
+    n = cute.sym_int()
+    x = compat.fake_tensor(C[x_dtype], (M, K), (K, 1))
+    w = compat.fake_tensor(C[w_dtype], (n, K), (K, 1))
+    b = compat.fake_tensor(C[b_dtype], (cute.sym_int(),), (1,), align=b_dtype.itemsize)
+    y = compat.fake_tensor(C[y_dtype], (M, cute.sym_int()), (cute.sym_int64(), 1), align=y_dtype.itemsize)
+    return DecodeGemv(M, K, rows, threads, has_bias), x, w, b, y, compat.fake_stream()
+
+
+def builder(M, K, rows, threads, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16,
+            y_dtype=torch.bfloat16, has_bias=False, b_dtype=None):
+    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu."""
+    b_dtype = b_dtype or w_dtype
+    args = (M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias)
+    return _key(*args), (lambda: _build(*args))
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> bool:
+    if not compat.available() or not x.is_cuda:
+        return False
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        return False
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+        return False
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or not bias.is_contiguous()):
+        return False
+    M, K = x.shape
+    return 1 <= M <= 8 and pick_config(M, weight.shape[0], K) is not None
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias) through the compiled GEMV (call `supports` first)."""
+    out_dtype = out_dtype or x.dtype
+    M, K = x.shape
+    N = weight.shape[0]
+    rows, threads = pick_config(M, N, K)
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 1 and x.stride(0) != K:   # a size-1 dim may carry any stride; the kernel's is static
+        x = x.as_strided((1, K), (K, 1))
+    has_bias = bias is not None
+    b = bias if has_bias else weight[0, :1]
+    key, build = builder(M, K, rows, threads, x.dtype, weight.dtype, out.dtype, has_bias, b.dtype)
+    compat.compiled(key, build)(x, weight, b, out)
+    return out

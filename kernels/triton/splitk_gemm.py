@@ -1,0 +1,180 @@
+"""Triton split-K decode GEMM on tensor cores (swap-AB), 1..64 tokens, deterministic.
+
+Why: at 8..64 tokens CUDA-core FMA becomes compute-bound (64 tokens x 7168 x 6144 is 5.6 GFLOP),
+so the weights go through `tl.dot` (wgmma/mma on Hopper) with the weight tile as the wide operand
+(swap-AB: y^T = W @ x^T, tokens padded to 16), and K is split so that enough CTAs stream weights
+to fill the 132 SMs. Split partials go to an fp32 workspace; the last CTA of each column tile
+(arrival counter, acq_rel) sums them in split order 0..S-1, so results are deterministic and
+batch-invariant in the reduction order, adds the bias, casts and resets the counter (graph-safe).
+
+y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - CPU CI without triton
+    HAVE_TRITON = False
+
+BLOCK_K = 128
+MAX_M = 64
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _splitk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                       M, N, stride_xm, stride_wn, stride_ym,
+                       K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_kk = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        k0 = pid_k * K_SPLIT
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_kk)[None, :]
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_kk)[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in range(0, K_SPLIT // BLOCK_K):
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0, eviction_policy="evict_last")
+            acc = tl.dot(w, xt, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :])
+        else:
+            ws_tile = ws_ptr + offs_m[None, :] * N + offs_n[:, None]   # [S, M, N], n contiguous
+            tl.store(ws_tile + pid_k * M * N, acc, mask=m_mask[None, :])
+            tl.debug_barrier()
+            old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if old == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):   # fixed order: deterministic
+                    total += tl.load(ws_tile + s * M * N, mask=m_mask[None, :], other=0.0,
+                                     cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_mask[None, :])
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
+    """BLOCK_N, SPLIT_K, warps, stages for a shape; None when unsupported.
+
+    Enough CTAs to stream the weights from every SM (about 4-8 per SM), each with at least
+    two K blocks; BLOCK_N 64 keeps the wgmma M dimension full.
+    """
+    if K % BLOCK_K or M > MAX_M:
+        return None
+    block_n = 64 if N % 64 == 0 else (32 if N % 32 == 0 else None)
+    if block_n is None:
+        return None
+    tiles = N // block_n
+    kb = K // BLOCK_K
+    split = 1
+    for s in range(1, kb + 1):
+        if kb % s == 0 and kb // s >= 2 and tiles * s <= 8 * sms:
+            split = s
+    block_m = max(16, triton.next_power_of_2(M)) if HAVE_TRITON else 16
+    return dict(BLOCK_N=block_n, SPLIT_K=split, BLOCK_M=block_m, num_warps=4, num_stages=4)
+
+
+_ws: dict = {}
+
+
+def _workspace(device: torch.device, N: int, split: int):
+    """fp32 partials [split, 64, N] + zeroed counters, one set per (device, stream) pair."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device.index, stream, N, split)
+    ws = _ws.get(key)
+    if ws is None:
+        ws = (torch.empty((split, MAX_M, N), dtype=torch.float32, device=device),
+              torch.zeros((N // 32,), dtype=torch.int32, device=device))
+        _ws[key] = ws
+    return ws
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> bool:
+    if not HAVE_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.shape[1] != weight.shape[1]:
+        return False
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or bias.stride(0) != 1):
+        return False
+    return 1 <= x.shape[0] <= MAX_M and pick_config(x.shape[0], weight.shape[0], x.shape[1]) is not None
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+        config: dict | None = None) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = config or pick_config(M, N, K, _num_sms(x.device.index or 0))
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    split = cfg["SPLIT_K"]
+    if split > 1:
+        ws, cnt = _workspace(x.device, N, split)
+    else:
+        ws, cnt = out, out
+    grid = (N // cfg["BLOCK_N"], split)
+    _splitk_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, ws, cnt,
+        M, N, x.stride(0), weight.stride(0), out.stride(0),
+        K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# --- dispatcher registration ---------------------------------------------------------------------
+def _supports(x, weight, bias, out_dtype=None, **_) -> str | None:
+    if not HAVE_TRITON:
+        return "triton not installed"
+    x2 = x.reshape(-1, x.shape[-1])
+    if not supports(x2, weight, bias, out_dtype or x.dtype):
+        return (f"unsupported (x {tuple(x.shape)} {x.dtype}, w {tuple(weight.shape)}; needs "
+                f"M<=64, K%{BLOCK_K}==0, N%32==0, bf16/fp16, unit inner stride)")
+    return None
+
+
+def _run(x, weight, bias, out_dtype=None, **_):
+    y = run(x.reshape(-1, x.shape[-1]), weight, bias, out_dtype or x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _warmup(shapes) -> None:
+    """Triton compiles on first launch: launch once per shape on scratch tensors."""
+    for s in shapes:
+        dt = s.get("dtype", torch.bfloat16)
+        dev = s.get("device", "cuda")
+        x = torch.zeros((s["M"], s["K"]), dtype=dt, device=dev)
+        w = torch.zeros((s["N"], s["K"]), dtype=dt, device=dev)
+        if supports(x, w, None, s.get("out_dtype") or dt):
+            run(x, w, None, s.get("out_dtype") or dt)
+
+
+if HAVE_TRITON:
+    from ..dispatch import Impl, register_impl
+
+    register_impl("decode_gemm", Impl("triton.splitk", supports=_supports, run=_run, priority=50,
+                                      warmup=_warmup))

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One script for anyone with a GPU: install the CuTe DSL wheel if present, print versions, run the
+# GPU tests, then the benchmarks. Logs and JSON go to ${OUT:-out}.
+#
+#   scripts/gpu_check.sh [all | STEP...]   steps: versions test-gemm bench-gemm test-ar bench-ar tests sweep
+#   (all = test-gemm bench-gemm test-ar bench-ar; each step has a timeout, logs go to $OUT/<step>.log)
+#
+# NVLink multicast stays off everywhere (it can take the host's shared GPUs down): these three are
+# exported explicitly and never unset; k3fuse never creates a multicast object.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+STEPS=("$@")
+[[ ${#STEPS[@]} -eq 0 || "${STEPS[0]}" == all ]] && STEPS=(test-gemm bench-gemm test-ar bench-ar)
+PY="${PYTHON:-python3}"
+
+# CuTe DSL (+ apache-tvm-ffi for --enable-tvm-ffi) from local wheels, never from a registry.
+if ls .whl/nvidia_cutlass_dsl-*.whl >/dev/null 2>&1; then
+  if [ ! -d .cute_site/nvidia_cutlass_dsl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target .cute_site .whl/nvidia_cutlass_dsl-*.whl \
+      $(ls .whl/apache_tvm_ffi-*.whl 2>/dev/null) || echo "WARN: CuTe DSL wheel install failed"
+  fi
+  export PYTHONPATH=".cute_site:.cute_site/nvidia_cutlass_dsl/python_packages:${PYTHONPATH:-}"
+fi
+# the repo itself: editable install offline, else PYTHONPATH
+if ! "$PY" -c "import k3fuse.kernels" >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
+    || export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH}"
+fi
+if ! "$PY" -c "import k3fuse.kernels" >/dev/null 2>&1; then
+  # package-dir mapping by symlinks (k3fuse.kernels -> kernels, k3fuse.patterns -> patterns)
+  mkdir -p .k3fuse_path && rm -rf .k3fuse_path/k3fuse && cp -r k3fuse .k3fuse_path/k3fuse
+  ln -sfn "$(pwd)/kernels" .k3fuse_path/k3fuse/kernels; ln -sfn "$(pwd)/patterns" .k3fuse_path/k3fuse/patterns
+  export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH}"
+fi
+
+{
+  echo "== versions"; date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -5
+  "$PY" - <<'EOF'
+import importlib.metadata as md, sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpus", torch.cuda.device_count())
+for p in ("triton", "nvidia-cutlass-dsl", "apache-tvm-ffi", "cuda-bindings"):
+    try: print(p, md.version(p))
+    except Exception as e: print(p, "missing")
+from k3fuse.kernels.cute import compat
+print("cute available", compat.available(), compat.cute_version(), compat.IMPORT_ERROR or "")
+EOF
+  env | grep -E "NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS"
+} 2>&1 | tee "$OUT/versions.log"
+
+rc=0
+step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.log, remember failures
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local r=${PIPESTATUS[0]}; [[ $r -ne 0 ]] && { echo "== $name FAILED rc=$r"; rc=1; }
+  return 0
+}
+PYTEST=("$PY" -m pytest -m gpu -x -q -p no:cacheprovider -o addopts= --timeout=400)
+for s in "${STEPS[@]}"; do
+  case "$s" in
+    test-gemm) step pytest_gemm "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_decode_gemm_gpu.py ;;
+    test-ar)   step pytest_ar "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_fused_ar_gpu.py ;;
+    tests)     step pytest_gpu "${TEST_TIMEOUT:-420}" "${PYTEST[@]}" tests/gpu ;;
+    bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py \
+                  --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;
+    sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py --sweep \
+                  --tokens 1,2,8,64 --shapes "${SWEEP_SHAPES:-oproj_tp2,oproj_tp8,router}" --json "$OUT/sweep.json" ;;
+    bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_fused_ar.py --json "$OUT/bench_fused_ar.json" ;;
+    versions)  ;;
+    *) echo "unknown step $s"; rc=1 ;;
+  esac
+done
+exit $rc
