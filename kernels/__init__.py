@@ -2,6 +2,7 @@
 
 Importing this package registers the ops and the plain-torch reference implementations. The CuTe
 DSL and Triton modules are imported lazily by `dispatch` on the first CUDA call, never here.
+(`k3fuse.kernels.dispatch` is the module; the function is `k3fuse.kernels.dispatch.dispatch`.)
 """
 from . import ops  # noqa: F401  (registers torch.ops.k3fuse.*)
-from .dispatch import Impl, dispatch, register_impl, warmup  # noqa: F401
+from .dispatch import Impl, register_impl, warmup  # noqa: F401

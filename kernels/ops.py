@@ -8,6 +8,22 @@ Schemas are the contract of docs/architecture.md "Custom ops". Each op has
 
 Ops are inference-only (no autograd formula). Registration happens once, on import of
 k3fuse.kernels.
+
+What an implementation registered with `dispatch.register_impl(op, Impl(...))` receives: the op's
+arguments in schema order without `strict` (supports and run get the same), and what run returns:
+  gemm_ar_residual          (x, weight, residual, addend, group_name, world_size, max_tokens=) -> out
+  gemm_ar_residual_rmsnorm  (x, weight, residual, addend, norm_weight, eps, group_name, world_size,
+                             max_tokens=) -> (out, normed)
+  moe_front_sharded         (x, router_w_shard, down_w_shard, group_name, world_size, max_tokens=)
+                             -> (logits fp32 [T, E], latent [T, L] x.dtype)
+  shared_expert_fork        (x, w_gate, w_up, w_down, site, beta, linear_beta) -> None; it must post
+                             its output with streams.launch(site, inputs, compute, producer=name)
+  l2_prefetch               (anchor, weights, budget_bytes) -> None (never read `anchor`: its
+                             collective may still be in flight)
+  decode_gemm               (x, weight, bias, out_dtype) -> y
+The op itself returns the fork's x_pass and performs the join (streams.join), so neither is an impl.
+Collective ops: every rank must pick the same implementation (supports must decide from shapes,
+dtypes and world size only), or the ranks would run different collectives.
 """
 from __future__ import annotations
 

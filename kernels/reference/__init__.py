@@ -31,7 +31,14 @@ def _register() -> None:
         register_stock(op, getattr(stock, op))
     register_impl("shared_expert_fork",
                   Impl("torch.side_stream", _always, shared_expert.make_fork_run("torch.side_stream"),
-                       priority=0, device_types=("cuda",)))
+                       priority=0, device_types=("cuda",), warmup=_prepare_side_stream))
+
+
+def _prepare_side_stream(shapes: object) -> None:
+    """Create the current device's side stream before CUDA-graph capture."""
+    from .. import streams
+
+    streams.prepare()
 
 
 _register()
