@@ -99,6 +99,15 @@ class K3DecodeStack(nn.Module):
                                  device=self.device) for _ in range(cfg.n_layers))
         return DecodeState(recurrent=recurrent, conv=conv)
 
+    def export_dynamic_shapes(self, max_tokens: int = 1024) -> dict:
+        """`dynamic_shapes` for torch.export.export(stack, (x, state), ...) with a dynamic token
+        count T (dim 0 of x and of every state tensor). Export with T >= 2 example inputs: an
+        example of T = 1 specialises the graph to one token."""
+        T = torch.export.Dim("T", min=1, max=max_tokens)
+        n = self.config.n_layers
+        # a registered dataclass takes its dynamic_shapes as a list in field order
+        return {"x": {0: T}, "state": [tuple({0: T} for _ in range(n)), tuple({0: T} for _ in range(n))]}
+
     def forward(self, x: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, DecodeState]:
         if self.config.residual == "attnres":
             return self._forward_attnres(x, state)
