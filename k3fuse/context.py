@@ -1,0 +1,259 @@
+"""DecodeContext: what the passes may assume about the deployment, and the multicast probe.
+
+Everything a guard checks comes from here (TP size and group, device, dtype, decode token range,
+multicast policy, which rules run), so a rewrite decision can be reproduced from the context
+alone. `DecodeContext.from_process_group` fills it from a live process group; it is collective
+(every rank of the group must call it) because the multicast probe agrees across ranks.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from .guards import DECODE_TOKENS
+
+MulticastPolicy = Literal["auto", "off", "require"]
+_POLICIES = ("auto", "off", "require")
+
+#: switches that turn NVLink multicast off, checked in this order
+MULTICAST_SWITCHES: tuple[tuple[str, str], ...] = (
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("K3FUSE_DISABLE_MULTICAST", "1"),
+)
+#: CUdevice_attribute value of CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132
+
+
+class ContextError(ValueError):
+    """A DecodeContext that cannot describe a real deployment (bad TP, tokens, group...)."""
+
+
+@dataclass(frozen=True)
+class MulticastStatus:
+    """Whether NVLink multicast may be used, and why (e.g. "unavailable: NCCL_NVLS_ENABLE=0")."""
+
+    available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+def _switch_reason(env: dict[str, str] | os._Environ[str]) -> str | None:
+    for name, off_value in MULTICAST_SWITCHES:
+        if env.get(name, "").strip() == off_value:
+            return f"unavailable: {name}={off_value}"
+    return None
+
+
+def _device_supports_multicast(device: torch.device | None) -> MulticastStatus:
+    """Ask the driver for CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED; never creates a multicast object."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return MulticastStatus(False, "unavailable: no CUDA device")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:  # cuda-python, if installed: a pure attribute query
+        try:
+            from cuda.bindings import driver  # type: ignore[import-not-found]
+        except ImportError:
+            from cuda import cuda as driver  # type: ignore[import-not-found,no-redef]
+        (err,) = driver.cuInit(0)
+        err, dev = driver.cuDeviceGet(index)
+        err2, value = driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED), dev
+        )
+        if int(err2) == 0:
+            if value:
+                return MulticastStatus(True, "available")
+            return MulticastStatus(False, "unavailable: CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED=0")
+    except Exception:  # not installed or an old binding: try torch
+        pass
+    try:  # torch's own query (attribute + driver entry point check, no allocation)
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        if _SymmetricMemory.has_multicast_support(torch._C._autograd.DeviceType.CUDA, index):
+            return MulticastStatus(True, "available")
+        return MulticastStatus(False, "unavailable: device reports no multicast support")
+    except Exception:
+        return MulticastStatus(False, "unavailable: cannot query the device (no cuda-python, no torch symmetric memory)")
+
+
+def probe_multicast(policy: MulticastPolicy = "auto", *, device: torch.device | None = None,
+                    group: dist.ProcessGroup | None = None,
+                    env: dict[str, str] | os._Environ[str] | None = None) -> MulticastStatus:
+    """Multicast availability under `policy`; with `group`, all ranks agree (MIN all_reduce).
+
+    Collective when `group` is given: every rank of the group must call it.
+    """
+    env = os.environ if env is None else env
+    if policy == "off":
+        local = MulticastStatus(False, "policy off")
+    else:
+        reason = _switch_reason(env)
+        local = MulticastStatus(False, reason) if reason else _device_supports_multicast(device)
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    on_cuda = dist.get_backend(group) == "nccl"
+    flag = torch.tensor([1 if local.available else 0], dtype=torch.int32,
+                        device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if local.available and int(flag.item()) == 0:
+        return MulticastStatus(False, "unavailable: another rank reports multicast unavailable")
+    return local
+
+
+@dataclass(frozen=True)
+class DecodeContext:
+    """The deployment a decode graph is rewritten for.
+
+    tp_size/rank/group_name: tensor parallelism (group_name is the c10d name in the graph's
+    collectives; required when tp_size > 1). device_capability: (major, minor) or None on CPU.
+    dtype: model dtype, or None for any. tokens: inclusive token range per decode step
+    (within 1..64). multicast: "auto" (use if available), "off", "require" (rules that use it fail
+    their contract guard when unavailable). strict: fused ops raise instead of falling back.
+    enabled_rules: only these (None: all); disabled_rules: never these.
+    """
+
+    tp_size: int = 1
+    rank: int = 0
+    group_name: str | None = None
+    device_capability: tuple[int, int] | None = None
+    dtype: torch.dtype | None = None
+    tokens: tuple[int, int] = (1, 64)
+    multicast: MulticastPolicy = "auto"
+    strict: bool = False
+    enabled_rules: frozenset[str] | None = None
+    disabled_rules: frozenset[str] = frozenset()
+    multicast_info: MulticastStatus | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, int):
+            object.__setattr__(self, "tokens", (self.tokens, self.tokens))
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        if self.enabled_rules is not None:
+            object.__setattr__(self, "enabled_rules", frozenset(self.enabled_rules))
+        object.__setattr__(self, "disabled_rules", frozenset(self.disabled_rules))
+        if self.device_capability is not None:
+            object.__setattr__(self, "device_capability", tuple(self.device_capability))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ContextError(f"tp_size must be a positive int, got {self.tp_size!r}")
+        if not 0 <= self.rank < self.tp_size:
+            raise ContextError(f"rank {self.rank} is outside tp_size {self.tp_size}")
+        if len(self.tokens) != 2:
+            raise ContextError(f"tokens must be (min, max), got {self.tokens!r}")
+        lo, hi = self.tokens
+        if not DECODE_TOKENS[0] <= lo <= hi <= DECODE_TOKENS[1]:
+            raise ContextError(
+                f"bad token range {lo}-{hi}: decode rewrites cover {DECODE_TOKENS[0]}..{DECODE_TOKENS[1]} "
+                f"tokens per step, min <= max"
+            )
+        if self.multicast not in _POLICIES:
+            raise ContextError(f"multicast must be one of {_POLICIES}, got {self.multicast!r}")
+        if self.tp_size > 1 and not self.group_name:
+            raise ContextError(
+                f"tp_size={self.tp_size} needs a process group: pass group_name=... or build the context with "
+                f"DecodeContext.from_process_group() after torch.distributed.init_process_group"
+            )
+        if self.tp_size > 1 and dist.is_available() and dist.is_initialized():
+            self._check_group_size()
+
+    def _check_group_size(self) -> None:
+        from .compat import resolve_group
+
+        try:
+            group = resolve_group(self.group_name or "")
+        except RuntimeError:
+            return  # a group of another process (offline rewrite of a captured graph)
+        size = dist.get_world_size(group)
+        if size != self.tp_size:
+            raise ContextError(
+                f"tp_size={self.tp_size} does not match process group {self.group_name!r} of size {size}"
+            )
+
+    @classmethod
+    def from_process_group(cls, group: dist.ProcessGroup | None = None, **kw: Any) -> DecodeContext:
+        """Context for `group` (default: WORLD); collective, because of the multicast probe.
+
+        Any field can be overridden by keyword; tp_size, if given, must equal the group size.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            tp = kw.get("tp_size", 1)
+            if tp > 1:
+                raise ContextError(
+                    f"tp_size={tp} but torch.distributed is not initialized: call init_process_group first"
+                )
+            return cls(**kw)
+        from .compat import group_name_of
+
+        group = group if group is not None else dist.group.WORLD
+        size = dist.get_world_size(group)
+        if "tp_size" in kw and kw["tp_size"] != size:
+            raise ContextError(f"tp_size={kw['tp_size']} does not match the process group size {size}")
+        device = None
+        if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        kw.setdefault("device_capability", torch.cuda.get_device_capability(device) if device is not None else None)
+        policy = kw.get("multicast", "auto")
+        kw.setdefault("multicast_info", probe_multicast(policy, device=device, group=group))
+        return cls(tp_size=size, rank=dist.get_rank(group), group_name=group_name_of(group),
+                   **{k: v for k, v in kw.items() if k != "tp_size"})
+
+    @classmethod
+    def coerce(cls, value: DecodeContext | dict[str, Any] | None) -> DecodeContext:
+        """A context from a context, a dict of fields, or None (from the process group if any)."""
+        if isinstance(value, DecodeContext):
+            return value
+        kw = dict(value or {})
+        if dist.is_available() and dist.is_initialized():
+            return cls.from_process_group(**kw)
+        return cls(**kw)
+
+    def multicast_status(self) -> MulticastStatus:
+        """The probed status, or a local (single-rank) probe if the context was built by hand."""
+        if self.multicast_info is None:
+            device = torch.device("cuda") if self.device_capability is not None and torch.cuda.is_available() else None
+            object.__setattr__(self, "multicast_info", probe_multicast(self.multicast, device=device))
+        assert self.multicast_info is not None
+        return self.multicast_info
+
+    def rule_enabled(self, name: str) -> bool:
+        if name in self.disabled_rules:
+            return False
+        return self.enabled_rules is None or name in self.enabled_rules
+
+    def check_rule_names(self, known: Iterable[str]) -> None:
+        """Raise for enabled/disabled names that are not rules of the pipeline."""
+        known = set(known)
+        unknown = sorted(((self.enabled_rules or set()) | self.disabled_rules) - known)
+        if unknown:
+            raise ContextError(f"unknown rule name(s) {unknown}; known rules: {sorted(known)}")
+
+    def with_(self, **changes: Any) -> DecodeContext:
+        return replace(self, **changes)
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-value view for logs and cache keys."""
+        return {
+            "tp_size": self.tp_size,
+            "rank": self.rank,
+            "group_name": self.group_name,
+            "device_capability": list(self.device_capability) if self.device_capability else None,
+            "dtype": str(self.dtype) if self.dtype is not None else None,
+            "tokens": list(self.tokens),
+            "multicast": self.multicast,
+            "strict": self.strict,
+            "enabled_rules": sorted(self.enabled_rules) if self.enabled_rules is not None else None,
+            "disabled_rules": sorted(self.disabled_rules),
+        }
+
+
+__all__ = ["DecodeContext", "MulticastPolicy", "MulticastStatus", "ContextError", "probe_multicast",
+           "MULTICAST_SWITCHES"]

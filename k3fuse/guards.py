@@ -1,0 +1,170 @@
+"""Guard failures and the reusable predicates rules check before rewriting.
+
+Three levels (see docs/architecture.md): *contract* (once per graph: TP size, device, dtype,
+multicast policy), *site* (per match: shapes, divisibility by TP, static weights) and *call*
+(inside a fused op at run time). A predicate returns None when it holds and a `GuardFailure`
+carrying the values it looked at when it does not, so every refusal is a log line with numbers.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.fx as fx
+
+if TYPE_CHECKING:
+    from .context import DecodeContext
+
+GuardLevel = Literal["contract", "site", "call"]
+
+#: the decode token range the fused kernels are built for
+DECODE_TOKENS = (1, 64)
+
+
+@dataclass(frozen=True)
+class GuardFailure:
+    """One failed guard: where it applies, its name, why, and the values it saw."""
+
+    level: GuardLevel
+    guard: str
+    message: str
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        vals = ", ".join(f"{k}={v!r}" for k, v in self.values.items())
+        return f"[{self.level}:{self.guard}] {self.message}" + (f" ({vals})" if vals else "")
+
+
+def failures(*results: GuardFailure | None | Iterable[GuardFailure | None]) -> list[GuardFailure]:
+    """Flatten predicate results into the list of failures (drops the Nones)."""
+    out: list[GuardFailure] = []
+    for r in results:
+        if r is None:
+            continue
+        if isinstance(r, GuardFailure):
+            out.append(r)
+        else:
+            out.extend(x for x in r if x is not None)
+    return out
+
+
+# --- contract predicates (once per graph) --------------------------------------------------------
+
+
+def decode_token_range(ctx: DecodeContext, level: GuardLevel = "contract") -> GuardFailure | None:
+    """The context's token range lies within decode (1..64 tokens per step)."""
+    lo, hi = ctx.tokens
+    if DECODE_TOKENS[0] <= lo <= hi <= DECODE_TOKENS[1]:
+        return None
+    return GuardFailure(level, "token_range", "token range is outside decode 1..64",
+                        {"tokens": ctx.tokens, "decode": DECODE_TOKENS})
+
+
+def tp_at_least(ctx: DecodeContext, minimum: int = 2, level: GuardLevel = "contract") -> GuardFailure | None:
+    """Tensor parallelism of at least `minimum` ranks (a fused collective needs a collective)."""
+    if ctx.tp_size >= minimum:
+        return None
+    return GuardFailure(level, "tp_size", f"needs tp >= {minimum}", {"tp_size": ctx.tp_size, "minimum": minimum})
+
+
+def device_capability_at_least(ctx: DecodeContext, minimum: tuple[int, int],
+                               level: GuardLevel = "contract") -> GuardFailure | None:
+    """A CUDA device of at least compute capability `minimum` (None on CPU fails)."""
+    cap = ctx.device_capability
+    if cap is not None and tuple(cap) >= tuple(minimum):
+        return None
+    return GuardFailure(level, "device_capability", f"needs compute capability >= {minimum}",
+                        {"device_capability": cap, "minimum": minimum})
+
+
+def dtype_in(ctx: DecodeContext, allowed: Iterable[torch.dtype], level: GuardLevel = "contract") -> GuardFailure | None:
+    """The model dtype (when the context fixes one) is among `allowed`."""
+    allowed = tuple(allowed)
+    if ctx.dtype is None or ctx.dtype in allowed:
+        return None
+    return GuardFailure(level, "dtype", "model dtype not supported by the fused op",
+                        {"dtype": str(ctx.dtype), "allowed": [str(d) for d in allowed]})
+
+
+def multicast_policy(ctx: DecodeContext, level: GuardLevel = "contract") -> GuardFailure | None:
+    """For a rule that uses NVLink multicast: fails only when policy is "require" and it is unavailable."""
+    if ctx.multicast != "require":
+        return None
+    status = ctx.multicast_status()
+    if status.available:
+        return None
+    return GuardFailure(level, "multicast", f"multicast required but {status.reason}",
+                        {"policy": ctx.multicast, "reason": status.reason})
+
+
+# --- site predicates (per match) -----------------------------------------------------------------
+
+
+def divisible(value: int | torch.SymInt, by: int, what: str, level: GuardLevel = "site") -> GuardFailure | None:
+    """`value` is a multiple of `by` (e.g. a weight dim and the TP size)."""
+    if isinstance(value, int) and by > 0 and value % by == 0:
+        return None
+    return GuardFailure(level, "divisible", f"{what} is not divisible by {by}", {what: value, "by": by})
+
+
+def is_static(node: Any) -> bool:
+    """A placeholder the door marked static (parameter, buffer or constant never mutated)."""
+    return isinstance(node, fx.Node) and node.op == "placeholder" and bool(node.meta.get("k3fuse_static"))
+
+
+def static_weight(node: Any, what: str = "weight", level: GuardLevel = "site") -> GuardFailure | None:
+    """`node` is a static placeholder, so the rewrite may read it early (prefetch, fuse)."""
+    from .normalize import value_root
+
+    root = value_root(node)
+    if is_static(root):
+        return None
+    name = root.name if isinstance(root, fx.Node) else repr(root)
+    kind = root.op if isinstance(root, fx.Node) else type(root).__name__
+    return GuardFailure(level, "static_weight", f"{what} is not a static parameter",
+                        {what: name, "node_kind": kind})
+
+
+def token_count(node: Any, ctx: DecodeContext, dim: int = 0, what: str = "tokens",
+                level: GuardLevel = "site") -> GuardFailure | None:
+    """The token dim of `node` (from its meta value) is within the context's range.
+
+    A symbolic size passes here: the fused op checks it per call (call-level guard).
+    """
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return GuardFailure(level, "token_range", f"no shape known for {what}", {what: getattr(node, "name", node)})
+    size = val.shape[dim]
+    if not isinstance(size, int):
+        return None
+    lo, hi = ctx.tokens
+    if lo <= size <= hi:
+        return None
+    return GuardFailure(level, "token_range", f"{what} outside the context's token range",
+                        {what: size, "range": ctx.tokens})
+
+
+def shape_of(node: Any) -> tuple[Any, ...] | None:
+    """Shape of a node's meta value (ints or SymInts), or None if unknown."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+__all__ = [
+    "GuardFailure",
+    "GuardLevel",
+    "DECODE_TOKENS",
+    "failures",
+    "decode_token_range",
+    "tp_at_least",
+    "device_capability_at_least",
+    "dtype_in",
+    "multicast_policy",
+    "divisible",
+    "is_static",
+    "static_weight",
+    "token_count",
+    "shape_of",
+]

@@ -1,0 +1,173 @@
+"""The rewrite log: one structured event per decision, as Python objects and JSONL.
+
+Decisions are `applied`, `rejected` (with the guard's level, name and values) and `not_matched`.
+A rule is reported active only by `applied` events, never by being configured; users read
+"did it fire?" from here (`k3fuse log FILE`). The JSONL file is opened in append mode and each
+event is one write of one line carrying the rank, so ranks can share a file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+logger = logging.getLogger("k3fuse")
+
+Decision = Literal["applied", "rejected", "not_matched"]
+DECISIONS: tuple[Decision, ...] = ("applied", "rejected", "not_matched")
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe version of a guard value (dtypes, SymInts, tuples...)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+@dataclass
+class RewriteEvent:
+    """One decision of one rule at one site (or for the whole graph: contract, not_matched)."""
+
+    rule: str
+    decision: Decision
+    graph_id: str = ""
+    door: str = ""
+    variant: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    new_nodes: list[str] = field(default_factory=list)
+    shapes: dict[str, list[Any]] = field(default_factory=dict)
+    source: str | None = None
+    guard: str | None = None
+    level: str | None = None
+    reason: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    time_ms: float = 0.0
+    rank: int = 0
+    timestamp: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RewriteEvent:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def line(self) -> str:
+        """Human one-liner for the Python logger."""
+        where = f" at {self.source}" if self.source else ""
+        if self.decision == "applied":
+            return f"{self.rule}: applied variant {self.variant} -> {', '.join(self.new_nodes)}{where}"
+        if self.decision == "rejected":
+            return f"{self.rule}: rejected [{self.level}:{self.guard}] {self.reason}{where} {self.values}"
+        return f"{self.rule}: not matched"
+
+
+class RewriteLog:
+    """Events in decision order; optionally streamed to a JSONL file as they arrive."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, rank: int = 0):
+        env_path = os.environ.get("K3FUSE_LOG")
+        self.path: Path | None = Path(path) if path is not None else (Path(env_path) if env_path else None)
+        self.rank = rank
+        self.events: list[RewriteEvent] = []
+        self.rule_time_ms: dict[str, float] = defaultdict(float)
+
+    # --- recording -------------------------------------------------------------------------------
+    def add(self, event: RewriteEvent) -> RewriteEvent:
+        if event.rank == 0:
+            event.rank = self.rank
+        self.events.append(event)
+        if self.path is not None:
+            self._append(self.path, [event])
+        (logger.info if event.decision == "applied" else logger.debug)("k3fuse[%s] %s", event.door, event.line())
+        return event
+
+    def extend(self, events: Iterable[RewriteEvent]) -> None:
+        for e in events:
+            self.add(e)
+
+    @staticmethod
+    def _append(path: Path, events: Iterable[RewriteEvent]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            for e in events:  # one write per line: lines from several ranks never interleave
+                os.write(fd, (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def to_jsonl(self, path: str | os.PathLike[str]) -> Path:
+        """Append every event to `path` (JSONL) and return it."""
+        p = Path(path)
+        self._append(p, self.events)
+        return p
+
+    @classmethod
+    def from_jsonl(cls, path: str | os.PathLike[str]) -> RewriteLog:
+        log = cls(path=None)
+        log.path = None
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    log.events.append(RewriteEvent.from_dict(json.loads(line)))
+                except (json.JSONDecodeError, TypeError) as exc:
+                    raise ValueError(f"{path}:{lineno}: not a rewrite event: {exc}") from exc
+        return log
+
+    # --- reading ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[RewriteEvent]:
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def select(self, rule: str | None = None, decision: Decision | None = None) -> list[RewriteEvent]:
+        return [e for e in self.events if (rule is None or e.rule == rule) and (decision is None or e.decision == decision)]
+
+    def applied(self, rule: str | None = None) -> int:
+        """Number of applied rewrites (of `rule`, or of all rules)."""
+        return len(self.select(rule, "applied"))
+
+    def rejected(self, rule: str | None = None) -> list[RewriteEvent]:
+        return self.select(rule, "rejected")
+
+    def active_rules(self) -> list[str]:
+        """Rules that rewrote at least one site; configured-but-silent rules are not here."""
+        return sorted({e.rule for e in self.events if e.decision == "applied"})
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per rule: applied / rejected / not_matched counts, rejections by level:guard, time."""
+        out: dict[str, dict[str, Any]] = {}
+        for e in self.events:
+            s = out.setdefault(e.rule, {"applied": 0, "rejected": 0, "not_matched": 0, "why": Counter(),
+                                        "variants": Counter(), "time_ms": 0.0})
+            s[e.decision] += 1
+            s["time_ms"] += e.time_ms
+            if e.decision == "rejected":
+                s["why"][f"{e.level}:{e.guard}"] += 1
+            if e.decision == "applied" and e.variant:
+                s["variants"][e.variant] += 1
+        for s in out.values():
+            s["why"] = dict(s["why"])
+            s["variants"] = dict(s["variants"])
+            s["time_ms"] = round(s["time_ms"], 3)
+        return out
+
+    def __repr__(self) -> str:
+        return f"RewriteLog({len(self.events)} events, applied={self.applied()}, path={self.path})"
+
+
+__all__ = ["RewriteEvent", "RewriteLog", "Decision", "DECISIONS"]

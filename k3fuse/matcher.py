@@ -1,0 +1,369 @@
+"""Traced-pattern matching over inference ATen graphs, robust to how the model spelled it.
+
+A `PatternSpec` function is traced with make_fx (fake tensors) and the same decomposition table
+the doors use (Inductor's `select_decomp_table()`), then stripped of transparent nodes and
+addmm-split (normalize.py). Matching walks backwards from the pattern's outputs:
+
+* a pattern op matches a graph op when `normalize.canonical` keys agree; view-like graph nodes in
+  between are walked through and become part of the match;
+* commutative ops (add, mul) try both operand orders, so every operand-order variant of a
+  pattern is covered without listing it;
+* a pattern placeholder binds to any graph value; a placeholder used twice must bind to the same
+  value up to views;
+* literal wildcards (float/int/str example inputs) capture the graph's literal.
+
+A match whose interior nodes (matched, but not outputs) feed anything outside the match is
+returned with `refused` set: rewriting it would compute that value twice. Layout-only interior
+nodes (views, transposes of a weight shared by two linears) are exempt: they cost nothing and
+`Match.replace` keeps them alive for their other users.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import normalize
+from .guards import GuardFailure
+from .rule import Match, PatternSpec, Rule
+
+
+def decomposition_table() -> dict[Any, Any]:
+    """The table every door decomposes with, so patterns and graphs share one IR."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+@dataclass(frozen=True)
+class _Wildcard:
+    name: str
+
+
+_SENTINEL_FLOAT = 0.000123456789012345
+_SENTINEL_INT = 987_654_301
+
+
+@dataclass
+class CompiledPattern:
+    """A PatternSpec traced to normalised ATen, ready to match."""
+
+    spec: PatternSpec
+    graph: fx.Graph
+    placeholder_names: dict[fx.Node, str]
+    outputs: list[fx.Node]
+    wildcards: dict[Any, str] = field(default_factory=dict)
+
+    @property
+    def variant(self) -> str:
+        return self.spec.name
+
+    def __str__(self) -> str:
+        return f"pattern {self.spec.name}:\n{self.graph}"
+
+
+def compile_pattern(spec: PatternSpec) -> CompiledPattern:
+    """Trace `spec.fn` to ATen and normalise it; literal wildcards get sentinel values."""
+    examples = tuple(spec.example_inputs())
+    params = list(inspect.signature(spec.fn).parameters)
+    if len(params) != len(examples):
+        raise ValueError(f"pattern {spec.name!r}: fn takes {len(params)} args but example_inputs gives {len(examples)}")
+    traced_args: list[Any] = []
+    wildcards: dict[Any, str] = {}
+    for i, (pname, ex) in enumerate(zip(params, examples)):
+        if isinstance(ex, torch.Tensor):
+            traced_args.append(ex)
+        elif isinstance(ex, bool) or ex is None:
+            traced_args.append(ex)
+        elif isinstance(ex, float):
+            s = _SENTINEL_FLOAT * (1 + i / 7)
+            wildcards[s] = pname
+            traced_args.append(s)
+        elif isinstance(ex, int):
+            s = _SENTINEL_INT + 2 * i
+            wildcards[s] = pname
+            traced_args.append(s)
+        elif isinstance(ex, str):
+            s = f"__k3fuse_wildcard_{pname}__"
+            wildcards[s] = pname
+            traced_args.append(s)
+        else:
+            raise TypeError(f"pattern {spec.name!r}: unsupported example input {pname}={type(ex).__name__}")
+
+    def call(*args: Any) -> Any:
+        return spec.fn(*args)
+
+    gm = make_fx(call, decomposition_table=decomposition_table(), tracing_mode="fake")(*traced_args)
+    graph = gm.graph
+    normalize.strip_transparent(graph)
+    normalize.split_addmm(graph)
+    graph.eliminate_dead_code()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    names: dict[fx.Node, str] = {}
+    # make_fx keeps one placeholder per argument, in order
+    all_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for pname, node in zip(params, all_ph):
+        if node in placeholders:
+            names[node] = pname
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    for o in outs:
+        if not isinstance(o, fx.Node) or o.op != "call_function":
+            raise ValueError(f"pattern {spec.name!r}: every output must be computed by an op, got {o}")
+    used = {a for n in graph.nodes for a in _literals(n)}
+    for sentinel, pname in wildcards.items():
+        if not any(_same_literal(sentinel, u) for u in used):
+            raise ValueError(
+                f"pattern {spec.name!r}: literal argument {pname!r} does not appear as a literal in the traced "
+                f"graph (folded or unused); pass it as a tensor or drop it"
+            )
+    return CompiledPattern(spec, graph, names, outs, wildcards)
+
+
+def _literals(node: fx.Node) -> Iterator[Any]:
+    for a in torch.utils._pytree.tree_leaves((node.args, dict(node.kwargs))):
+        if not isinstance(a, fx.Node):
+            yield a
+
+
+def _same_literal(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        if isinstance(a, bool) or isinstance(b, bool):
+            return False
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+        except (TypeError, ValueError):
+            return False
+    return type(a) is type(b) and a == b
+
+
+_cache: "weakref.WeakKeyDictionary[Rule, list[CompiledPattern]]" = weakref.WeakKeyDictionary()
+
+
+def compiled_patterns(rule: Rule) -> list[CompiledPattern]:
+    """The rule's patterns, traced once per rule object."""
+    if rule not in _cache:
+        _cache[rule] = [compile_pattern(spec) for spec in rule.patterns()]
+    return _cache[rule]
+
+
+# --- matching ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    nodes: dict[fx.Node, fx.Node]  # pattern call node -> graph node
+    claimed: dict[fx.Node, fx.Node]  # graph node -> pattern node
+    passed: list[fx.Node]  # transparent graph nodes walked through
+    inputs: dict[str, fx.Node]
+    scalars: dict[str, Any]
+
+    def copy(self) -> _State:
+        return _State(dict(self.nodes), dict(self.claimed), list(self.passed), dict(self.inputs), dict(self.scalars))
+
+
+class _Matcher:
+    def __init__(self, pattern: CompiledPattern):
+        self.p = pattern
+        self.keys = {n: normalize.canonical(n)[0] for n in pattern.graph.nodes if n.op == "call_function"}
+
+    def match_node(self, pn: fx.Node, gn: Any, st: _State) -> Iterator[_State]:
+        if not isinstance(gn, fx.Node):
+            return
+        if pn.op == "placeholder":
+            name = self.p.placeholder_names[pn]
+            bound = st.inputs.get(name)
+            if bound is not None:
+                if bound is gn or normalize.value_root(bound) is normalize.value_root(gn):
+                    yield st
+                return
+            if gn in st.claimed:
+                return
+            st = st.copy()
+            st.inputs[name] = gn
+            yield st
+            return
+        gn, passed = normalize.skip_transparent(gn)
+        if pn in st.nodes:
+            if st.nodes[pn] is gn:
+                yield st
+            return
+        if gn.op != "call_function" or gn in st.claimed:
+            return
+        if any(gn is b for b in st.inputs.values()):
+            return
+        gkey, gargs = normalize.canonical(gn)
+        pkey, pargs = normalize.canonical(pn)
+        if gkey != pkey or len(gargs) != len(pargs):
+            return
+        st = st.copy()
+        st.nodes[pn] = gn
+        st.claimed[gn] = pn
+        st.passed.extend(passed)
+        orders = [pargs]
+        if normalize.is_commutative(pn):
+            orders.append((pargs[1], pargs[0], *pargs[2:]))
+        for order in orders:
+            yield from self.match_args(list(zip(order, gargs)), st)
+
+    def match_args(self, pairs: list[tuple[Any, Any]], st: _State) -> Iterator[_State]:
+        if not pairs:
+            yield st
+            return
+        (pa, ga), rest = pairs[0], pairs[1:]
+        if isinstance(pa, fx.Node):
+            for s in self.match_node(pa, ga, st):
+                yield from self.match_args(rest, s)
+            return
+        if isinstance(pa, (list, tuple)):
+            if not isinstance(ga, (list, tuple)) or len(ga) != len(pa):
+                return
+            yield from self.match_args(list(zip(pa, ga)) + rest, st)
+            return
+        wildcard = self._wildcard(pa)
+        if wildcard is not None:
+            if isinstance(ga, fx.Node):
+                return
+            if wildcard in st.scalars:
+                if not _same_literal(st.scalars[wildcard], ga):
+                    return
+            else:
+                st = st.copy()
+                st.scalars[wildcard] = ga
+            yield from self.match_args(rest, st)
+            return
+        if isinstance(ga, fx.Node) or not _literal_equal(pa, ga):
+            return
+        yield from self.match_args(rest, st)
+
+    def _wildcard(self, literal: Any) -> str | None:
+        for sentinel, name in self.p.wildcards.items():
+            if _same_literal(sentinel, literal):
+                return name
+        return None
+
+    def match_at(self, gn: fx.Node, by_key: dict[Any, list[fx.Node]]) -> Iterator[_State]:
+        """Every way the whole pattern matches with its first output at `gn`."""
+        start = _State({}, {}, [], {}, {})
+        outputs = self.p.outputs
+
+        def rest(i: int, st: _State) -> Iterator[_State]:
+            if i == len(outputs):
+                yield st
+                return
+            po = outputs[i]
+            if po in st.nodes:
+                yield from rest(i + 1, st)
+                return
+            for cand in by_key.get(self.keys[po], ()):
+                for s in self.match_node(po, cand, st):
+                    yield from rest(i + 1, s)
+
+        for st in self.match_node(outputs[0], gn, start):
+            if st.nodes.get(outputs[0]) is gn:
+                yield from rest(1, st)
+
+
+def _literal_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_literal_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return _same_literal(a, b)
+    return a == b
+
+
+def _layout_only(node: fx.Node) -> bool:
+    """Views and transposes: free to keep alive for an outside user next to the fused op."""
+    return normalize.is_transparent(node) or normalize.canonical(node)[0] == ("transpose_last2",)
+
+
+def _interior_escape(st: _State, outputs: set[fx.Node]) -> GuardFailure | None:
+    """The first interior node with a user outside the match (layout-only nodes excepted)."""
+    matched = set(st.claimed) | set(st.passed)
+    for node in matched:
+        if node in outputs or _layout_only(node):
+            continue
+        for user in node.users:
+            if user not in matched:
+                return GuardFailure(
+                    "site", "interior_used_outside",
+                    f"{node.name} is inside the match but also used by {user.name}",
+                    {"node": node.name, "user": user.name},
+                )
+    return None
+
+
+def _exclusive(st: _State) -> set[fx.Node]:
+    """Matched nodes one match owns; layout-only nodes (a shared weight transpose) can be shared."""
+    return {n for n in (*st.claimed, *st.passed) if not _layout_only(n)}
+
+
+def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overlap: bool = False) -> list[Match]:
+    """Matches of `patterns` in `graph`, earliest output first.
+
+    Larger patterns are tried first (ties in the given order), so a specific variant (linear with
+    bias + residual) wins over a smaller one that also fits part of the site (bias taken for the
+    residual). Without `overlap`, a graph node belongs to at most one returned (unrefused) match.
+    Refused matches (interior used outside) are returned too, with `refused` set.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_key: dict[Any, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function":
+            by_key.setdefault(normalize.canonical(n)[0], []).append(n)
+    taken: set[fx.Node] = set()
+    found: list[Match] = []
+    refused_at: set[fx.Node] = set()
+    by_size = sorted(patterns, key=lambda p: -sum(1 for n in p.graph.nodes if n.op == "call_function"))
+    for pattern in by_size:
+        m = _Matcher(pattern)
+        anchor_key = m.keys[pattern.outputs[0]]
+        for gn in by_key.get(anchor_key, ()):
+            if gn in taken:
+                continue
+            refusal: tuple[_State, GuardFailure] | None = None
+            accepted: _State | None = None
+            for st in m.match_at(gn, by_key):
+                if not overlap and _exclusive(st) & taken:
+                    continue
+                outs = {st.nodes[p] for p in pattern.outputs}
+                escape = _interior_escape(st, outs)
+                if escape is None:
+                    accepted = st
+                    break
+                refusal = refusal or (st, escape)
+            if accepted is not None:
+                found.append(_to_match(graph, pattern, accepted, order))
+                if not overlap:
+                    taken |= _exclusive(accepted)
+            elif refusal is not None and gn not in refused_at:
+                refused_at.add(gn)
+                found.append(_to_match(graph, pattern, refusal[0], order, refused=refusal[1]))
+    found = [f for f in found if f.refused is None or not (set(f.nodes) & taken)]
+    found.sort(key=lambda mt: order[mt.outputs[0]])
+    return found
+
+
+def _to_match(graph: fx.Graph, pattern: CompiledPattern, st: _State, order: dict[fx.Node, int],
+              refused: GuardFailure | None = None) -> Match:
+    nodes = sorted(set(st.claimed) | set(st.passed), key=order.__getitem__)
+    return Match(
+        variant=pattern.variant,
+        graph=graph,
+        inputs=dict(st.inputs),
+        scalars=dict(st.scalars),
+        outputs=[st.nodes[p] for p in pattern.outputs],
+        nodes=nodes,
+        refused=refused,
+    )
+
+
+__all__ = ["CompiledPattern", "compile_pattern", "compiled_patterns", "find_matches", "decomposition_table"]

@@ -1,0 +1,134 @@
+"""Door (c): rewrite a torch.export ExportedProgram offline, for engines that run it without Inductor.
+
+The program is decomposed with the same table as the other doors, static placeholders come from
+its graph signature (parameters, buffers it never mutates, lifted constants), the pipeline runs,
+every node gets a meta["val"], and the result is an ExportedProgram that saves and loads with
+torch.export.save/load (the k3fuse ops are registered by `import k3fuse`) and can be exported again.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
+
+from .context import DecodeContext
+from .log import RewriteLog
+from .matcher import decomposition_table
+from .pipeline import RuleRegistry, run_pipeline
+from .rule import Rule
+
+_STATIC_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+def written_placeholders(graph: fx.Graph) -> set[str]:
+    """Placeholders an in-place op writes (non-functional IR, before run_decompositions)."""
+    from .normalize import value_root
+
+    written = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+                root = value_root(value)
+                if root.op == "placeholder":
+                    written.add(root.name)
+    return written
+
+
+def static_placeholder_names(ep: ExportedProgram) -> set[str]:
+    """Placeholders holding parameters, buffers the program never mutates, and lifted constants."""
+    sig = ep.graph_signature
+    mutated = {spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
+    written = written_placeholders(ep.graph)
+    names = set()
+    for spec in sig.input_specs:
+        if (spec.kind in _STATIC_KINDS and spec.target not in mutated and isinstance(spec.arg, TensorArgument)
+                and spec.arg.name not in written):
+            names.add(spec.arg.name)
+    return names
+
+
+def mark_static(graph: fx.Graph, static_names: set[str]) -> int:
+    """Set meta["k3fuse_static"] on the named placeholders (False on the others); returns count."""
+    count = 0
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            node.meta["k3fuse_static"] = node.name in static_names
+            count += node.meta["k3fuse_static"]
+    return count
+
+
+def collective_group_names(graph: fx.Graph) -> list[str]:
+    """Group names the graph's functional collectives use, in first-use order."""
+    from .verify import is_collective
+
+    seen: list[str] = []
+    for node in graph.nodes:
+        if is_collective(node):
+            for a in node.args:
+                if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product") and a not in seen:
+                    seen.append(a)
+    return seen
+
+
+def _fill_missing_vals(gm: fx.GraphModule, ep: ExportedProgram) -> None:
+    """Fake-propagate the graph if any node lacks meta["val"] (new nodes whose fake call failed)."""
+    if all("val" in n.meta for n in gm.graph.nodes if n.op not in ("output",)):
+        return
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+
+
+def _rebuild_output_specs(ep: ExportedProgram, gm: fx.GraphModule) -> list[OutputSpec]:
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = out_node.args[0]
+    specs = []
+    for spec, arg in zip(ep.graph_signature.output_specs, args):
+        if isinstance(spec.arg, TensorArgument) and isinstance(arg, fx.Node):
+            spec = OutputSpec(kind=spec.kind, arg=TensorArgument(name=arg.name), target=spec.target)
+        specs.append(spec)
+    return specs
+
+
+def apply(
+    exported_program: ExportedProgram,
+    ctx: DecodeContext | dict[str, Any] | None = None,
+    *,
+    log: RewriteLog | str | os.PathLike[str] | None = None,
+    rules: RuleRegistry | list[Rule] | None = None,
+    decompose: bool = True,
+) -> tuple[ExportedProgram, RewriteLog]:
+    """Rewrite `exported_program` for decode; returns the new program and the rewrite log.
+
+    The input program is not modified. `ctx` defaults to a context taken from the process group
+    if one is initialised, else tp=1; for tp > 1 without a live group, pass group_name (the CLI
+    takes it from the graph's collectives).
+    """
+    ctx = DecodeContext.coerce(ctx)
+    if decompose:  # a fresh graph module; weights are shared, never written
+        ep = exported_program.run_decompositions(decomposition_table())
+    else:
+        ep = exported_program._update(copy.deepcopy(exported_program.graph_module), exported_program.graph_signature)
+    gm = ep.graph_module
+    mark_static(gm.graph, static_placeholder_names(ep))
+    rlog = run_pipeline(gm, ctx, rules=rules, door="offline", log=log)
+    if rlog.applied() == 0:
+        return ep, rlog
+    _fill_missing_vals(gm, ep)
+    sig = copy.copy(ep.graph_signature)
+    sig = type(sig)(input_specs=list(sig.input_specs), output_specs=_rebuild_output_specs(ep, gm))
+    return ep._update(gm, sig), rlog
+
+
+__all__ = ["apply", "static_placeholder_names", "written_placeholders", "mark_static", "collective_group_names"]

@@ -1,0 +1,250 @@
+"""The rewrite pipeline every door runs: ordered rules, guards, rewrites, log, verifier, cleanup.
+
+    normalize -> for rule in order: [kill switch] -> [enabled?] -> contract guards -> find
+              -> per match: site guards -> rewrite -> log  -> verifier
+              -> restore normalisation -> lint -> dead-code elimination -> recompile
+
+Rules come from `k3fuse.patterns.default_rules()` unless the caller passes its own. Each can be
+switched by the context (enabled_rules / disabled_rules) and by the environment variable
+K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a (both forms can be mixed).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch.fx as fx
+
+from . import normalize, runtime, verify
+from .context import ContextError, DecodeContext
+from .guards import GuardFailure, multicast_policy
+from .log import RewriteEvent, RewriteLog
+from .rule import Match, Rule, RewriteError
+
+logger = logging.getLogger("k3fuse")
+
+
+class UnknownRuleError(ContextError):
+    """A rule name (context or K3FUSE_RULES) that the pipeline does not have."""
+
+
+class RuleFailure(RuntimeError):
+    """A rule raised while rewriting: a bug in the rule, reported with its name and site."""
+
+
+class RuleRegistry:
+    """Rules in pipeline order, addressable by name."""
+
+    def __init__(self, rules: Iterable[Rule] = ()):
+        self._rules: list[Rule] = []
+        for rule in rules:
+            self.add(rule)
+
+    def add(self, rule: Rule) -> None:
+        if not rule.name:
+            raise ValueError(f"{type(rule).__name__} has no name")
+        if rule.name in self.names():
+            raise ValueError(f"duplicate rule name {rule.name!r}")
+        self._rules.append(rule)
+
+    def names(self) -> list[str]:
+        return [r.name for r in self._rules]
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def select(self, ctx: DecodeContext, env: str | None = None) -> list[tuple[Rule, str | None]]:
+        """Each rule with None if it runs, else why not; unknown names raise UnknownRuleError."""
+        known = self.names()
+        try:
+            ctx.check_rule_names(known)
+        except ContextError as exc:
+            raise UnknownRuleError(str(exc)) from None
+        only, minus = parse_rules_env(os.environ.get("K3FUSE_RULES", "") if env is None else env)
+        unknown = sorted(((only or set()) | minus) - set(known))
+        if unknown:
+            raise UnknownRuleError(f"K3FUSE_RULES names unknown rule(s) {unknown}; known rules: {known}")
+        out: list[tuple[Rule, str | None]] = []
+        for rule in self._rules:
+            why = None
+            if not ctx.rule_enabled(rule.name):
+                why = "disabled by DecodeContext"
+            elif rule.name in minus or (only is not None and rule.name not in only):
+                why = "disabled by K3FUSE_RULES"
+            out.append((rule, why))
+        return out
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for r in self._rules:
+            h.update(r.name.encode())
+            h.update(r.fingerprint().encode())
+        return h.hexdigest()[:16]
+
+
+def parse_rules_env(value: str) -> tuple[set[str] | None, set[str]]:
+    """K3FUSE_RULES -> (only these or None, never these)."""
+    only: set[str] = set()
+    minus: set[str] = set()
+    for item in (x.strip() for x in value.split(",")):
+        if not item:
+            continue
+        if item.startswith("-"):
+            minus.add(item[1:].strip())
+        else:
+            only.add(item.lstrip("+").strip())
+    return (only or None), minus
+
+
+def default_rules() -> list[Rule]:
+    """The K3 rules in pipeline order, or [] while k3fuse.patterns does not list any yet."""
+    try:
+        from .patterns import default_rules as k3_rules  # type: ignore[attr-defined]
+    except ImportError:
+        return []
+    return list(k3_rules())
+
+
+def default_registry() -> RuleRegistry:
+    return RuleRegistry(default_rules())
+
+
+def graph_fingerprint(graph: fx.Graph) -> str:
+    """Short stable id of a graph's code: equal on every rank for the same step."""
+    return hashlib.sha1(str(graph).encode()).hexdigest()[:10]
+
+
+def run_pipeline(
+    graph_or_module: fx.Graph | fx.GraphModule,
+    ctx: DecodeContext,
+    *,
+    rules: RuleRegistry | Sequence[Rule] | None = None,
+    door: str = "direct",
+    graph_id: str | None = None,
+    log: RewriteLog | str | os.PathLike[str] | None = None,
+    verify_each_rule: bool = True,
+) -> RewriteLog:
+    """Rewrite the graph in place with every enabled rule and return the log of decisions."""
+    gm = graph_or_module if isinstance(graph_or_module, fx.GraphModule) else None
+    graph = gm.graph if gm is not None else graph_or_module
+    registry = rules if isinstance(rules, RuleRegistry) else RuleRegistry(default_rules() if rules is None else rules)
+    rlog = log if isinstance(log, RewriteLog) else RewriteLog(log, rank=ctx.rank)
+    if rlog.rank == 0 and ctx.rank:
+        rlog.rank = ctx.rank
+    gid = graph_id or graph_fingerprint(graph)
+    selection = registry.select(ctx)
+
+    def event(rule: Rule, decision: str, **kw: object) -> RewriteEvent:
+        return rlog.add(RewriteEvent(rule=rule.name, decision=decision, graph_id=gid, door=door,  # type: ignore[arg-type]
+                                     rank=ctx.rank, **kw))  # type: ignore[arg-type]
+
+    if runtime.is_disabled():
+        for rule, _ in selection:
+            event(rule, "rejected", level="contract", guard="disabled",
+                  reason="kill switch on (K3FUSE_DISABLE=1 or k3fuse.disable())")
+        return rlog
+
+    active = [r for r, why in selection if why is None]
+    split = normalize.split_addmm(graph) if active else 0
+    changed = False
+    for rule, why in selection:
+        t0 = time.perf_counter()
+        if why is not None:
+            event(rule, "rejected", level="contract", guard="rule_disabled", reason=why)
+            continue
+        contract = _contract_failures(rule, ctx)
+        if contract:
+            for f in contract:
+                event(rule, "rejected", level=f.level, guard=f.guard, reason=f.message, values=f.values)
+            rlog.rule_time_ms[rule.name] += (time.perf_counter() - t0) * 1e3
+            continue
+        before = verify.snapshot(graph) if verify_each_rule else None
+        counts = _run_rule(rule, graph, ctx, event)
+        changed |= counts["applied"] > 0
+        if before is not None and counts["applied"]:
+            verify.check_reordering(before, graph, rule=rule.name)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        rlog.rule_time_ms[rule.name] += elapsed
+        why_counts = Counter(f"{e.level}:{e.guard}" for e in rlog.select(rule.name, "rejected") if e.graph_id == gid)
+        logger.info("k3fuse[%s] %s: applied=%d rejected=%d%s%s in %.1f ms", door, rule.name, counts["applied"],
+                    counts["rejected"], f" {dict(why_counts)}" if why_counts else "",
+                    " (not matched)" if counts["matches"] == 0 else "", elapsed)
+
+    if split:
+        normalize.restore_addmm(graph)
+    if changed:
+        graph.lint()
+        graph.eliminate_dead_code()  # keeps impure nodes: collectives, has_side_effect ops, mutations
+        if gm is not None:
+            gm.recompile()
+    return rlog
+
+
+def _contract_failures(rule: Rule, ctx: DecodeContext) -> list[GuardFailure]:
+    out: list[GuardFailure] = []
+    if rule.uses_multicast:
+        f = multicast_policy(ctx)
+        if f is not None:
+            out.append(f)
+    out.extend(rule.check_contract(ctx))
+    return out
+
+
+def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter:  # type: ignore[no-untyped-def]
+    """Find, guard and rewrite every site of one rule; rescans when a rewrite staled a match."""
+    counts: Counter = Counter()
+    decided: set[frozenset[fx.Node]] = set()
+    t_find = time.perf_counter()
+    while True:
+        matches = [m for m in rule.find(graph, ctx) if frozenset(m.outputs) not in decided]
+        counts["matches"] += len(matches)
+        if not matches:
+            break
+        rescan = False
+        for m in matches:
+            if m.is_stale():
+                rescan = True
+                continue
+            decided.add(frozenset(m.outputs))
+            t0 = time.perf_counter()
+            failures = [m.refused] if m.refused is not None else list(rule.check_site(m, ctx))
+            if not failures:
+                try:
+                    new_nodes = rule.rewrite(m, ctx)
+                except RewriteError as exc:
+                    failures = [GuardFailure("site", "placement", str(exc))]
+                except Exception as exc:
+                    raise RuleFailure(f"rule {rule.name} failed rewriting the site at {m.source() or m.outputs[0].name}: "
+                                      f"{exc}") from exc
+            ms = (time.perf_counter() - t0) * 1e3
+            base = dict(variant=m.variant, nodes=[n.name for n in m.nodes], shapes=m.shapes(), source=m.source(),
+                        time_ms=ms)
+            if failures:
+                counts["rejected"] += 1
+                f0 = failures[0]
+                values: dict[str, object] = {}
+                for f in failures:
+                    values.update({k: v for k, v in f.values.items() if k not in values})
+                if len(failures) > 1:
+                    values["failed_guards"] = [f"{f.level}:{f.guard}" for f in failures]
+                event(rule, "rejected", level=f0.level, guard=f0.guard,
+                      reason="; ".join(f.message for f in failures), values=values, **base)
+            else:
+                counts["applied"] += 1
+                event(rule, "applied", new_nodes=[n.name for n in new_nodes], **base)
+        if not rescan:
+            break
+    if counts["matches"] == 0:
+        event(rule, "not_matched", time_ms=(time.perf_counter() - t_find) * 1e3)
+    return counts
+
+
+__all__ = ["RuleRegistry", "run_pipeline", "default_rules", "default_registry", "parse_rules_env",
+           "UnknownRuleError", "RuleFailure", "graph_fingerprint"]

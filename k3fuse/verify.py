@@ -1,0 +1,171 @@
+"""The weight-only reordering verifier, run by the pipeline after every rule.
+
+Rewrites may load static weights early (fusing, prefetching) but must never make a read of a
+non-static tensor (activation, peer-written buffer, decode state) happen earlier relative to a
+synchronisation point than it did before. Terms, precisely:
+
+* *static value*: a placeholder marked ``node.meta["k3fuse_static"]`` by the door (parameters,
+  buffers and constants the graph never mutates) or a ``get_attr`` constant. Every other value
+  is non-static.
+* *sync node*: an op after which data written elsewhere becomes valid: ``wait_tensor``,
+  ``k3fuse.shared_expert_join`` and fused collectives that act as barriers
+  (``k3fuse.gemm_ar_residual*``, ``k3fuse.moe_front_sharded``); see `SYNC_OPS`, `register_sync_op`.
+* *collective handle*: the output of a ``_c10d_functional`` collective before its ``wait_tensor``.
+* *reader* of a value: a node that takes it as a direct input; "before" means earlier in graph
+  order (the order the code runs in).
+
+A rule's result is rejected with `ReorderingError` (naming the node) when either holds:
+
+1. *Handle discipline*: a collective handle is read by anything but its ``wait_tensor`` or an
+   *anchor op* (`ANCHOR_OPS`: ops that take the handle only to be ordered inside the collective's
+   window, like ``k3fuse.l2_prefetch`` between ``all_reduce`` and ``wait_tensor``), or an anchor op
+   reads a non-static value besides handles. Inside a collective's window only static weights
+   may be read.
+2. *No hoisting across a sync*: for a non-static value V and a sync node S present both before
+   and after the rule: if before the rule no reader of V came before S, then after the rule no
+   reader of V may come before S. (Moving reads later is always allowed; a reader that is itself
+   new counts like any other.)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import operator
+
+import torch.fx as fx
+from torch._ops import OpOverload, OpOverloadPacket
+
+#: qualified op names ("namespace::name") whose call is a synchronisation point
+SYNC_OPS: set[str] = {
+    "_c10d_functional::wait_tensor",
+    "k3fuse::shared_expert_join",
+    "k3fuse::gemm_ar_residual",
+    "k3fuse::gemm_ar_residual_rmsnorm",
+    "k3fuse::moe_front_sharded",
+}
+_WAIT = "_c10d_functional::wait_tensor"
+#: ops that take a collective handle only as an ordering anchor (they never read its data)
+ANCHOR_OPS: set[str] = {"k3fuse::l2_prefetch"}
+
+
+class ReorderingError(RuntimeError):
+    """A rule moved a read of a non-static tensor across a synchronisation point."""
+
+    def __init__(self, message: str, node: fx.Node, rule: str | None = None):
+        super().__init__(message)
+        self.node = node
+        self.rule = rule
+
+
+def register_sync_op(qualname: str) -> None:
+    """Declare another op ("ns::name") a synchronisation point for the verifier."""
+    SYNC_OPS.add(qualname)
+
+
+def op_qualname(node: fx.Node) -> str | None:
+    """'namespace::name' of an op call node, without the overload; None for non-op nodes."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, OpOverload):
+        return target._schema.name
+    if isinstance(target, OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def is_sync(node: fx.Node) -> bool:
+    return op_qualname(node) in SYNC_OPS
+
+
+def is_collective(node: fx.Node) -> bool:
+    name = op_qualname(node)
+    return name is not None and name.startswith("_c10d_functional::") and name != _WAIT
+
+
+def is_handle(node: fx.Node) -> bool:
+    """Output of a functional collective (or an item of a coalesced one) not yet waited on."""
+    if is_collective(node):
+        return True
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and is_collective(node.args[0]))
+
+
+def is_static_value(node: fx.Node) -> bool:
+    if node.op == "get_attr":
+        return True
+    return node.op == "placeholder" and bool(node.meta.get("k3fuse_static"))
+
+
+@dataclass
+class GraphSnapshot:
+    """Order and readers of a graph before a rule, for comparison afterwards."""
+
+    order: dict[fx.Node, int]
+    readers: dict[fx.Node, frozenset[fx.Node]]
+    syncs: list[fx.Node]
+
+
+def snapshot(graph: fx.Graph) -> GraphSnapshot:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = {n: frozenset(n.users) for n in graph.nodes}
+    return GraphSnapshot(order, readers, [n for n in graph.nodes if is_sync(n)])
+
+
+def check_handles(graph: fx.Graph, rule: str | None = None) -> None:
+    """Condition 1: readers of a collective handle read only statics and handles otherwise."""
+    for node in graph.nodes:
+        if not is_handle(node):
+            continue
+        for user in node.users:
+            if op_qualname(user) == _WAIT or is_handle(user):
+                continue
+            if op_qualname(user) not in ANCHOR_OPS:
+                raise ReorderingError(
+                    f"{_by(rule)}{user.name} reads collective handle {node.name} before its wait_tensor", user, rule)
+            bad = [i for i in user.all_input_nodes if not (is_handle(i) or is_static_value(i))]
+            if bad:
+                raise ReorderingError(
+                    f"{_by(rule)}{user.name} reads collective handle {node.name} before its wait_tensor and also "
+                    f"non-static {', '.join(b.name for b in bad)}; inside a collective's window only static weights "
+                    f"may be read",
+                    user, rule,
+                )
+
+
+def check_reordering(before: GraphSnapshot, graph: fx.Graph, rule: str | None = None) -> None:
+    """Raise ReorderingError if the rule that turned `before` into `graph` broke either condition."""
+    check_handles(graph, rule)
+    after = {n: i for i, n in enumerate(graph.nodes)}
+    syncs = [s for s in before.syncs if s in after]
+    if not syncs:
+        return
+    kept_order = [n for n in graph.nodes if n in before.order]
+    order_kept = all(before.order[a] < before.order[b] for a, b in zip(kept_order, kept_order[1:]))
+    candidates: Iterable[fx.Node]
+    if order_kept:  # surviving nodes kept their order: only new readers can have been hoisted
+        candidates = [v for v in graph.nodes if v in before.readers and set(v.users) - before.readers[v]]
+    else:
+        candidates = [v for v in graph.nodes if v in before.readers]
+    for value in candidates:
+        if is_static_value(value) or not value.users:
+            continue
+        first_before = min((before.order[r] for r in before.readers[value] if r in before.order), default=None)
+        reader = min(value.users, key=after.__getitem__)
+        for s in syncs:
+            all_after_s = first_before is None or first_before > before.order[s]
+            if all_after_s and before.order[value] < before.order[s] and after[reader] < after[s]:
+                raise ReorderingError(
+                    f"{_by(rule)}{reader.name} reads non-static {value.name} before sync {s.name}; before the rule "
+                    f"every read of {value.name} came after {s.name}",
+                    reader, rule,
+                )
+
+
+def _by(rule: str | None) -> str:
+    return f"rule {rule}: " if rule else ""
+
+
+__all__ = ["ReorderingError", "SYNC_OPS", "ANCHOR_OPS", "register_sync_op", "snapshot", "check_reordering", "check_handles",
+           "GraphSnapshot", "is_sync", "is_handle", "is_static_value", "op_qualname"]
