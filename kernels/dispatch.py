@@ -177,8 +177,13 @@ def _run_stock(op: str, entry: _OpEntry, args: tuple, kw: dict) -> Any:
     return entry.stock(*args, **kw)
 
 
+@torch.no_grad()
 def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
-    """Run `op` with the best implementation for these arguments and count what ran."""
+    """Run `op` with the best implementation for these arguments and count what ran.
+
+    Runs under no_grad: the ops are inference-only (their Autograd key falls through), so an
+    implementation never records an autograd graph, even when the weights require grad.
+    """
     entry = _entry(op)
     if runtime.is_disabled():
         runtime.record_fallback(op, "disabled", strict=strict)

@@ -6,7 +6,7 @@ Schemas are the contract of docs/architecture.md "Custom ops". Each op has
 - one CompositeExplicitAutograd impl (every device: CPU and CUDA) that hands the arguments, minus
   `strict`, to `kernels.dispatch.dispatch`, which picks and counts the implementation.
 
-Ops are inference-only (no autograd formula). Registration happens once, on import of
+Ops are inference-only (Autograd falls through: outputs never require grad). Registration happens once, on import of
 k3fuse.kernels.
 
 What an implementation registered with `dispatch.register_impl(op, Impl(...))` receives: the op's
@@ -14,7 +14,8 @@ arguments in schema order without `strict` (supports and run get the same), and 
   gemm_ar_residual          (x, weight, residual, addend, group_name, world_size, max_tokens=) -> out
   gemm_ar_residual_rmsnorm  (x, weight, residual, addend, norm_weight, eps, group_name, world_size,
                              max_tokens=) -> (out, normed)
-  moe_front_sharded         (x, router_w_shard, down_w_shard, group_name, world_size, max_tokens=)
+  moe_front_sharded         (x, router_w, down_w, group_name, world_size, max_tokens=)  (full
+                             replicated weights; an impl slices this rank's rows itself)
                              -> (logits fp32 [T, E], latent [T, L] x.dtype)
   shared_expert_fork        (x, w_gate, w_up, w_down, site, beta, linear_beta) -> None; it must post
                              its output with streams.launch(site, inputs, compute, producer=name)
@@ -44,7 +45,7 @@ SCHEMAS: dict[str, str] = {
         "(Tensor x, Tensor weight, Tensor residual, Tensor? addend, Tensor norm_weight, float eps, "
         "str group_name, int world_size, int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
     "moe_front_sharded":
-        "(Tensor x, Tensor router_w_shard, Tensor down_w_shard, str group_name, int world_size, "
+        "(Tensor x, Tensor router_w, Tensor down_w, str group_name, int world_size, "
         "int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
     "shared_expert_fork":
         "(Tensor x, Tensor w_gate, Tensor w_up, Tensor? w_down, int site, bool strict=False, "
@@ -67,6 +68,10 @@ def _register(name: str, eager, fake) -> None:
     qualname = f"{NAMESPACE}::{name}"
     torch.library.impl(qualname, "CompositeExplicitAutograd", lib=_lib)(eager)
     torch.library.register_fake(qualname, lib=_lib)(fake)
+    # Inference-only: declare the op non-differentiable (Autograd falls through), so weights that
+    # happen to require grad neither trip autograd's "no autograd kernel" warning nor make
+    # torch.compile trace a backward; outputs never require grad.
+    _lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
 
 
 def _rows(x: torch.Tensor, features) -> tuple:
@@ -106,18 +111,23 @@ def _gemm_ar_residual_rmsnorm_fake(x, weight, residual, addend, norm_weight, eps
 
 
 # --- moe_front_sharded --------------------------------------------------------------------------
-def _moe_front_sharded(x, router_w_shard, down_w_shard, group_name, world_size, max_tokens=64,
-                       strict=False):
-    return dispatch("moe_front_sharded", x, router_w_shard, down_w_shard, group_name, world_size,
+def _moe_front_sharded(x, router_w, down_w, group_name, world_size, max_tokens=64, strict=False):
+    """Takes the FULL replicated W_r [E, H] and W_down [L, H]; each rank computes its 1/world_size
+    rows (rank from the group at run time), so one rewritten graph serves every rank."""
+    return dispatch("moe_front_sharded", x, router_w, down_w, group_name, world_size,
                     max_tokens=max_tokens, strict=strict)
 
 
-def _moe_front_sharded_fake(x, router_w_shard, down_w_shard, group_name, world_size,
-                            max_tokens=64, strict=False):
-    _check_gemm(x, router_w_shard, "moe_front_sharded")
-    _check_gemm(x, down_w_shard, "moe_front_sharded")
-    logits = x.new_empty(_rows(x, router_w_shard.shape[0] * world_size), dtype=torch.float32)
-    latent = x.new_empty(_rows(x, down_w_shard.shape[0] * world_size))
+def _moe_front_sharded_fake(x, router_w, down_w, group_name, world_size, max_tokens=64,
+                            strict=False):
+    _check_gemm(x, router_w, "moe_front_sharded")
+    _check_gemm(x, down_w, "moe_front_sharded")
+    for what, w in (("router_w", router_w), ("down_w", down_w)):
+        torch._check(w.shape[0] % world_size == 0,
+                     lambda: f"k3fuse.moe_front_sharded: {what} rows {w.shape[0]} not divisible "
+                             f"by world_size {world_size}")
+    logits = x.new_empty(_rows(x, router_w.shape[0]), dtype=torch.float32)
+    latent = x.new_empty(_rows(x, down_w.shape[0]))
     return logits, latent
 
 
@@ -125,7 +135,8 @@ def _moe_front_sharded_fake(x, router_w_shard, down_w_shard, group_name, world_s
 def _shared_expert_fork(x, w_gate, w_up, w_down, site, strict=False, beta=4.0, linear_beta=25.0):
     """Launch the shared MLP for `site` (side stream on CUDA); return x_pass, a copy of x."""
     dispatch("shared_expert_fork", x, w_gate, w_up, w_down, site, beta, linear_beta, strict=strict)
-    return x.clone()
+    with torch.no_grad():
+        return x.clone()
 
 
 def _shared_expert_fork_fake(x, w_gate, w_up, w_down, site, strict=False, beta=4.0,
