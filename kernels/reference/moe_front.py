@@ -1,19 +1,34 @@
 """Reference sharded MoE front: one GEMM over [router shard | latent-down shard], one all-gather.
 
-Each rank holds rows [r*E/tp, (r+1)*E/tp) of W_r and [r*L/tp, (r+1)*L/tp) of W_down. It computes
-x @ [W_r_shard; W_down_shard].T in fp32, the ranks gather their [T, E/tp + L/tp] blocks in rank
-order, and the blocks are split back into router logits (fp32 [T, E]) and latent ([T, L], x.dtype).
+The op receives the FULL replicated W_r [E, H] and W_down [L, H]; rank r (its rank in the group,
+read at run time, so one rewritten graph serves every rank) takes rows [r*E/tp, (r+1)*E/tp) of W_r
+and [r*L/tp, (r+1)*L/tp) of W_down as views (no copy), computes x @ [W_r_shard; W_down_shard].T in
+fp32, the ranks gather their [T, E/tp + L/tp] blocks in rank order, and the blocks are split back
+into router logits (fp32 [T, E]) and latent ([T, L], x.dtype).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from .collectives import accumulation_dtype, all_gather_last_dim
+from .collectives import accumulation_dtype, all_gather_last_dim, process_group
 
 
-def moe_front_sharded(x: torch.Tensor, router_w_shard: torch.Tensor, down_w_shard: torch.Tensor,
+def rank_rows(w: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous 1/world_size block of rows of `w` (a view)."""
+    if w.shape[0] % world_size:
+        raise ValueError(f"k3fuse moe_front_sharded: {w.shape[0]} rows not divisible by world_size {world_size}")
+    rows = w.shape[0] // world_size
+    return w.narrow(0, rank * rows, rows)
+
+
+def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor,
                       group_name: str, world_size: int, max_tokens: int = 64
                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    group = process_group(group_name, world_size)
+    rank = dist.get_rank(group) if group is not None else 0
+    router_w_shard = rank_rows(router_w, rank, world_size)
+    down_w_shard = rank_rows(down_w, rank, world_size)
     acc = accumulation_dtype(x, router_w_shard, down_w_shard)
     e_shard = router_w_shard.shape[0]
     fused_w = torch.cat([router_w_shard.to(acc), down_w_shard.to(acc)], dim=0)

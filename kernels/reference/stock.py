@@ -58,13 +58,11 @@ def gemm_ar_residual_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: to
     return out, rms_norm(out, norm_weight, eps)
 
 
-def moe_front_sharded(x: torch.Tensor, router_w_shard: torch.Tensor, down_w_shard: torch.Tensor,
+def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor,
                       group_name: str, world_size: int, max_tokens: int = 64
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(x.float(), router_w_shard.float())
-    latent = F.linear(x, down_w_shard)
-    return (all_gather_last_dim(logits, group_name, world_size),
-            all_gather_last_dim(latent, group_name, world_size))
+    """Stock: the replicated router and latent projections every rank computed before the rewrite."""
+    return F.linear(x.float(), router_w.float()), F.linear(x, down_w)
 
 
 def shared_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
