@@ -6,7 +6,7 @@ Schemas are the contract of docs/architecture.md "Custom ops". Each op has
 - one CompositeExplicitAutograd impl (every device: CPU and CUDA) that hands the arguments, minus
   `strict`, to `kernels.dispatch.dispatch`, which picks and counts the implementation.
 
-Ops are inference-only (no autograd formula). Registration happens once, on import of
+Ops are inference-only (Autograd falls through: outputs never require grad). Registration happens once, on import of
 k3fuse.kernels.
 
 What an implementation registered with `dispatch.register_impl(op, Impl(...))` receives: the op's
@@ -68,6 +68,10 @@ def _register(name: str, eager, fake) -> None:
     qualname = f"{NAMESPACE}::{name}"
     torch.library.impl(qualname, "CompositeExplicitAutograd", lib=_lib)(eager)
     torch.library.register_fake(qualname, lib=_lib)(fake)
+    # Inference-only: declare the op non-differentiable (Autograd falls through), so weights that
+    # happen to require grad neither trip autograd's "no autograd kernel" warning nor make
+    # torch.compile trace a backward; outputs never require grad.
+    _lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
 
 
 def _rows(x: torch.Tensor, features) -> tuple:
@@ -131,7 +135,8 @@ def _moe_front_sharded_fake(x, router_w, down_w, group_name, world_size, max_tok
 def _shared_expert_fork(x, w_gate, w_up, w_down, site, strict=False, beta=4.0, linear_beta=25.0):
     """Launch the shared MLP for `site` (side stream on CUDA); return x_pass, a copy of x."""
     dispatch("shared_expert_fork", x, w_gate, w_up, w_down, site, beta, linear_beta, strict=strict)
-    return x.clone()
+    with torch.no_grad():
+        return x.clone()
 
 
 def _shared_expert_fork_fake(x, w_gate, w_up, w_down, site, strict=False, beta=4.0,
