@@ -238,7 +238,8 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
                       reason="; ".join(f.message for f in failures), values=values, **base)
             else:
                 counts["applied"] += 1
-                event(rule, "applied", new_nodes=[n.name for n in new_nodes], **base)
+                event(rule, "applied", new_nodes=[n.name for n in new_nodes], reason=m.reason,
+                      values=dict(m.values), **base)
         if not rescan:
             break
     if counts["matches"] == 0:

@@ -92,6 +92,8 @@ class Match:
     outputs: list[fx.Node]
     nodes: list[fx.Node]
     refused: GuardFailure | None = None
+    reason: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
     _anchor: fx.Node | None = field(default=None, repr=False)
     _new: list[fx.Node] = field(default_factory=list, repr=False)
 
@@ -132,6 +134,13 @@ class Match:
         return any(getattr(n, "_erased", False) for n in [*self.nodes, *self.inputs.values()])
 
     # --- rewriting -------------------------------------------------------------------------------
+    def note(self, reason: str | None = None, **values: Any) -> None:
+        """Record why the rewrite took the form it did (e.g. unicast instead of multicast); the
+        pipeline puts `reason` and `values` on the site's applied event."""
+        if reason is not None:
+            self.reason = reason
+        self.values.update(values)
+
     def _insertion_anchor(self) -> fx.Node:
         """Insert before the earliest output, so no read moves earlier than the original outputs.
 
