@@ -129,7 +129,11 @@ class KDADecode(nn.Module):
                             cfg.conv_kernel)
         n, r = tp.tp_size, tp.rank
         self.local_heads = h // n
-        col = lambda name, rows, cols: src.param(shard(src.normal(layer, name, (rows, cols), cols ** -0.5), 0, n, r))
+
+        def col(name: str, rows: int, cols: int) -> nn.Parameter:
+            """Column-parallel weight: this rank's rows of the full [rows, cols] matrix."""
+            return src.param(shard(src.normal(layer, name, (rows, cols), cols ** -0.5), 0, n, r))
+
         self.w_q = col("kda.w_q", P, H)
         self.w_k = col("kda.w_k", P, H)
         self.w_v = col("kda.w_v", P, H)
