@@ -113,9 +113,12 @@ def launch(fn: Callable[..., Any], world_size: int, *, backend: str | None = Non
            args: tuple = (), timeout_s: float = 300) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` spawned ranks; results in rank order.
 
-    `fn` and `args` must be picklable (a module-level function). Each rank's return value is
-    pickled with the standard pickler (tensors travel by value, not shared memory, so a rank may
-    exit before the parent reads it).
+    `fn` and `args` must be picklable (a module-level function; a calling script needs the usual
+    `if __name__ == "__main__":` guard). Each rank's return value is pickled with the standard
+    pickler (tensors travel by value, not shared memory, so a rank may exit before the parent
+    reads it). After reporting, a rank leaves with os._exit (its atexit handlers do not run) to
+    skip seconds of interpreter teardown. CPU ranks get cpu_count // world_size threads unless
+    OMP_NUM_THREADS is set.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
