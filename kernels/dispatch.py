@@ -206,7 +206,10 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
             continue
         reason = entry.broken.get(impl.name)
         if reason is None:
-            reason = impl.supports(*args, **kw)
+            try:
+                reason = impl.supports(*args, **kw)
+            except Exception as exc:  # a buggy predicate declines instead of failing the op
+                reason = f"supports raised {_short_error(exc)}"
         if reason is not None:
             declined.append(f"{impl.name}: {reason}")
             continue

@@ -36,9 +36,12 @@ def _register() -> None:
 
 def _prepare_side_stream(shapes: object) -> None:
     """Create the current device's side stream before CUDA-graph capture."""
+    import torch
+
     from .. import streams
 
-    streams.prepare()
+    if torch.cuda.is_available():
+        streams.prepare()
 
 
 _register()
