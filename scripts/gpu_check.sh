@@ -70,8 +70,8 @@ for s in "${STEPS[@]}"; do
     tests)     step pytest_gpu "${TEST_TIMEOUT:-420}" "${PYTEST[@]}" tests/gpu ;;
     bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py \
                   --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;
-    sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py --sweep \
-                  --tokens 1,2,8,64 --shapes "${SWEEP_SHAPES:-oproj_tp2,oproj_tp8,router}" --json "$OUT/sweep.json" ;;
+    sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" bench/sweep_decode_gemm.py \
+                  --json "$OUT/sweep.json" --emit "$OUT/splitk_tuned.py" ;;
     bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_fused_ar.py --json "$OUT/bench_fused_ar.json" ;;
     versions)  ;;
     *) echo "unknown step $s"; rc=1 ;;

@@ -62,10 +62,11 @@ if compat.HAVE_CUTE:
                     a = cute.make_rmem_tensor((VEC,), mX.element_type)
                     cute.autovec_copy(cute.zipped_divide(mX[m, None], (VEC,))[None, c], a)
                     xv.append(a)
+                xf = [xv[m].load().to(Float32) for m in range(M)]   # convert x once per chunk
                 for r in cutlass.range_constexpr(R):
                     wf = wv[r].load().to(Float32)
                     for m in cutlass.range_constexpr(M):
-                        prod = xv[m].load().to(Float32) * wf
+                        prod = xf[m] * wf
                         acc[r * M + m] = acc[r * M + m] + prod.reduce(
                             cute.ReductionOp.ADD, Float32(0.0), 0)
 

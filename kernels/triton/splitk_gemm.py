@@ -78,6 +78,9 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """
     if K % BLOCK_K or M > MAX_M:
         return None
+    tuned = _tuned(M, N, K)
+    if tuned is not None:
+        return tuned
     block_n = 64 if N % 64 == 0 else (32 if N % 32 == 0 else None)
     if block_n is None:
         return None
@@ -87,8 +90,24 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     for s in range(1, kb + 1):
         if kb % s == 0 and kb // s >= 2 and tiles * s <= 8 * sms:
             split = s
-    block_m = max(16, triton.next_power_of_2(M)) if HAVE_TRITON else 16
-    return dict(BLOCK_N=block_n, SPLIT_K=split, BLOCK_M=block_m, num_warps=4, num_stages=4)
+    return dict(BLOCK_N=block_n, SPLIT_K=split, BLOCK_M=_block_m(M), BLOCK_K=BLOCK_K, num_warps=4,
+                num_stages=4)
+
+
+def _block_m(M: int) -> int:
+    return max(16, 1 << (M - 1).bit_length())
+
+
+def _tuned(M: int, N: int, K: int) -> dict | None:
+    """The config measured fastest on H200 for (N, K) and M's BLOCK_M bucket, if swept."""
+    try:
+        from .splitk_tuned import TUNED
+    except Exception:
+        return None
+    cfg = TUNED.get((N, K, _block_m(M)))
+    if cfg is None:
+        return None
+    return dict(cfg, BLOCK_M=_block_m(M))
 
 
 _ws: dict = {}
@@ -136,12 +155,13 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
         ws, cnt = _workspace(x.device, N, split)
     else:
         ws, cnt = out, out
+    bk = cfg.get("BLOCK_K", BLOCK_K)
     grid = (N // cfg["BLOCK_N"], split)
     _splitk_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, cnt,
         M, N, x.stride(0), weight.stride(0), out.stride(0),
         K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None,
+        BLOCK_K=bk, HAS_BIAS=bias is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
