@@ -1,4 +1,5 @@
-"""`k3fuse` command line: `apply` (rewrite a saved ExportedProgram) and `log` (read a rewrite log).
+"""`k3fuse` command line: `demo` (the main job), `apply` (rewrite a saved ExportedProgram) and
+`log` (read a rewrite log).
 
 Each subcommand is a `register_<name>(subparsers)` function that sets `func` on its parser, so
 further subcommands plug in by adding one function to `SUBCOMMANDS`.
@@ -104,7 +105,13 @@ def register_log(sub: Any) -> None:
     p.set_defaults(func=_cmd_log)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [register_apply, register_log]
+def register_demo(sub: Any) -> None:
+    from .demo import register_demo as _register
+
+    _register(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log]
 
 
 def build_parser() -> argparse.ArgumentParser:
