@@ -118,7 +118,6 @@ def _tp_worker(rank: int, world_size: int, inp: dict[str, torch.Tensor]) -> dict
 
     group_name = compat.group_name_of(None)
     cols = lambda t: t.chunk(world_size, dim=-1)[rank].contiguous()  # noqa: E731
-    rows = lambda t: t.chunk(world_size, dim=0)[rank].contiguous()  # noqa: E731
     x_attn, w_o = cols(inp["x_attn"]), cols(inp["w_o"])
     res, add, nw = inp["residual"], inp["addend"], inp["norm_w"]
     w_r, w_down = inp["w_r"], inp["w_down"]  # full replicated weights: the op slices its rows
