@@ -292,7 +292,7 @@ def _interior_escape(st: _State, outputs: set[fx.Node]) -> GuardFailure | None:
         if node in outputs or _layout_only(node):
             continue
         for user in node.users:
-            if user not in matched:
+            if user not in matched and not normalize.is_metadata_check(user):
                 return GuardFailure(
                     "site", "interior_used_outside",
                     f"{node.name} is inside the match but also used by {user.name}",

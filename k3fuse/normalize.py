@@ -67,6 +67,15 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
     return node.kwargs.get("dtype")
 
 
+#: checks torch.export inserts for `.float()` / `.to()` calls that were no-ops: they read a value's
+#: metadata only, so they never make a value "used outside" a match and die with it
+METADATA_CHECKS = frozenset({aten._assert_tensor_metadata.default})
+
+
+def is_metadata_check(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in METADATA_CHECKS
+
+
 def is_transparent(node: Any) -> bool:
     """True for nodes the matcher walks through: views, clones and casts that keep the dtype."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
@@ -231,6 +240,8 @@ __all__ = [
     "cast_dtype",
     "is_commutative",
     "is_transparent",
+    "is_metadata_check",
+    "METADATA_CHECKS",
     "skip_transparent",
     "value_root",
     "split_addmm",

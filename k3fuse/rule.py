@@ -184,8 +184,15 @@ class Match:
         new = set(self._new)
         for old, rep in zip(self.outputs, replacements):
             old.replace_all_uses_with(rep, delete_user_cb=lambda user: user not in new)
+        from .normalize import is_metadata_check
+
         for node in reversed(self.nodes):
-            if not node.users and not getattr(node, "_erased", False):
+            if getattr(node, "_erased", False):
+                continue
+            if node.users and all(is_metadata_check(u) for u in node.users):
+                for check in list(node.users):  # a dtype assert on a value that no longer exists
+                    self.graph.erase_node(check)
+            if not node.users:
                 self.graph.erase_node(node)
 
     @property

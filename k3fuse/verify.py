@@ -47,6 +47,10 @@ SYNC_OPS: set[str] = {
 _WAIT = "_c10d_functional::wait_tensor"
 #: ops that take a collective handle only as an ordering anchor (they never read its data)
 ANCHOR_OPS: set[str] = {"k3fuse::l2_prefetch"}
+#: op -> positions of arguments it takes only to be ordered after them, never reading their data
+#: (shared_expert_join's `anchor`, the routed output, keeps the join after the routed experts);
+#: such a use is not a read for condition 2
+ORDERING_ARGS: dict[str, frozenset[int]] = {"k3fuse::shared_expert_join": frozenset({1})}
 
 
 class ReorderingError(RuntimeError):
@@ -149,10 +153,11 @@ def check_reordering(before: GraphSnapshot, graph: fx.Graph, rule: str | None = 
     else:
         candidates = [v for v in graph.nodes if v in before.readers]
     for value in candidates:
-        if is_static_value(value) or not value.users:
+        readers = [u for u in value.users if _reads(u, value)]
+        if is_static_value(value) or not readers:
             continue
         first_before = min((before.order[r] for r in before.readers[value] if r in before.order), default=None)
-        reader = min(value.users, key=after.__getitem__)
+        reader = min(readers, key=after.__getitem__)
         for s in syncs:
             all_after_s = first_before is None or first_before > before.order[s]
             if all_after_s and before.order[value] < before.order[s] and after[reader] < after[s]:
@@ -163,9 +168,17 @@ def check_reordering(before: GraphSnapshot, graph: fx.Graph, rule: str | None = 
                 )
 
 
+def _reads(user: fx.Node, value: fx.Node) -> bool:
+    """False when `user` takes `value` only in ordering-only argument positions (ORDERING_ARGS)."""
+    positions = ORDERING_ARGS.get(op_qualname(user) or "")
+    if not positions:
+        return True
+    return any(a is value for i, a in enumerate(user.args) if i not in positions) or value in user.kwargs.values()
+
+
 def _by(rule: str | None) -> str:
     return f"rule {rule}: " if rule else ""
 
 
-__all__ = ["ReorderingError", "SYNC_OPS", "ANCHOR_OPS", "register_sync_op", "snapshot", "check_reordering", "check_handles",
+__all__ = ["ReorderingError", "SYNC_OPS", "ANCHOR_OPS", "ORDERING_ARGS", "register_sync_op", "snapshot", "check_reordering", "check_handles",
            "GraphSnapshot", "is_sync", "is_handle", "is_static_value", "op_qualname"]
