@@ -1,0 +1,97 @@
+"""The K3 decode spelling the rules trace (docs/architecture.md "Reference model spelling").
+
+Plain torch, no k3fuse ops: each rule traces these to ATen with the doors' decomposition table.
+A trunk in fp32 has no casts in its graph and a bf16/fp16 trunk has them, so every pattern is
+traced once per trunk dtype (`per_dtype`); the variant name carries the dtype only when it is
+not fp32.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.fx as fx
+import torch.nn.functional as F
+
+from k3fuse.guards import GuardFailure
+from k3fuse.rule import PatternSpec
+
+#: trunk dtypes the rules trace patterns for (the fused ops accept exactly these)
+TRUNK_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+#: the decode token range every fused op is built for
+MAX_DECODE_TOKENS = 64
+GROUP = "tp"  # example group name: a literal wildcard, the graph's own name is captured
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm, variance in fp32, times the weight in fp32, back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU in fp32: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)."""
+    gf, uf = g.float(), u.float()
+    act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
+    return act.to(g.dtype)
+
+
+def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The functional all-reduce a row-parallel linear is followed by (all_reduce + wait_tensor)."""
+    return funcol.all_reduce(t, "sum", group_name)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def per_dtype(name: str, fn: Callable[..., Any],
+              example: Callable[[torch.dtype], tuple[Any, ...]]) -> list[PatternSpec]:
+    """One PatternSpec per trunk dtype: `example(dtype)` builds the example inputs."""
+    specs = []
+    for dtype in TRUNK_DTYPES:
+        suffix = "" if dtype == torch.float32 else f"[{str(dtype).removeprefix('torch.')}]"
+        specs.append(PatternSpec(name + suffix, fn, lambda dtype=dtype: example(dtype)))
+    return specs
+
+
+def base_variant(variant: str) -> str:
+    """'plain+norm[bfloat16]' -> 'plain+norm'."""
+    return variant.split("[", 1)[0]
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype)
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def trunk_dtype(node: Any, what: str) -> GuardFailure | None:
+    """The activation feeding a fused op is in a dtype the ops support."""
+    dtype = dtype_of(node)
+    if dtype in TRUNK_DTYPES:
+        return None
+    return GuardFailure("site", "dtype", f"{what} dtype not supported by the fused op",
+                        {what: str(dtype), "allowed": [str(d) for d in TRUNK_DTYPES]})
+
+
+def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
+    """Erase `nodes` (reverse graph order) once unused, with any metadata-only asserts on them."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(nodes, key=lambda n: -order.get(n, -1)):
+        if getattr(node, "_erased", False):
+            continue
+        for user in list(node.users):
+            if user.target is torch.ops.aten._assert_tensor_metadata.default:
+                graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
+
+
+__all__ = ["TRUNK_DTYPES", "MAX_DECODE_TOKENS", "GROUP", "rms_norm", "situ_glu", "all_reduce_sum", "linear",
+           "per_dtype", "base_variant", "randn", "dtype_of", "trunk_dtype", "erase_dead"]

@@ -1,0 +1,93 @@
+"""Every remaining projection with a static weight at decode shapes -> k3fuse.decode_gemm.
+
+Why: at 1..64 tokens a projection is a weight read with almost no reuse; cuBLAS reaches only
+35-66 % of bandwidth on K3's skinny shapes (router, latent, shared, out-projection at high TP:
+docs/k3-decode.md). decode_gemm picks a GEMV kernel at 1-2 tokens and split-K above.
+
+Spellings: F.linear(x, W) (mm, or addmm with a bias) and the fp32-cast router
+F.linear(x.float(), W.float()), which becomes decode_gemm(x, W, out_dtype=fp32) so the casts of
+the weight never materialise. Runs after the fusing rules: it takes only what they left.
+Needs from the weights: W (and the bias) static.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from k3fuse.context import DecodeContext
+from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, static_weight, token_count
+from k3fuse.matcher import compiled_patterns, find_matches
+from k3fuse.normalize import value_root
+from k3fuse.rule import Match, PatternSpec, Rule
+
+from ._spelling import base_variant, per_dtype, randn, trunk_dtype
+
+T, K, N = 4, 16, 8  # example shapes
+
+
+def _linear(x, weight):
+    return F.linear(x, weight)
+
+
+def _linear_bias(x, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+def _fp32_out(x, weight):
+    return F.linear(x.float(), weight.float())
+
+
+def _is_bias(node: fx.Node) -> bool:
+    root = value_root(node)
+    val = root.meta.get("val")
+    return is_static(root) and isinstance(val, torch.Tensor) and val.dim() == 1
+
+
+class DecodeGemm(Rule):
+    """x @ W.T (+ b) with a static W -> k3fuse.decode_gemm (fp32 out for the router spelling)."""
+
+    name = "decode_gemm"
+    description = ("projections with a static weight at decode shapes (mm / addmm, incl. the fp32-cast "
+                   "router) -> k3fuse.decode_gemm (GEMV at 1-2 tokens, split-K above)")
+
+    def patterns(self) -> list[PatternSpec]:
+        low_precision = [s for s in per_dtype("fp32_out", _fp32_out, lambda d: (randn(T, K, dtype=d),
+                                                                              randn(N, K, dtype=d)))
+                         if s.name != "fp32_out"]  # in an fp32 trunk the router is a plain linear
+        return [
+            *per_dtype("linear+bias", _linear_bias, lambda d: (randn(T, K, dtype=d), randn(N, K, dtype=d),
+                                                               randn(N, dtype=d))),
+            *low_precision,
+            *per_dtype("linear", _linear, lambda d: (randn(T, K, dtype=d), randn(N, K, dtype=d))),
+        ]
+
+    def find(self, graph: fx.Graph, ctx: DecodeContext) -> list[Match]:
+        """The bias spelling only where the added tensor is a real bias (a static vector): in
+        `r = r + F.linear(o, W_o)` (TP=1) the residual is not one, and the plain linear is the site."""
+        compiled = compiled_patterns(self)
+        biased = [p for p in compiled if base_variant(p.variant) == "linear+bias"]
+        with_bias = [m for m in find_matches(graph, biased) if m.refused is None and _is_bias(m["bias"])]
+        taken = {m.outputs[0].args[0] for m in with_bias}  # their mm nodes
+        rest = [m for m in find_matches(graph, [p for p in compiled if p not in biased])
+                if not (set(m.nodes) & taken)]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        return sorted(with_bias + rest, key=lambda m: order[m.outputs[0]])
+
+    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
+        return failures(decode_token_range(ctx))
+
+    def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
+        bias = static_weight(match["bias"], "bias") if "bias" in match.inputs else None
+        return failures(static_weight(match["weight"], "weight"), bias, token_count(match["x"], ctx),
+                        trunk_dtype(match["x"], "x"))
+
+    def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
+        out_dtype = torch.float32 if base_variant(match.variant) == "fp32_out" else None
+        gemm = match.insert(torch.ops.k3fuse.decode_gemm.default,
+                            (match["x"], match["weight"], match.inputs.get("bias"), out_dtype, ctx.strict))
+        match.replace([gemm])
+        return [gemm]
+
+
+__all__ = ["DecodeGemm"]

@@ -1,0 +1,123 @@
+"""Prefetch the next consumers' static weights into L2 while a native collective is in flight.
+
+Why: between an all_reduce and its wait_tensor the SMs and HBM are idle for several microseconds
+(6-10 us per small all-reduce at decode); the ops right after the wait (e.g. the latent RMSNorm
+and W_up after the routed experts' all-reduce) are weight-bound. Loading their weights into L2
+during the exchange hides part of that read.
+
+Rewrite: for every all_reduce whose wait_tensor is still in the graph after the fusing rules,
+    h = all_reduce(t); k3fuse.l2_prefetch(h, [W...], budget_bytes); y = wait_tensor(h)
+where [W...] are the static weights read by the nodes that depend on y, in the order they are read,
+up to and including the next synchronisation point (the next collective or fused collective op),
+within `budget_bytes`. Weight-only rule: only static placeholders are listed; the handle h is an
+ordering anchor, never read (the engine's verifier checks both after the rule).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from k3fuse import compat
+from k3fuse.context import DecodeContext
+from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, token_count
+from k3fuse.normalize import canonical, is_transparent
+from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.verify import is_collective, is_sync, op_qualname
+
+#: half of an H100/H200 L2 (50 MB): room for the weights without evicting the activations
+DEFAULT_BUDGET_BYTES = 24 << 20
+_PREFETCH = "k3fuse::l2_prefetch"
+
+
+def static_source(node: fx.Node) -> fx.Node | None:
+    """The static placeholder `node` is a layout view or cast of (W, W.T, W.float()), else None."""
+    while True:
+        if is_static(node):
+            return node
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        if not (is_transparent(node) or canonical(node)[0] in (("transpose_last2",), ("cast",))):
+            return None
+        node = node.args[0]
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+
+
+def next_static_weights(wait: fx.Node) -> list[fx.Node]:
+    """Static weights read by the dependents of `wait`, in graph order, up to the next sync point."""
+    reached = {wait}
+    weights: list[fx.Node] = []
+    node = wait.next
+    while node.op != "output":
+        if any(i in reached for i in node.all_input_nodes):
+            reached.add(node)
+            for i in node.all_input_nodes:
+                w = static_source(i)
+                if w is not None and w not in weights:
+                    weights.append(w)
+            if is_sync(node) or is_collective(node):
+                break
+        node = node.next
+    return weights
+
+
+class WeightPrefetch(Rule):
+    """Between a collective and its wait: l2_prefetch of the next consumers' static weights."""
+
+    name = "weight_prefetch"
+    description = ("all_reduce ... wait_tensor still in the graph -> k3fuse.l2_prefetch(handle, [next "
+                   "consumers' static weights], budget) between them (weights only, never activations)")
+
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self._weights: dict[int, list[fx.Node]] = {}
+
+    def patterns(self) -> list[PatternSpec]:
+        return []  # structural: every native all_reduce / wait_tensor pair (see `find`)
+
+    def find(self, graph: fx.Graph, ctx: DecodeContext) -> list[Match]:
+        self._weights = {}
+        found = []
+        for ar in graph.nodes:
+            if ar.target is not compat.ALL_REDUCE:
+                continue
+            if any(op_qualname(u) == _PREFETCH for u in ar.users):
+                continue  # already prefetching (a second pipeline run)
+            waits = [u for u in ar.users if u.target is compat.WAIT_TENSOR]
+            if len(waits) != 1:
+                continue
+            chosen, total = [], 0
+            for w in next_static_weights(waits[0]):
+                if total + _nbytes(w) > self.budget_bytes:
+                    break
+                chosen.append(w)
+                total += _nbytes(w)
+            m = Match(variant="all_reduce", graph=graph, inputs={"collective": ar}, scalars={},
+                      outputs=[waits[0]], nodes=[])
+            if not chosen:
+                m.refused = GuardFailure("site", "no_static_weights", "no static weight of the next consumers "
+                                         "fits the budget", {"collective": ar.name, "budget_bytes": self.budget_bytes})
+            self._weights[id(m)] = chosen
+            found.append(m)
+        return found
+
+    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
+        return failures(decode_token_range(ctx))
+
+    def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
+        handle = match["collective"]
+        return failures(token_count(handle.args[0], ctx, what="tokens"))
+
+    def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
+        weights = self._weights[id(match)]
+        prefetch = match.insert(torch.ops.k3fuse.l2_prefetch.default,
+                                (match["collective"], weights, self.budget_bytes))
+        match.note(weights=[w.name for w in weights], bytes=sum(_nbytes(w) for w in weights),
+                   budget_bytes=self.budget_bytes)
+        return [prefetch]
+
+
+__all__ = ["WeightPrefetch", "DEFAULT_BUDGET_BYTES", "next_static_weights", "static_source"]
