@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import operator
 from collections import Counter
 
 import torch
@@ -118,5 +117,25 @@ class ResidualStack(nn.Module):
         return h
 
 
-__all__ = ["LinearResidualRule", "RMSNormRule", "op_counts", "ResidualStack", "LINEAR_RESIDUAL", "RMS_NORM",
-           "operator"]
+
+
+class Capture(Rule):
+    """A rule that rewrites nothing and records the graph's op counts when it runs.
+
+    Put Capture("before") first and Capture("after") last in a rule list to see what a door's
+    pipeline did to the graph (like vLLM's TestBackend before/after graphs).
+    """
+
+    def __init__(self, tag: str):
+        self.name = f"capture_{tag}"  # type: ignore[misc]
+        self.counts: list[Counter] = []
+
+    def find(self, graph, ctx):
+        self.counts.append(op_counts(graph))
+        return []
+
+    def fingerprint(self) -> str:
+        return self.name
+
+
+__all__ = ["LinearResidualRule", "RMSNormRule", "Capture", "op_counts", "ResidualStack", "LINEAR_RESIDUAL", "RMS_NORM"]
