@@ -72,7 +72,8 @@ def _print_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewr
     from rich.table import Table
 
     table = Table(title=title)
-    for col, justify in (("rule", "left"), ("applied", "right"), ("rejected", "right"), ("why rejected", "left"),
+    table.add_column("rule", no_wrap=True)
+    for col, justify in (("applied", "right"), ("rejected", "right"), ("why rejected", "left"),
                          ("not matched", "right"), ("ms", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for rule, s in summary.items():

@@ -7,6 +7,8 @@ runs first), and its `uuid()` hashes the rules' source, the context and the chai
 Inductor's FX graph cache recompiles when any of them changes. Static placeholders come from the
 AOT metadata (`static_input_indices`, minus mutated inputs) when a TracingContext is active;
 otherwise nothing is static and the site guards that need static weights reject (logged).
+On an Inductor cache hit the pass does not run and logs nothing: the cached code already holds
+the rewrite it made when the entry was written (same uuid).
 """
 from __future__ import annotations
 

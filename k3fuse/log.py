@@ -149,7 +149,10 @@ class RewriteLog:
         return sorted({e.rule for e in self.events if e.decision == "applied"})
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per rule: applied / rejected / not_matched counts, rejections by level:guard, time."""
+        """Per rule: applied / rejected / not_matched counts, rejections by level:guard, time.
+
+        time_ms is the rule's whole time when this log recorded it, else the sum over its events.
+        """
         out: dict[str, dict[str, Any]] = {}
         for e in self.events:
             s = out.setdefault(e.rule, {"applied": 0, "rejected": 0, "not_matched": 0, "why": Counter(),
@@ -160,7 +163,9 @@ class RewriteLog:
                 s["why"][f"{e.level}:{e.guard}"] += 1
             if e.decision == "applied" and e.variant:
                 s["variants"][e.variant] += 1
-        for s in out.values():
+        for rule, s in out.items():
+            if rule in self.rule_time_ms:  # in memory: the whole rule (find included), not just its sites
+                s["time_ms"] = self.rule_time_ms[rule]
             s["why"] = dict(s["why"])
             s["variants"] = dict(s["variants"])
             s["time_ms"] = round(s["time_ms"], 3)
