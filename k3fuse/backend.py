@@ -63,7 +63,6 @@ def k3fuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
     log: JSONL path or a RewriteLog to append to; rules: rules to run instead of the K3 rules.
     """
     compiler, ctx, rlog, registry = _parse_options(options)
-    k3fuse_backend.last_log = rlog  # type: ignore[attr-defined]  (for interactive inspection)
 
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner

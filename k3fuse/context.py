@@ -98,7 +98,7 @@ def probe_multicast(policy: MulticastPolicy = "auto", *, device: torch.device | 
         local = MulticastStatus(False, reason) if reason else _device_supports_multicast(device)
     if group is None or dist.get_world_size(group) == 1:
         return local
-    on_cuda = dist.get_backend(group) == "nccl"
+    on_cuda = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()  # "nccl" or "cpu:gloo,cuda:nccl"
     flag = torch.tensor([1 if local.available else 0], dtype=torch.int32,
                         device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -197,9 +197,7 @@ class DecodeContext:
         size = dist.get_world_size(group)
         if "tp_size" in kw and kw["tp_size"] != size:
             raise ContextError(f"tp_size={kw['tp_size']} does not match the process group size {size}")
-        device = None
-        if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         kw.setdefault("device_capability", torch.cuda.get_device_capability(device) if device is not None else None)
         policy = kw.get("multicast", "auto")
         kw.setdefault("multicast_info", probe_multicast(policy, device=device, group=group))

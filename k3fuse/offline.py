@@ -78,9 +78,17 @@ def collective_group_names(graph: fx.Graph) -> list[str]:
     return seen
 
 
+def _lacks_val(node: fx.Node) -> bool:
+    """A value-producing node without meta["val"] (ops returning nothing, like l2_prefetch, need none)."""
+    if node.op == "output" or node.meta.get("val") is not None:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or len(schema.returns) > 0
+
+
 def _fill_missing_vals(gm: fx.GraphModule, ep: ExportedProgram) -> None:
     """Fake-propagate the graph if any node lacks meta["val"] (new nodes whose fake call failed)."""
-    if all("val" in n.meta for n in gm.graph.nodes if n.op not in ("output",)):
+    if not any(_lacks_val(n) for n in gm.graph.nodes):
         return
     from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp

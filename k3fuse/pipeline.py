@@ -202,8 +202,12 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
     counts: Counter = Counter()
     decided: set[frozenset[fx.Node]] = set()
     t_find = time.perf_counter()
-    while True:
-        matches = [m for m in rule.find(graph, ctx) if frozenset(m.outputs) not in decided]
+    for _scan in range(len(graph.nodes) + 2):  # each rescan follows a rewrite, which removes nodes
+        try:
+            found = rule.find(graph, ctx)
+        except Exception as exc:
+            raise RuleFailure(f"rule {rule.name} failed finding its sites: {exc}") from exc
+        matches = [m for m in found if frozenset(m.outputs) not in decided]
         counts["matches"] += len(matches)
         if not matches:
             break
@@ -219,6 +223,7 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
                 try:
                     new_nodes = rule.rewrite(m, ctx)
                 except RewriteError as exc:
+                    m.discard_new_nodes()
                     failures = [GuardFailure("site", "placement", str(exc))]
                 except Exception as exc:
                     raise RuleFailure(f"rule {rule.name} failed rewriting the site at {m.source() or m.outputs[0].name}: "
@@ -242,6 +247,8 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
                       values=dict(m.values), **base)
         if not rescan:
             break
+    else:
+        raise RuleFailure(f"rule {rule.name}: find() keeps returning stale matches")
     if counts["matches"] == 0:
         event(rule, "not_matched", time_ms=(time.perf_counter() - t_find) * 1e3)
     return counts

@@ -169,11 +169,13 @@ class Match:
         anchor = self._insertion_anchor()
         with self.graph.inserting_before(anchor):
             node = self.graph.call_function(target, args, kwargs)
-        node.meta["val"] = fake_call(target, args, kwargs)
-        for src in (self.outputs[0], *self.nodes):
-            if "stack_trace" in src.meta:
-                node.meta["stack_trace"] = src.meta["stack_trace"]
-                break
+        val = fake_call(target, args, kwargs)
+        if val is not None:
+            node.meta["val"] = val
+        for key in ("stack_trace", "nn_module_stack"):  # provenance: the code the match came from
+            src = next((n for n in (self.outputs[0], *self.nodes) if key in n.meta), None)
+            if src is not None:
+                node.meta[key] = src.meta[key]
         self._new.append(node)
         return node
 
@@ -194,6 +196,13 @@ class Match:
                     self.graph.erase_node(check)
             if not node.users:
                 self.graph.erase_node(node)
+
+    def discard_new_nodes(self) -> None:
+        """Erase what `insert` added (a rewrite that gave up half-way leaves the graph as it was)."""
+        for node in reversed(self._new):
+            if not getattr(node, "_erased", False) and not node.users:
+                self.graph.erase_node(node)
+        self._new.clear()
 
     @property
     def new_nodes(self) -> list[fx.Node]:
