@@ -4,9 +4,9 @@ CUDA-graph replays of one pass over >= 4 weight copies (more for small shapes, s
 together exceed 4x the 60 MB L2), a fresh random activation per copy, median over replays,
 stock and k3fuse in the same run. Reports µs per GEMM, achieved bandwidth (weight + activation +
 output bytes) against the 4.28 TB/s device-to-device copy bandwidth measured on an H200, and the
-ratio to torch.mm. `--sweep` also times the GEMV and split-K configuration variants.
+ratio to torch.mm (configuration sweeps: sweep_decode_gemm.py).
 
-    python bench/bench_decode_gemm.py [--tokens 1,2,4,8,16,32,64] [--json out.json] [--sweep]
+    python bench/bench_decode_gemm.py [--tokens 1,2,4,8,16,32,64] [--json out.json]
 """
 from __future__ import annotations
 
@@ -60,9 +60,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--json", default="bench_decode_gemm.json")
-    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", default="")
-    ap.add_argument("--sweep-shapes", default="oproj_tp2,oproj_tp8,router")
     args = ap.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
 
@@ -101,33 +99,6 @@ def main(argv=None) -> int:
             if splitk_gemm.supports(xs[0], ws[0], None, odt):
                 res["triton.splitk"] = time_graph(lambda i: splitk_gemm.run(xs[i], ws[i], None, odt, out=ys[i]), copies)
                 res["splitk_cfg"] = splitk_gemm.pick_config(M, N, K, props.multi_processor_count)
-            if args.sweep and M in (1, 2, 8, 64) and name in args.sweep_shapes.split(","):
-                sw = {}
-                if compat.available() and M <= 8:
-                    for r_ in (1, 2, 4, 8):
-                        for th in (64, 128, 256):
-                            if N % r_ or (K // 8) % th or (K // 8) // th > 24:
-                                continue
-                            key, build = decode_gemv.builder(M, K, r_, th, y_dtype=odt)
-                            fn = compat.compiled(key, build)
-                            b0 = ws[0][0, :1]
-                            sw[f"gemv r{r_} t{th}"] = time_graph(lambda i: fn(xs[i], ws[i], b0, ys[i]), copies)
-                for bn in (64, 128):
-                    for split in (2, 4, 8, 12, 16):
-                        kb = K // splitk_gemm.BLOCK_K
-                        if kb % split or N % bn:
-                            continue
-                        for st in (4,):
-                            cfg = dict(BLOCK_N=bn, SPLIT_K=split, BLOCK_M=max(16, 1 << (M - 1).bit_length()),
-                                       num_warps=4, num_stages=st)
-                            try:
-                                sw[f"splitk n{bn} s{split} st{st}"] = time_graph(
-                                    lambda i: splitk_gemm.run(xs[i], ws[i], None, odt, out=ys[i], config=cfg), copies)
-                            except Exception as exc:  # e.g. out of shared memory
-                                sw[f"splitk n{bn} s{split} st{st}"] = f"{type(exc).__name__}"
-                ok = {k: v for k, v in sw.items() if isinstance(v, float)}
-                res["sweep_best"] = sorted(ok.items(), key=lambda kv: kv[1])[:5]
-                res["sweep"] = sw
             for k in ("torch.mm", "k3fuse", "cute.gemv", "triton.splitk"):
                 if k in res:
                     res[f"{k}_bw_frac"] = nbytes / (res[k] * 1e-6) / COPY_BW
@@ -137,8 +108,7 @@ def main(argv=None) -> int:
                   f"k3fuse[{res['k3fuse_impl']}] {res['k3fuse']:7.2f}us ({res['k3fuse_bw_frac']:5.1%}) "
                   f"speedup x{res['k3fuse_vs_mm']:.2f}"
                   + (f"  gemv {res['cute.gemv']:.2f}" if "cute.gemv" in res else "")
-                  + (f"  splitk {res['triton.splitk']:.2f}" if "triton.splitk" in res else "")
-                  + (f"  best {res['sweep_best'][:3]}" if "sweep_best" in res else ""), flush=True)
+                  + (f"  splitk {res['triton.splitk']:.2f}" if "triton.splitk" in res else ""), flush=True)
             del xs, ys
         del ws
         torch.cuda.empty_cache()

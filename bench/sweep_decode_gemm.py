@@ -119,11 +119,10 @@ def _gpu(rank, shapes, out_path, jobs):
                 r["splitk"] = sk
             if M in GEMV_M and compat.available():
                 gv = {}
-                b0 = ws[0][0, :1]
                 for rows_, th in gemv_configs(M, N, K):
-                    key, build = decode_gemv.builder(M, K, rows_, th, y_dtype=odt)
-                    fn = compat.compiled(key, build)
-                    gv[f"{rows_},{th}"] = time_graph(lambda i: fn(xs[i], ws[i], b0, ys[i]), copies, replays=10)
+                    gv[f"{rows_},{th}"] = time_graph(
+                        lambda i: decode_gemv.run(xs[i], ws[i], None, odt, out=ys[i], config=(rows_, th)),
+                        copies, replays=10)
                 r["gemv"] = gv
             best = []
             for fam in ("splitk", "gemv"):

@@ -6,11 +6,11 @@ and the peer views must be plain tensors the CuTe kernel can take. NVLink multic
 used: no multicast pointer is read, and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set before the first
 symmetric allocation so that torch does not create a multicast object either.
 
-Layout of the one symmetric fp32 buffer per rank:
-  data  [2 parities, world (source rank), max_tokens, hidden] fp32  (pushed partials)
-  flags [world (source rank), max_tokens] int32                     (generation + 1 per row)
-Local (not symmetric): gen int32[2] (generation, arrival counter), stage fp32 [max_tokens, hidden]
-(the GEMM writes its partial here), err int32[1] (debug timeout report).
+Layout of the one symmetric fp32 buffer per rank (Lamport, see kernels/cute/oneshot_ar.py):
+  data [3 buffers, world (source rank), max_tokens, hidden] fp32, initialised to the sentinel -0.0
+Local (not symmetric): gen int32[4] (generation, arrival counter, rows written last generation,
+spare), ptrs int64[world] (each rank's data base address as seen from this process, for the Triton
+push epilogue), err int32[1] (debug timeout report).
 """
 from __future__ import annotations
 
@@ -39,28 +39,30 @@ class ArWorkspace:
             raise ValueError(f"group {group_name!r} has {self.world} ranks, op says {world_size}")
         self.max_tokens, self.hidden = max_tokens, hidden
         W, MT, H = self.world, max_tokens, hidden
-        n_data = 2 * W * MT * H
-        n_flags = (W * MT + 3) // 4 * 4
+        n_data = 3 * W * MT * H
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed on some torch versions, a deprecated no-op on others
             try:
-                enable(group_name)
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    enable(group_name)
             except Exception:
                 pass
-        buf = symm_mem.empty((n_data + n_flags,), dtype=torch.float32, device=device)
-        buf.view(torch.int32)[n_data:].zero_()
+        buf = symm_mem.empty((n_data,), dtype=torch.float32, device=device)
+        buf.view(torch.int32).fill_(-2**31)   # 0x80000000 = -0.0: "not written yet"
         hdl = symm_mem.rendezvous(buf, group_name)
         self.handle, self.buf = hdl, buf
-        self.datas, self.flags = [], []
+        self.datas = []
         for r in range(W):
-            peer = buf if r == self.rank else hdl.get_buffer(r, (n_data + n_flags,), torch.float32)
-            self.datas.append(peer[:n_data].view(2, W, MT, H))
-            self.flags.append(peer.view(torch.int32)[n_data:n_data + W * MT].view(W, MT))
-        self.gen = torch.zeros(2, dtype=torch.int32, device=device)
-        self.stage = torch.empty((MT, H), dtype=torch.float32, device=device)
+            peer = buf if r == self.rank else hdl.get_buffer(r, (n_data,), torch.float32)
+            self.datas.append(peer.view(3, W, MT, H))
+        self.ptrs = torch.tensor([d.data_ptr() for d in self.datas], dtype=torch.int64, device=device)
+        self.gen = torch.zeros(4, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # every rank's flags are zero before any peer can write them
+        dist.barrier(group)  # every rank's buffer holds the sentinel before any peer writes it
 
     def padded(self, tensors: list[torch.Tensor], max_world: int) -> list[torch.Tensor]:
         """Per-peer views padded to the kernel's fixed arity with the local view (unused)."""

@@ -36,6 +36,8 @@ def _ops(ptx: str) -> dict[str, int]:
     pats = {"ld.global.v4": r"ld\.global(\.[\w:]+)*\.v4", "ld.local": r"\bld\.local", "st.local": r"\bst\.local",
             "ld.acquire.sys": r"ld\.acquire\.sys", "st.release.sys": r"st\.release\.sys",
             "fence.acq_rel.sys": r"fence\.acq_rel\.sys", "globaltimer": r"%globaltimer",
+            "ld.volatile.v4": r"ld\.volatile\.global\.v4", "st.v4.sentinel": r"st\.global\.v4\.u32",
+            "st.global.b32": r"st\.global\.(f32|b32)\b",
             "multimem": r"multimem", "atom": r"\batom\."}
     return {k: len(re.findall(p, ptx)) for k, p in pats.items()}
 
@@ -59,23 +61,40 @@ def test_gemv_compiles_to_ptx(M, N, K, out_dtype, tmp_path):
 
 
 @needs_cute
-@pytest.mark.parametrize("world,rank,addend,norm,debug", [
-    (2, 0, False, True, False), (2, 1, True, True, True), (2, 1, True, False, False),
-    (8, 5, False, True, False), (4, 3, True, False, True),
+@pytest.mark.parametrize("world,addend,norm,debug", [
+    (2, False, True, False), (2, True, True, True), (2, True, False, False),
+    (8, False, True, False), (4, True, False, True),
 ])
-def test_oneshot_ar_compiles_to_ptx(world, rank, addend, norm, debug, tmp_path):
+def test_oneshot_ar_compiles_to_ptx(world, addend, norm, debug, tmp_path):
     from k3fuse.kernels.cute import oneshot_ar
 
-    key, build = oneshot_ar.builder(world, rank, 7168, 64, addend, norm, debug, torch.bfloat16,
-                                    torch.bfloat16)
+    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, debug, torch.bfloat16, torch.bfloat16)
     ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
     ops = _ops(ptx)
-    assert ops["st.release.sys"] == world, ops       # one release flag per destination rank
-    assert ops["ld.acquire.sys"] >= 1 and ops["fence.acq_rel.sys"] >= 1, ops
-    assert ops["atom"] == 1, ops                      # the generation's arrival counter
+    vpt = 7168 // 4 // oneshot_ar.pick_threads(7168)
+    # Lamport poll: one 16-byte volatile load per (chunk, source rank), issued in batches
+    assert ops["ld.volatile.v4"] == vpt * world, ops
+    assert ops["st.v4.sentinel"] >= vpt * world, ops   # reset of the buffer used two generations ago
+    assert ops["atom"] == 1, ops                         # the generation's arrival counter
     assert ops["multimem"] == 0, "multicast instructions must never appear"
-    assert (ops["globaltimer"] > 0) == debug, ops     # spin timeout only in debug builds
+    assert (ops["globaltimer"] > 0) == debug, ops        # poll timeout only in debug builds
     assert ops["ld.local"] == 0 and ops["st.local"] == 0, ops
+
+
+@needs_cute
+@pytest.mark.parametrize("M,world,rank", [(1, 2, 0), (2, 2, 1), (4, 8, 5)])
+def test_gemv_push_epilogue_compiles(M, world, rank, tmp_path):
+    from k3fuse.kernels.cute import decode_gemv
+
+    N, K = 7168, 6144
+    rows, threads = decode_gemv.pick_config(M, N, K)
+    key, build = decode_gemv.builder(M, K, rows, threads, y_dtype=torch.float32,
+                                     push=(world, rank, 64, N))
+    ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
+    ops = _ops(ptx)
+    assert ops["ld.global.v4"] >= (K // 8 // threads) * (rows + M), ops
+    assert ops["st.global.b32"] >= world, ops          # one fp32 store per destination rank
+    assert ops["multimem"] == 0 and ops["ld.local"] == 0, ops
 
 
 def test_no_multicast_anywhere_in_kernels():
@@ -119,15 +138,20 @@ def test_splitk_compiles_for_sm90():
     from k3fuse.kernels.triton import splitk_gemm
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_ym": "i32", "K_SPLIT": "constexpr", "SPLIT_K": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10)}
-    src = triton.compiler.ASTSource(
-        fn=splitk_gemm._splitk_kernel, signature=sig, attrs=attrs,
-        constexprs={"K_SPLIT": 768, "SPLIT_K": 8, "BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128,
-                    "HAS_BIAS": False})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    ptx = k.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
-    assert "atom.global.gpu.acq_rel.add" in ptx
+           "cnt_ptr": "*i32", "push_ptr": "*i64", "gen_ptr": "*i32", "M": "i32", "N": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "K_SPLIT": "constexpr",
+           "SPLIT_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+           "HAS_BIAS": "constexpr", "PUSH_WORLD": "constexpr", "PUSH_RANK": "constexpr",
+           "PUSH_MAXT": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12)}
+    for split, push in ((8, 0), (1, 0), (2, 2), (1, 8)):
+        src = triton.compiler.ASTSource(
+            fn=splitk_gemm._splitk_kernel, signature=sig, attrs=attrs,
+            constexprs={"K_SPLIT": 6144 // split, "SPLIT_K": split, "BLOCK_N": 64, "BLOCK_M": 16,
+                        "BLOCK_K": 128, "HAS_BIAS": False, "PUSH_WORLD": push, "PUSH_RANK": push // 2,
+                        "PUSH_MAXT": 64})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 5})
+        ptx = k.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+        assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1)
+        assert "multimem" not in ptx

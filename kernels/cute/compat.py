@@ -32,6 +32,7 @@ try:  # CuTe DSL is optional: without it the Triton / reference paths run.
     import cutlass  # noqa: F401
     import cutlass.cute as cute
     from cutlass import BFloat16, Float16, Float32, Int32, Int64  # noqa: F401
+    from cutlass._mlir import ir
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -121,6 +122,36 @@ if HAVE_CUTE:
     def globaltimer_ns(*, loc=None, ip=None) -> Int64:
         """%globaltimer in ns, for the debug spin timeout only (coarse, but monotonic)."""
         return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
+
+    SENTINEL = -2147483648  # bit pattern of fp32 -0.0 (0x80000000): "not written yet" (Lamport)
+
+    @dsl_user_op
+    def ld_volatile_v4_b32(ptr, *, loc=None, ip=None):
+        """16-byte volatile load (re-read from memory on every poll), as four 32-bit words."""
+        st = _asm(ir.Type.parse("!llvm.struct<(i32,i32,i32,i32)>"), [_addr(ptr, loc, ip)],
+                  "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+        return tuple(Int32(llvm.extractvalue(T.i32(), st, [i], loc=loc, ip=ip)) for i in range(4))
+
+    @dsl_user_op
+    def any_sentinel4(v0, v1, v2, v3, *, loc=None, ip=None) -> Int32:
+        """1 if any of the four words is the Lamport sentinel 0x80000000, else 0."""
+        args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]
+        return Int32(_asm(T.i32(), args,
+                          "{\n.reg .pred p0, p1, p2, p3;\n"
+                          "setp.eq.s32 p0, $1, 0x80000000;\nsetp.eq.s32 p1, $2, 0x80000000;\n"
+                          "setp.eq.s32 p2, $3, 0x80000000;\nsetp.eq.s32 p3, $4, 0x80000000;\n"
+                          "or.pred p0, p0, p1;\nor.pred p2, p2, p3;\nor.pred p0, p0, p2;\n"
+                          "selp.s32 $0, 1, 0, p0;\n}", "=r,r,r,r,r"))
+
+    @dsl_user_op
+    def st_v4_b32_splat(ptr, val, *, loc=None, ip=None) -> None:
+        """16-byte store of one 32-bit word four times (Lamport buffer reset to the sentinel)."""
+        _asm(None, [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
+             "st.global.v4.u32 [$0], {$1, $1, $1, $1};", "l,r")
+
+    @dsl_user_op
+    def b32_as_f32(v, *, loc=None, ip=None) -> Float32:
+        return Float32(llvm.bitcast(T.f32(), Int32(v).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
     @dsl_user_op
     def prefetch_l2_bulk(ptr, nbytes, *, loc=None, ip=None) -> None:

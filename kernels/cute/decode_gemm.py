@@ -13,6 +13,14 @@ import torch
 from . import compat, decode_gemv
 
 GEMV_MAX_M = int(os.environ.get("K3FUSE_GEMV_MAX_M", "2"))
+# measured exceptions to the crossover (docs/perf.md): the narrow router keeps the GEMV up to M=4
+GEMV_MAX_M_BY_SHAPE = {(896, 7168): 4}
+
+
+def gemv_max_m(N: int, K: int) -> int:
+    if "K3FUSE_GEMV_MAX_M" in os.environ:
+        return GEMV_MAX_M
+    return GEMV_MAX_M_BY_SHAPE.get((N, K), GEMV_MAX_M)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -23,8 +31,9 @@ def gemv_supports(x, weight, bias, out_dtype=None, **_) -> str | None:
     if not compat.available():
         return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"
     x2 = _flat(x)
-    if x2.shape[0] > GEMV_MAX_M:
-        return f"M={x2.shape[0]} > {GEMV_MAX_M} (split-K wins)"
+    lim = gemv_max_m(weight.shape[0], weight.shape[1])
+    if x2.shape[0] > lim:
+        return f"M={x2.shape[0]} > {lim} (split-K measured faster)"
     if not decode_gemv.supports(x2, weight, bias, out_dtype or x.dtype):
         return f"shape/dtype/alignment unsupported (x {tuple(x.shape)} {x.dtype}, w {tuple(weight.shape)})"
     return None
@@ -37,7 +46,7 @@ def gemv_run(x, weight, bias, out_dtype=None, **_):
 
 def best_gemm(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> str:
     """out[M, N] = x2 @ weight.T with the best kernel; returns its name ('' if none applies)."""
-    if compat.available() and x2.shape[0] <= GEMV_MAX_M and decode_gemv.supports(x2, weight, None, out.dtype):
+    if compat.available() and x2.shape[0] <= gemv_max_m(*weight.shape) and decode_gemv.supports(x2, weight, None, out.dtype):
         decode_gemv.run(x2, weight, None, out.dtype, out=out)
         return "cute.gemv"
     try:
@@ -59,7 +68,7 @@ def gemv_warmup(shapes) -> None:
         M, N, K = s["M"], s["N"], s["K"]
         dt = s.get("dtype", torch.bfloat16)
         cfg = decode_gemv.pick_config(M, N, K)
-        if M > GEMV_MAX_M or cfg is None:
+        if M > gemv_max_m(N, K) or cfg is None:
             continue
         key, build = decode_gemv.builder(M, K, *cfg, dt, dt, s.get("out_dtype") or dt,
                                          bool(s.get("bias", False)))

@@ -25,20 +25,30 @@ if compat.HAVE_CUTE:
     class DecodeGemv:
         """One CTA computes `rows` outputs for all M tokens; `threads` stride over K/8 chunks."""
 
-        def __init__(self, M: int, K: int, rows: int, threads: int, has_bias: bool):
+        def __init__(self, M: int, K: int, rows: int, threads: int, has_bias: bool,
+                     push: tuple[int, int] | None = None):
             assert K % VEC == 0 and (K // VEC) % threads == 0 and threads % 32 == 0
             self.M, self.K, self.rows, self.threads, self.has_bias = M, K, rows, threads, has_bias
             self.iters = (K // VEC) // threads
             self.num_warps = threads // 32
+            # push=(world, rank): write fp32 results into slot [rank] of buffer gen%3 of every
+            # rank's Lamport buffer (oneshot_ar.py) instead of mY; never the sentinel -0.0
+            self.push = push
 
         @cute.jit
-        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor, stream):
+        def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor,
+                     d0: cute.Tensor, d1: cute.Tensor, d2: cute.Tensor, d3: cute.Tensor,
+                     d4: cute.Tensor, d5: cute.Tensor, d6: cute.Tensor, d7: cute.Tensor,
+                     gen: cute.Tensor, stream):
             n_blocks = mW.shape[0] // self.rows
-            self.kernel(mX, mW, mB, mY).launch(
+            self.kernel(mX, mW, mB, mY, d0, d1, d2, d3, d4, d5, d6, d7, gen).launch(
                 grid=(n_blocks, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
         @cute.kernel
-        def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor):
+        def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mY: cute.Tensor,
+                   d0: cute.Tensor, d1: cute.Tensor, d2: cute.Tensor, d3: cute.Tensor,
+                   d4: cute.Tensor, d5: cute.Tensor, d6: cute.Tensor, d7: cute.Tensor,
+                   gen: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             warp = cute.arch.warp_idx()
@@ -87,17 +97,33 @@ if compat.HAVE_CUTE:
                 m = tidx - r * M
                 if const_expr(self.has_bias):
                     tot = tot + mB[n0 + r].to(Float32)
-                mY[m, n0 + r] = tot.to(mY.element_type)
+                if const_expr(self.push is None):
+                    mY[m, n0 + r] = tot.to(mY.element_type)
+                else:
+                    datas = [d0, d1, d2, d3, d4, d5, d6, d7]
+                    b = gen[0] % 3
+                    if tot == Float32(0.0):      # -0.0 is the "not written" sentinel
+                        tot = Float32(0.0)
+                    for dst in cutlass.range_constexpr(self.push[0]):
+                        datas[dst][b, self.push[1], m, n0 + r] = tot
 
 
 def pick_config(M: int, N: int, K: int) -> tuple[int, int] | None:
     """(rows, threads) for this shape, or None when the GEMV does not apply.
 
-    threads divides K/8 so the K loop has no tail; rows keeps rows*iters loads per thread
-    modest (register pressure) and divides N.
+    Measured table first (gemv_tuned.py, M rounded up to 1, 2 or 4); otherwise threads divides
+    K/8 so the K loop has no tail and rows keeps rows*iters loads per thread modest.
     """
-    if K % VEC:
+    if K % VEC or M < 1:
         return None
+    from .gemv_tuned import TUNED
+
+    for mm in (1, 2, 4, 8):
+        if mm >= M:
+            cfg = TUNED.get((N, K, mm))
+            if cfg is not None and N % cfg[0] == 0 and cfg[0] * M <= 32 and (K // VEC) % cfg[1] == 0:
+                return cfg
+            break
     chunks = K // VEC
     threads = next((t for t in (128, 256, 192, 224, 160, 96, 64, 32) if chunks % t == 0 and chunks // t <= 12), None)
     if threads is None:
@@ -109,26 +135,45 @@ def pick_config(M: int, N: int, K: int) -> tuple[int, int] | None:
     return None
 
 
-def _key(M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias):
-    return ("decode_gemv", M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias)
-
-
-def _build(M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias):
-    C = compat.TORCH2CUTE
-    n = cute.sym_int()
-    x = compat.fake_tensor(C[x_dtype], (M, K), (K, 1))
-    w = compat.fake_tensor(C[w_dtype], (n, K), (K, 1))
-    b = compat.fake_tensor(C[b_dtype], (cute.sym_int(),), (1,), align=b_dtype.itemsize)
-    y = compat.fake_tensor(C[y_dtype], (M, cute.sym_int()), (cute.sym_int64(), 1), align=y_dtype.itemsize)
-    return DecodeGemv(M, K, rows, threads, has_bias), x, w, b, y, compat.fake_stream()
-
-
 def builder(M, K, rows, threads, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16,
-            y_dtype=torch.bfloat16, has_bias=False, b_dtype=None):
-    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu."""
+            y_dtype=torch.bfloat16, has_bias=False, b_dtype=None, push=None):
+    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu.
+
+    push=(world, rank, max_tokens, N): compile the Lamport-push epilogue (N static then).
+    """
     b_dtype = b_dtype or w_dtype
-    args = (M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias)
-    return _key(*args), (lambda: _build(*args))
+    key = ("decode_gemv", M, K, rows, threads, x_dtype, w_dtype, b_dtype, y_dtype, has_bias, push)
+
+    def build():
+        C = compat.TORCH2CUTE
+        n = cute.sym_int() if push is None else push[3]
+        x = compat.fake_tensor(C[x_dtype], (M, K), (K, 1))
+        w = compat.fake_tensor(C[w_dtype], (n, K), (K, 1))
+        b = compat.fake_tensor(C[b_dtype], (cute.sym_int(),), (1,), align=b_dtype.itemsize)
+        y = compat.fake_tensor(C[y_dtype], (M if push is None else cute.sym_int(), cute.sym_int()),
+                               (cute.sym_int64(), 1), align=y_dtype.itemsize)
+        if push is None:
+            ds = [compat.fake_tensor(cutlass.Float32, (cute.sym_int(),), (1,), align=4) for _ in range(8)]
+        else:
+            W, _, MT, N = push
+            ds = [compat.fake_tensor(cutlass.Float32, (3, W, MT, N), (W * MT * N, MT * N, N, 1))
+                  for _ in range(8)]
+        gen = compat.fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
+        k = DecodeGemv(M, K, rows, threads, has_bias, None if push is None else push[:2])
+        return (k, x, w, b, y, *ds, gen, compat.fake_stream())
+
+    return key, build
+
+
+_dummy: dict = {}
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    """A 16-byte-aligned int32 scratch tensor for the unused push arguments."""
+    t = _dummy.get(device)
+    if t is None:
+        t = _dummy[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return t
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> bool:
@@ -151,12 +196,16 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias) through the compiled GEMV (call `supports` first)."""
+        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+        config: tuple[int, int] | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias) through the compiled GEMV (call `supports` first).
+
+    `config` = (rows, threads) overrides the table (sweeps only).
+    """
     out_dtype = out_dtype or x.dtype
     M, K = x.shape
     N = weight.shape[0]
-    rows, threads = pick_config(M, N, K)
+    rows, threads = config or pick_config(M, N, K)
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 1 and x.stride(0) != K:   # a size-1 dim may carry any stride; the kernel's is static
@@ -164,5 +213,23 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     has_bias = bias is not None
     b = bias if has_bias else weight[0, :1]
     key, build = builder(M, K, rows, threads, x.dtype, weight.dtype, out.dtype, has_bias, b.dtype)
-    compat.compiled(key, build)(x, weight, b, out)
+    sc = _scratch(x.device)
+    scf = sc.view(torch.float32)
+    compat.compiled(key, build)(x, weight, b, out, *([scf] * 8), sc)
     return out
+
+
+def run_push(x: torch.Tensor, weight: torch.Tensor, datas: list[torch.Tensor], gen: torch.Tensor,
+             rank: int, max_tokens: int) -> None:
+    """Lamport push: y = x @ weight.T written (fp32) into slot [rank] of every rank's buffer."""
+    M, K = x.shape
+    N = weight.shape[0]
+    W = len(datas)
+    rows, threads = pick_config(M, N, K)
+    if M == 1 and x.stride(0) != K:
+        x = x.as_strided((1, K), (K, 1))
+    scf = _scratch(x.device).view(torch.float32)
+    key, build = builder(M, K, rows, threads, x.dtype, weight.dtype, torch.float32, False, weight.dtype,
+                         push=(W, rank, max_tokens, N))
+    padded = list(datas) + [datas[rank]] * (8 - W)
+    compat.compiled(key, build)(x, weight, weight[0, :1], scf.view(1, 4), *padded, gen)

@@ -1,10 +1,13 @@
-"""gemm_ar_residual(_rmsnorm) on CUDA: decode GEMM into a local fp32 stage, then the CuTe
-one-shot push/flag all-reduce with the residual (+ RMSNorm) epilogue (oneshot_ar.py).
+"""gemm_ar_residual(_rmsnorm) on CUDA: decode GEMM with a Lamport push epilogue, then the CuTe
+one-shot all-reduce epilogue kernel (poll, fixed-order sum, residual, RMSNorm; oneshot_ar.py).
 
-Why two kernels and not one: the GEMM grid (hundreds of CTAs) is not co-resident, so a CTA of it
-cannot wait for the whole row's partials; the second kernel has one CTA per token, which waits only
-on peers. Multicast is never used (peer pointers from symmetric memory, see symm_workspace.py).
-Set K3FUSE_AR_TIMEOUT_MS=<ms> for a debug build whose spin loops give up after that long and report
+Why this split: the GEMM grid (hundreds of CTAs) is not co-resident, so no CTA of it can wait for
+a whole row; instead every GEMM CTA pushes its fp32 outputs into every rank's symmetric buffer
+while the weights stream (remote writes overlap the GEMM), and a second kernel of one CTA per
+token polls only local memory. No fence/flag round trip, no multicast (unicast peer pointers from
+torch symmetric memory, symm_workspace.py). GEMM: the CuTe GEMV (few tokens) or the Triton
+split-K kernel, chosen as for decode_gemm.
+Set K3FUSE_AR_TIMEOUT_MS=<ms> for a debug build whose polls give up after that long and report
 it (RuntimeError from `check_timeout`) instead of hanging.
 """
 from __future__ import annotations
@@ -16,11 +19,10 @@ import torch.distributed as dist
 
 from . import compat, decode_gemm, decode_gemv, oneshot_ar
 
-_TIMEOUT_MS = float(os.environ.get("K3FUSE_AR_TIMEOUT_MS", "0") or 0)
-
-
 def _debug() -> tuple[bool, int]:
-    return _TIMEOUT_MS > 0, int(_TIMEOUT_MS * 1e6)
+    """(debug build?, timeout in ns) from K3FUSE_AR_TIMEOUT_MS (read per call; part of the key)."""
+    ms = float(os.environ.get("K3FUSE_AR_TIMEOUT_MS", "0") or 0)
+    return ms > 0, int(ms * 1e6)
 
 
 def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) -> str | None:
@@ -47,18 +49,23 @@ def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) ->
     if T > max_tokens:
         return f"tokens {T} > max_tokens {max_tokens}"
     x2 = x.reshape(-1, x.shape[-1])
-    if not (decode_gemv.supports(x2, weight, None, torch.float32) and x2.shape[0] <= decode_gemm.GEMV_MAX_M):
-        try:
-            from ..triton import splitk_gemm
-            ok = splitk_gemm.supports(x2, weight, None, torch.float32)
-        except Exception:
-            ok = False
-        if not ok and not decode_gemv.supports(x2, weight, None, torch.float32):
-            return f"no decode GEMM kernel for x {tuple(x2.shape)} w {tuple(weight.shape)}"
+    if _gemm_path(x2, weight) is None:
+        return f"no decode GEMM kernel with a push epilogue for x {tuple(x2.shape)} w {tuple(weight.shape)}"
     for t in (x, residual, addend, norm_weight):
         if t is not None and t.data_ptr() % 16:
             return "a tensor is not 16-byte aligned"
     return None
+
+
+def _gemm_path(x2, weight) -> str | None:
+    if (compat.available() and x2.shape[0] <= decode_gemm.gemv_max_m(*weight.shape)
+            and decode_gemv.supports(x2, weight, None, torch.float32)):
+        return "gemv"
+    try:
+        from ..triton import splitk_gemm
+    except Exception:
+        return None
+    return "splitk" if splitk_gemm.supports(x2, weight, None, torch.float32) else None
 
 
 def _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens):
@@ -68,8 +75,14 @@ def _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, 
     x2 = x.reshape(-1, K)
     T, H = x2.shape[0], weight.shape[0]
     ws = get_workspace(group_name, world_size, max_tokens, H, x.device)
-    stage = ws.stage[:T]
-    if not decode_gemm.best_gemm(x2, weight, stage):
+    path = _gemm_path(x2, weight)
+    if path == "gemv":
+        decode_gemv.run_push(x2, weight, ws.datas, ws.gen, ws.rank, max_tokens)
+    elif path == "splitk":
+        from ..triton import splitk_gemm
+
+        splitk_gemm.run(x2, weight, None, torch.float32, push=(ws.ptrs, ws.gen, ws.rank, max_tokens))
+    else:
         raise RuntimeError(f"no decode GEMM kernel for x {tuple(x2.shape)} w {tuple(weight.shape)}")
     res2 = residual.reshape(T, H)
     out = torch.empty_like(res2)
@@ -77,12 +90,11 @@ def _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, 
     normed = torch.empty_like(res2) if has_norm else out
     debug, timeout_ns = _debug()
     nw = norm_weight if has_norm else res2[0]
-    key, build = oneshot_ar.builder(ws.world, ws.rank, H, max_tokens, addend is not None, has_norm,
-                                    debug, res2.dtype, nw.dtype)
+    key, build = oneshot_ar.builder(ws.world, H, max_tokens, addend is not None, has_norm, debug,
+                                    res2.dtype, nw.dtype)
     fn = compat.compiled(key, build)
-    fn(stage, *ws.padded(ws.datas, oneshot_ar.MAX_WORLD), *ws.padded(ws.flags, oneshot_ar.MAX_WORLD),
-       ws.gen, res2, addend.reshape(T, H) if addend is not None else res2, nw, out, normed, ws.err,
-       float(eps), timeout_ns)
+    fn(ws.datas[ws.rank], ws.gen, res2, addend.reshape(T, H) if addend is not None else res2, nw,
+       out, normed, ws.err, float(eps), timeout_ns)
     out = out.view(residual.shape)
     return (out, normed.view(residual.shape)) if has_norm else out
 
@@ -93,8 +105,8 @@ def check_timeout(group_name: str, max_tokens: int, hidden: int, device: torch.d
 
     ws = _workspaces.get((group_name, device.index, max_tokens, hidden))
     if ws is not None and int(ws.err.item()) != 0:
-        raise RuntimeError(f"one-shot all-reduce: rank {ws.rank} timed out waiting for source rank "
-                           f"{int(ws.err.item()) - 1}")
+        raise RuntimeError(f"one-shot all-reduce: rank {ws.rank} timed out waiting for its peers' "
+                           "partials (K3FUSE_AR_TIMEOUT_MS)")
 
 
 # --- dispatcher entry points (arguments in schema order) ----------------------------------------

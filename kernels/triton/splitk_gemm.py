@@ -29,10 +29,30 @@ MAX_M = 64
 if HAVE_TRITON:
 
     @triton.jit
-    def _splitk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    def _store_out(total, b_ptr, y_ptr, stride_ym, offs_n, offs_m, m_mask, N, push_ptr, gen_ptr,
+                   HAS_BIAS: tl.constexpr, PUSH_WORLD: tl.constexpr, PUSH_RANK: tl.constexpr,
+                   PUSH_MAXT: tl.constexpr):
+        if HAS_BIAS:
+            total += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
+        if PUSH_WORLD == 0:
+            y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_mask[None, :])
+        else:
+            # Lamport push (kernels/cute/oneshot_ar.py): fp32 into slot [rank] of buffer gen%3
+            # of every rank; -0.0 is the "not written" sentinel, so write +0.0 instead
+            buf = tl.load(gen_ptr) % 3
+            val = tl.where(total == 0.0, 0.0, total)
+            off = ((buf * PUSH_WORLD + PUSH_RANK) * PUSH_MAXT + offs_m[None, :]) * N + offs_n[:, None]
+            for r in tl.static_range(PUSH_WORLD):
+                base = tl.load(push_ptr + r).to(tl.pointer_type(tl.float32))
+                tl.store(base + off, val, mask=m_mask[None, :])
+
+    @triton.jit
+    def _splitk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, push_ptr, gen_ptr,
                        M, N, stride_xm, stride_wn, stride_ym,
                        K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PUSH_WORLD: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_MAXT: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,11 +69,9 @@ if HAVE_TRITON:
             acc = tl.dot(w, xt, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
         if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :])
+            _store_out(acc, b_ptr, y_ptr, stride_ym, offs_n, offs_m, m_mask, N, push_ptr, gen_ptr,
+                       HAS_BIAS, PUSH_WORLD, PUSH_RANK, PUSH_MAXT)
         else:
             ws_tile = ws_ptr + offs_m[None, :] * N + offs_n[:, None]   # [S, M, N], n contiguous
             tl.store(ws_tile + pid_k * M * N, acc, mask=m_mask[None, :])
@@ -64,19 +82,19 @@ if HAVE_TRITON:
                 for s in tl.static_range(SPLIT_K):   # fixed order: deterministic
                     total += tl.load(ws_tile + s * M * N, mask=m_mask[None, :], other=0.0,
                                      cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
-                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_mask[None, :])
+                _store_out(total, b_ptr, y_ptr, stride_ym, offs_n, offs_m, m_mask, N, push_ptr,
+                           gen_ptr, HAS_BIAS, PUSH_WORLD, PUSH_RANK, PUSH_MAXT)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
-    """BLOCK_N, SPLIT_K, warps, stages for a shape; None when unsupported.
+    """BLOCK_N, BLOCK_K, SPLIT_K, warps, stages for a shape; None when unsupported.
 
-    Enough CTAs to stream the weights from every SM (about 4-8 per SM), each with at least
-    two K blocks; BLOCK_N 64 keeps the wgmma M dimension full.
+    The measured table (splitk_tuned.py) first. Otherwise what the H200 sweep showed wins: one
+    CTA per SM streaming a 64-column tile through a 5-stage cp.async pipeline, K split only as
+    far as needed to give about one CTA per SM (each split keeping >= 2 K blocks).
     """
-    if K % BLOCK_K or M > MAX_M:
+    if K % BLOCK_K or M > MAX_M or M < 1:
         return None
     tuned = _tuned(M, N, K)
     if tuned is not None:
@@ -88,10 +106,10 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     kb = K // BLOCK_K
     split = 1
     for s in range(1, kb + 1):
-        if kb % s == 0 and kb // s >= 2 and tiles * s <= 8 * sms:
+        if kb % s == 0 and kb // s >= 2 and tiles * s <= sms:
             split = s
     return dict(BLOCK_N=block_n, SPLIT_K=split, BLOCK_M=_block_m(M), BLOCK_K=BLOCK_K, num_warps=4,
-                num_stages=4)
+                num_stages=5)
 
 
 def _block_m(M: int) -> int:
@@ -125,6 +143,16 @@ def _workspace(device: torch.device, N: int, split: int):
     return ws
 
 
+_scratch_t: dict = {}
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    t = _scratch_t.get(device)
+    if t is None:
+        t = _scratch_t[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return t
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> bool:
     if not HAVE_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
         return False
@@ -144,24 +172,31 @@ def _num_sms(index: int) -> int:
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-        config: dict | None = None) -> torch.Tensor:
+        config: dict | None = None, push: tuple | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias); push=(ptr_table int64[W], gen int32, rank, max_tokens) writes
+    fp32 into every rank's Lamport buffer instead (see kernels/cute/oneshot_ar.py)."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = config or pick_config(M, N, K, _num_sms(x.device.index or 0))
     if out is None:
-        out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+        out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device) if push is None else x
     split = cfg["SPLIT_K"]
     if split > 1:
         ws, cnt = _workspace(x.device, N, split)
     else:
-        ws, cnt = out, out
+        ws, cnt = out, _scratch(x.device)
     bk = cfg.get("BLOCK_K", BLOCK_K)
     grid = (N // cfg["BLOCK_N"], split)
+    if push is None:
+        ptrs, gen, pw, pr, pm = cnt, cnt, 0, 0, 1
+    else:
+        ptrs, gen, pr, pm = push
+        pw = ptrs.numel()
     _splitk_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, ws, cnt,
+        x, weight, bias if bias is not None else weight, out, ws, cnt, ptrs, gen,
         M, N, x.stride(0), weight.stride(0), out.stride(0),
         K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_K=bk, HAS_BIAS=bias is not None,
+        BLOCK_K=bk, HAS_BIAS=bias is not None, PUSH_WORLD=pw, PUSH_RANK=pr, PUSH_MAXT=pm,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

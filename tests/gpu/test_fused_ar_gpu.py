@@ -164,12 +164,61 @@ def _body(rank, world, dist):
         assert impls and set(impls) == {"cute.oneshot_ar"}, f"{op}: {impls}"
 
 
-def test_fused_ar_tp2(tmp_path):
+def _timeout_body(rank, world, dist):
+    """Debug build: rank 1 never calls the op, rank 0's poll must give up and report it."""
+    import k3fuse.kernels  # noqa: F401
+    from k3fuse.kernels.cute import gemm_ar_residual as g
+
+    os.environ["K3FUSE_AR_TIMEOUT_MS"] = "200"
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name
+    w = torch.randn(H, P, device=dev, dtype=torch.bfloat16) / P ** 0.5
+    x = torch.randn(2, P, device=dev, dtype=torch.bfloat16)
+    res = torch.randn(2, H, device=dev, dtype=torch.bfloat16)
+    from k3fuse.kernels.symm_workspace import get_workspace
+
+    get_workspace(group, world, MAX_T, H, dev)  # collective: both ranks
+    dist.barrier()
+    if rank == 0:
+        out = torch.ops.k3fuse.gemm_ar_residual(x, w, res, None, group, world, MAX_T)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="timed out"):
+            g.check_timeout(group, MAX_T, H, dev)
+        del out
+    dist.barrier()
+
+
+def _timeout_worker(rank, world, port, errfile):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
+                          NVSHMEM_DISABLE_NVLS="1")
+        torch.cuda.set_device(rank)
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        _timeout_body(rank, world, dist)
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{errfile}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _spawn(fn, tmp_path):
     import torch.multiprocessing as mp
 
     errfile = str(tmp_path / "err")
     try:
-        mp.spawn(_worker, args=(2, _port(), errfile), nprocs=2, join=True)
+        mp.spawn(fn, args=(2, _port(), errfile), nprocs=2, join=True)
     except Exception:
         msgs = [open(f"{errfile}.{r}").read() for r in range(2) if os.path.exists(f"{errfile}.{r}")]
         pytest.fail("worker failed:\n" + "\n".join(msgs))
+
+
+def test_fused_ar_tp2(tmp_path):
+    _spawn(_worker, tmp_path)
+
+
+def test_debug_spin_timeout(tmp_path):
+    _spawn(_timeout_worker, tmp_path)
