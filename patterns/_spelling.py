@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from k3fuse.guards import GuardFailure
 from k3fuse.rule import PatternSpec
 
-#: trunk dtypes the rules trace patterns for (the fused ops accept exactly these)
-TRUNK_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+#: trunk dtypes the rules trace patterns for and accept (K3 ships a bf16 trunk; fp32 for tests)
+TRUNK_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 #: the decode token range every fused op is built for
 MAX_DECODE_TOKENS = 64
 GROUP = "tp"  # example group name: a literal wildcard, the graph's own name is captured
@@ -49,12 +49,19 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def per_dtype(name: str, fn: Callable[..., Any],
               example: Callable[[torch.dtype], tuple[Any, ...]]) -> list[PatternSpec]:
-    """One PatternSpec per trunk dtype: `example(dtype)` builds the example inputs."""
+    """One PatternSpec per trunk dtype, for spellings with casts (`.float()`, `.to(x.dtype)`), whose
+    ATen differs by dtype: `example(dtype)` builds the example inputs."""
     specs = []
     for dtype in TRUNK_DTYPES:
         suffix = "" if dtype == torch.float32 else f"[{str(dtype).removeprefix('torch.')}]"
         specs.append(PatternSpec(name + suffix, fn, lambda dtype=dtype: example(dtype)))
     return specs
+
+
+def cast_free(name: str, fn: Callable[..., Any],
+              example: Callable[[torch.dtype], tuple[Any, ...]]) -> list[PatternSpec]:
+    """A spelling without casts traces to the same ATen in every dtype: one PatternSpec."""
+    return [PatternSpec(name, fn, lambda: example(torch.float32))]
 
 
 def base_variant(variant: str) -> str:
@@ -94,4 +101,4 @@ def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
 
 
 __all__ = ["TRUNK_DTYPES", "MAX_DECODE_TOKENS", "GROUP", "rms_norm", "situ_glu", "all_reduce_sum", "linear",
-           "per_dtype", "base_variant", "randn", "dtype_of", "trunk_dtype", "erase_dead"]
+           "per_dtype", "cast_free", "base_variant", "randn", "dtype_of", "trunk_dtype", "erase_dead"]

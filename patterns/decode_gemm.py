@@ -21,7 +21,7 @@ from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import base_variant, per_dtype, randn, trunk_dtype
+from ._spelling import base_variant, cast_free, per_dtype, randn, trunk_dtype
 
 T, K, N = 4, 16, 8  # example shapes
 
@@ -56,10 +56,10 @@ class DecodeGemm(Rule):
                                                                               randn(N, K, dtype=d)))
                          if s.name != "fp32_out"]  # in an fp32 trunk the router is a plain linear
         return [
-            *per_dtype("linear+bias", _linear_bias, lambda d: (randn(T, K, dtype=d), randn(N, K, dtype=d),
+            *cast_free("linear+bias", _linear_bias, lambda d: (randn(T, K, dtype=d), randn(N, K, dtype=d),
                                                                randn(N, dtype=d))),
             *low_precision,
-            *per_dtype("linear", _linear, lambda d: (randn(T, K, dtype=d), randn(N, K, dtype=d))),
+            *cast_free("linear", _linear, lambda d: (randn(T, K, dtype=d), randn(N, K, dtype=d))),
         ]
 
     def find(self, graph: fx.Graph, ctx: DecodeContext) -> list[Match]:

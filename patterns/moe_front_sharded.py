@@ -29,7 +29,7 @@ from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches
 from k3fuse.normalize import skip_transparent, value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import TRUNK_DTYPES, dtype_of, per_dtype, randn, trunk_dtype
+from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, per_dtype, randn, trunk_dtype
 from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
@@ -51,7 +51,7 @@ def _router_patterns() -> tuple[CompiledPattern, ...]:
 
 @functools.cache
 def _linear_patterns() -> tuple[CompiledPattern, ...]:
-    return tuple(compile_pattern(s) for s in per_dtype("latent", _linear, lambda d: (randn(T, H, dtype=d),
+    return tuple(compile_pattern(s) for s in cast_free("latent", _linear, lambda d: (randn(T, H, dtype=d),
                                                                                    randn(L, H, dtype=d))))
 
 

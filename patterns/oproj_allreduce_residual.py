@@ -23,7 +23,7 @@ from k3fuse.guards import (GuardFailure, decode_token_range, failures, static_we
                            tp_at_least)
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import GROUP, all_reduce_sum, base_variant, linear, per_dtype, randn, rms_norm, trunk_dtype
+from ._spelling import GROUP, all_reduce_sum, base_variant, cast_free, linear, per_dtype, randn, rms_norm, trunk_dtype
 
 T, K, H = 4, 8, 16  # example shapes: tokens, local reduction width, hidden
 
@@ -67,8 +67,8 @@ class OProjAllReduceResidual(Rule):
         return [
             *per_dtype("plain+norm", _residual_norm, lambda d: ex(d, False, True)),
             *per_dtype("moe+norm", _moe_norm, lambda d: ex(d, True, True)),
-            *per_dtype("attnres", _residual, lambda d: ex(d, False, False)),
-            *per_dtype("moe", _moe, lambda d: ex(d, True, False)),
+            *cast_free("attnres", _residual, lambda d: ex(d, False, False)),
+            *cast_free("moe", _moe, lambda d: ex(d, True, False)),
         ]
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
