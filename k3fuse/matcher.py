@@ -306,48 +306,60 @@ def _exclusive(st: _State) -> set[fx.Node]:
     return {n for n in (*st.claimed, *st.passed) if not _layout_only(n)}
 
 
+def _dtype_agreement(pattern: CompiledPattern, st: _State) -> int:
+    """How many bound inputs have the dtype of the pattern's example input (a tie-breaker)."""
+    score = 0
+    for ph, name in pattern.placeholder_names.items():
+        bound = st.inputs.get(name)
+        pv, gv = ph.meta.get("val"), bound.meta.get("val") if bound is not None else None
+        if isinstance(pv, torch.Tensor) and isinstance(gv, torch.Tensor) and pv.dtype == gv.dtype:
+            score += 1
+    return score
+
+
 def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overlap: bool = False) -> list[Match]:
     """Matches of `patterns` in `graph`, earliest output first.
 
-    Larger patterns are tried first (ties in the given order), so a specific variant (linear with
-    bias + residual) wins over a smaller one that also fits part of the site (bias taken for the
-    residual). Without `overlap`, a graph node belongs to at most one returned (unrefused) match.
-    Refused matches (interior used outside) are returned too, with `refused` set.
+    Where variants compete for a site the most specific wins: the larger pattern (a linear with
+    bias + residual beats a plain one that takes the bias for the residual), then the variant
+    whose example dtypes agree with the graph's values (patterns traced per trunk dtype), then the
+    listed order. Without `overlap`, a graph node belongs to at most one returned (unrefused)
+    match. Refused matches (interior used outside) are returned too, with `refused` set.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_key: dict[Any, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op == "call_function":
             by_key.setdefault(normalize.canonical(n)[0], []).append(n)
-    taken: set[fx.Node] = set()
-    found: list[Match] = []
-    refused_at: set[fx.Node] = set()
-    by_size = sorted(patterns, key=lambda p: -sum(1 for n in p.graph.nodes if n.op == "call_function"))
-    for pattern in by_size:
+    accepted: list[tuple[tuple[int, int, int], CompiledPattern, _State]] = []
+    refusals: dict[fx.Node, tuple[tuple[int, int, int], CompiledPattern, _State, GuardFailure]] = {}
+    for index, pattern in enumerate(patterns):
         m = _Matcher(pattern)
-        anchor_key = m.keys[pattern.outputs[0]]
-        for gn in by_key.get(anchor_key, ()):
-            if gn in taken:
-                continue
+        size = sum(1 for n in pattern.graph.nodes if n.op == "call_function")
+        for gn in by_key.get(m.keys[pattern.outputs[0]], ()):
             refusal: tuple[_State, GuardFailure] | None = None
-            accepted: _State | None = None
             for st in m.match_at(gn, by_key):
-                if not overlap and _exclusive(st) & taken:
-                    continue
-                outs = {st.nodes[p] for p in pattern.outputs}
-                escape = _interior_escape(st, outs)
+                escape = _interior_escape(st, {st.nodes[p] for p in pattern.outputs})
                 if escape is None:
-                    accepted = st
+                    accepted.append(((size, _dtype_agreement(pattern, st), -index), pattern, st))
+                    refusal = None
                     break
                 refusal = refusal or (st, escape)
-            if accepted is not None:
-                found.append(_to_match(graph, pattern, accepted, order))
-                if not overlap:
-                    taken |= _exclusive(accepted)
-            elif refusal is not None and gn not in refused_at:
-                refused_at.add(gn)
-                found.append(_to_match(graph, pattern, refusal[0], order, refused=refusal[1]))
-    found = [f for f in found if f.refused is None or not (set(f.nodes) & taken)]
+            if refusal is not None:
+                score = (size, _dtype_agreement(pattern, refusal[0]), -index)
+                if gn not in refusals or refusals[gn][0] < score:
+                    refusals[gn] = (score, pattern, refusal[0], refusal[1])
+    found: list[Match] = []
+    taken: set[fx.Node] = set()
+    for _, pattern, st in sorted(accepted, key=lambda c: c[0], reverse=True):
+        own = _exclusive(st)
+        if not overlap and own & taken:
+            continue
+        taken |= own
+        found.append(_to_match(graph, pattern, st, order))
+    for _, pattern, st, failure in refusals.values():
+        if not _exclusive(st) & taken:
+            found.append(_to_match(graph, pattern, st, order, refused=failure))
     found.sort(key=lambda mt: order[mt.outputs[0]])
     return found
 

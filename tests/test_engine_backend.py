@@ -86,3 +86,7 @@ def test_backend_found_by_name_without_importing_k3fuse(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
+    events = [json.loads(x) for x in (tmp_path / "sub.jsonl").read_text().splitlines()]
+    from k3fuse.pipeline import default_rules
+    assert {e["door"] for e in events} == {"backend.eager"}
+    assert {e["rule"] for e in events} == {r.name for r in default_rules()}  # every K3 rule decided something

@@ -185,3 +185,17 @@ def test_unused_literal_argument_is_a_clear_error():
     spec = PatternSpec("bad", lambda x, eps: x * 2, lambda: (torch.randn(4), 1e-6))
     with pytest.raises(ValueError, match="literal argument 'eps'"):
         compile_pattern(spec)
+
+
+def test_same_structure_variants_prefer_the_graph_dtype():
+    def lin(x, w):
+        return F.linear(x, w)
+
+    specs = [PatternSpec(f"lin[{d}]", lin, lambda d=d: (torch.randn(4, 8, dtype=d), torch.randn(16, 8, dtype=d)))
+             for d in (torch.float32, torch.bfloat16)]
+    patterns = [compile_pattern(s) for s in specs]
+    for dtype in (torch.float32, torch.bfloat16):
+        g = trace(lambda x, w: torch.tanh(F.linear(x, w)), torch.randn(4, 8, dtype=dtype),
+                  torch.randn(16, 8, dtype=dtype))
+        (m,) = find_matches(g, patterns)
+        assert m.variant == f"lin[{dtype}]"
