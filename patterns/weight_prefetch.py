@@ -9,7 +9,8 @@ Rewrite: for every all_reduce whose wait_tensor is still in the graph after the 
     h = all_reduce(t); k3fuse.l2_prefetch(h, [W...], budget_bytes); y = wait_tensor(h)
 where [W...] are the static weights read by the nodes that depend on y, in the order they are read,
 up to and including the next synchronisation point (the next collective or fused collective op),
-within `budget_bytes`. Weight-only rule: only static placeholders are listed; the handle h is an
+listed until they cover `budget_bytes` (the op prefetches in list order and stops at the budget, so a
+weight larger than what is left is prefetched in part). Weight-only rule: only static placeholders are listed; the handle h is an
 ordering anchor, never read (the engine's verifier checks both after the rule).
 """
 from __future__ import annotations
@@ -91,15 +92,15 @@ class WeightPrefetch(Rule):
                 continue
             chosen, total = [], 0
             for w in next_static_weights(waits[0]):
-                if total + _nbytes(w) > self.budget_bytes:
+                if total >= self.budget_bytes:
                     break
                 chosen.append(w)
                 total += _nbytes(w)
             m = Match(variant="all_reduce", graph=graph, inputs={"collective": ar}, scalars={},
                       outputs=[waits[0]], nodes=[])
             if not chosen:
-                m.refused = GuardFailure("site", "no_static_weights", "no static weight of the next consumers "
-                                         "fits the budget", {"collective": ar.name, "budget_bytes": self.budget_bytes})
+                m.refused = GuardFailure("site", "no_static_weights", "the collective's consumers read no static "
+                                         "weight before the next sync point", {"collective": ar.name})
             self._weights[id(m)] = chosen
             found.append(m)
         return found

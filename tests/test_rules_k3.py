@@ -13,6 +13,18 @@ below read them. What is proved:
 * strict mode raises outside the guarded range (dynamic token dim called with 65 tokens);
 * top-k selection after moe_front_sharded is identical on every rank;
 * Inductor's generated code launches the shared-expert fork before the routed experts.
+
+Expected applied rewrites per layer (tiny K3 stack, residual "plain" and "attnres" alike):
+
+    rule                      TP=1  TP=2  TP=4  variant per layer
+    oproj_allreduce_residual    0     2     2   plain: plain+norm, moe+norm | attnres: attnres, moe
+    moe_front_sharded           0     1     1   router+latent
+    shared_expert_stream        1     1     1   TP>=2: gate_up (rule 1 took W_down) | TP=1: mlp
+    decode_gemm                11     8     8   q k v g f_a f_b(+dt_bias) b W_up; TP=1 also W_o, router, W_down
+    weight_prefetch             0     1     1   the routed-latent all-reduce (the only one left)
+
+At TP=1 oproj and moe_front are rejected by their contract guard (tp >= 2) and logged.
+`expected_per_layer` below is this table, plus the one-rule-disabled columns.
 """
 from __future__ import annotations
 
@@ -358,6 +370,7 @@ def test_multicast_policy_is_a_logged_guard(tp2):
         mc = out["multicast"]
         (req,) = [e for e in mc["require"]["rejected"] if e["rule"] == "oproj_allreduce_residual"]
         assert req["level"] == "contract" and req["guard"] == "multicast"
+        assert req["reason"] == "multicast required but unavailable: no CUDA device"
         assert req["values"] == {"policy": "require", "reason": "unavailable: no CUDA device"}
         assert mc["require"]["summary"]["oproj_allreduce_residual"]["applied"] == 0
         (sw,) = [e for e in mc["require+switch"]["rejected"] if e["rule"] == "oproj_allreduce_residual"]
@@ -381,6 +394,7 @@ def test_more_than_64_tokens_is_rejected_with_values(tp2):
             assert len(rejected) == n, rule
             for e in rejected:
                 assert e["guard"] == "token_range" and e["level"] == "site"
+                assert e["reason"] == "tokens outside the context's token range"
                 assert e["values"]["tokens"] == 65 and list(e["values"]["range"]) == [1, 64]
 
 
@@ -426,6 +440,7 @@ def test_moe_front_topk_identical_on_every_rank_and_e_divisibility(request, tp_n
         bad = out["front_bad_e"]
         (e,) = [e for e in bad["rejected"] if e["rule"] == "moe_front_sharded"]
         assert e["guard"] == "divisible" and e["values"] == {"n_experts": 4 * tp + 1, "by": tp}
+        assert e["reason"] == f"n_experts is not divisible by {tp}"
         assert bad["summary"]["moe_front_sharded"]["applied"] == 0
 
 
@@ -446,6 +461,7 @@ def test_tp1_counts_guards_and_numbers():
         for rule in ("oproj_allreduce_residual", "moe_front_sharded"):
             (e,) = [e for e in res["rejected"] if e["rule"] == rule]
             assert (e["level"], e["guard"], e["values"]) == ("contract", "tp_size", {"tp_size": 1, "minimum": 2})
+            assert e["reason"] == "needs tp >= 2"
         comp = _compile_door(model, xs, ctx)
         assert _applied(comp["summary"]) == expected_total(1, N_LAYERS)
         assert comp["out_err"] < TOL and comp["fallbacks"] == {}

@@ -108,6 +108,18 @@ def test_k3_rules_pass_the_verifier_and_prefetch_only_static_weights(k3_program,
         assert [w.name.rsplit("_", 2)[-2:] for w in weights[:2]] == [["norm", "weight"], ["w", "up"]]
 
 
+def test_prefetch_list_follows_read_order_up_to_the_budget(k3_program, k3_graph):
+    _, ctx = k3_program
+    run_pipeline(k3_graph, ctx, rules=[WeightPrefetch(budget_bytes=1)])
+    prefetches = [n for n in k3_graph.graph.nodes if op_qualname(n) == "k3fuse::l2_prefetch"]
+    assert len(prefetches) == 3 * 2  # nothing fused: KDA, latent and shared all-reduce of both layers
+    for node in prefetches:
+        handle, weights, budget = node.args
+        assert budget == 1 and len(weights) == 1  # the first weight read after the wait already covers it
+    latent = prefetches[1]
+    assert latent.args[1][0].name.endswith("latent_norm_weight")
+
+
 def test_prefetch_of_an_activation_is_rejected_naming_the_node(k3_program, k3_graph):
     _, ctx = k3_program
     activation = _first(k3_graph, compat.ALL_REDUCE).args[0].name  # the partial sum being reduced
