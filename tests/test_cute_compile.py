@@ -61,14 +61,15 @@ def test_gemv_compiles_to_ptx(M, N, K, out_dtype, tmp_path):
 
 
 @needs_cute
-@pytest.mark.parametrize("world,addend,norm,debug", [
-    (2, False, True, False), (2, True, True, True), (2, True, False, False),
-    (8, False, True, False), (4, True, False, True),
+@pytest.mark.parametrize("world,addend,norm,debug,pdl", [
+    (2, False, True, False, True), (2, True, True, True, True), (2, True, False, False, False),
+    (8, False, True, False, False), (4, True, False, True, True),
 ])
-def test_oneshot_ar_compiles_to_ptx(world, addend, norm, debug, tmp_path):
+def test_oneshot_ar_compiles_to_ptx(world, addend, norm, debug, pdl, tmp_path):
     from k3fuse.kernels.cute import oneshot_ar
 
-    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, debug, torch.bfloat16, torch.bfloat16)
+    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, debug, torch.bfloat16, torch.bfloat16,
+                                    pdl)
     ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
     ops = _ops(ptx)
     vpt = 7168 // 4 // oneshot_ar.pick_threads(7168)
@@ -79,6 +80,8 @@ def test_oneshot_ar_compiles_to_ptx(world, addend, norm, debug, tmp_path):
     assert ops["multimem"] == 0, "multicast instructions must never appear"
     assert (ops["globaltimer"] > 0) == debug, ops        # poll timeout only in debug builds
     assert ops["ld.local"] == 0 and ops["st.local"] == 0, ops
+    assert ("griddepcontrol.wait" in ptx) == pdl          # PDL builds wait for the GEMM before exit
+    assert "nanosleep" in ptx                             # polls back off
 
 
 @needs_cute
@@ -94,6 +97,7 @@ def test_gemv_push_epilogue_compiles(M, world, rank, tmp_path):
     ops = _ops(ptx)
     assert ops["ld.global.v4"] >= (K // 8 // threads) * (rows + M), ops
     assert ops["st.global.b32"] >= world, ops          # one fp32 store per destination rank
+    assert "griddepcontrol.launch_dependents" in ptx   # lets the all-reduce kernel launch early
     assert ops["multimem"] == 0 and ops["ld.local"] == 0, ops
 
 

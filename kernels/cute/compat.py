@@ -154,6 +154,21 @@ if HAVE_CUTE:
         return Float32(llvm.bitcast(T.f32(), Int32(v).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
     @dsl_user_op
+    def griddep_launch_dependents(*, loc=None, ip=None) -> None:
+        """PDL: let the next kernel (launched with use_pdl) start while this grid still runs."""
+        _asm(None, [], "griddepcontrol.launch_dependents;", "")
+
+    @dsl_user_op
+    def griddep_wait(*, loc=None, ip=None) -> None:
+        """PDL: wait until the preceding grid has completed and its memory is visible."""
+        _asm(None, [], "griddepcontrol.wait;", "")
+
+    @dsl_user_op
+    def nanosleep(ns, *, loc=None, ip=None) -> None:
+        """Back off between polls so a spinning CTA does not steal issue slots or L2 bandwidth."""
+        _asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r")
+
+    @dsl_user_op
     def prefetch_l2_bulk(ptr, nbytes, *, loc=None, ip=None) -> None:
         """Bulk L2 prefetch (sm_90): size and address 16 B aligned."""
         _asm(None, [_addr(ptr, loc, ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
@@ -213,7 +228,9 @@ def compile_to_ptx_on_cpu(key: Any, build: Callable[[], Any], dump_dir: str) -> 
     """
     os.makedirs(dump_dir, exist_ok=True)
     jit_fn, *args = build()
-    before = set(glob.glob(os.path.join(dump_dir, "*.ptx")))
+    import time
+
+    t0 = time.time() - 1.0   # a re-compile overwrites a same-named file: compare times, not names
     try:
         fn = cute.compile(jit_fn, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir {dump_dir}")
         ptx = getattr(fn, "__ptx__", None)
@@ -225,7 +242,8 @@ def compile_to_ptx_on_cpu(key: Any, build: Callable[[], Any], dump_dir: str) -> 
         # From 4.4 on a CPU compile must succeed, so any error there is real.
         if version_tuple() >= (4, 4):
             raise
-    new = sorted(set(glob.glob(os.path.join(dump_dir, "*.ptx"))) - before, key=os.path.getmtime)
+    new = sorted((f for f in glob.glob(os.path.join(dump_dir, "*.ptx")) if os.path.getmtime(f) >= t0),
+                 key=os.path.getmtime)
     if not new:
         raise RuntimeError(f"CuTe compile of {key!r} wrote no PTX to {dump_dir}")
     with open(new[-1]) as f:

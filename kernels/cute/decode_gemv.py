@@ -53,6 +53,9 @@ if compat.HAVE_CUTE:
             bidx, _, _ = cute.arch.block_idx()
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
+            if const_expr(self.push is not None):
+                # the all-reduce epilogue kernel polls its data, so it may start right away (PDL)
+                compat.griddep_launch_dependents()
             M: cutlass.Constexpr = self.M
             R: cutlass.Constexpr = self.rows
             n0 = bidx * R

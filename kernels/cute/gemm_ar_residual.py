@@ -90,8 +90,11 @@ def _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, 
     normed = torch.empty_like(res2) if has_norm else out
     debug, timeout_ns = _debug()
     nw = norm_weight if has_norm else res2[0]
+    # PDL only behind the CuTe GEMV, which triggers its dependents early (the Triton kernel does
+    # not); K3FUSE_AR_PDL=0 turns it off
+    pdl = path == "gemv" and os.environ.get("K3FUSE_AR_PDL", "1") != "0"
     key, build = oneshot_ar.builder(ws.world, H, max_tokens, addend is not None, has_norm, debug,
-                                    res2.dtype, nw.dtype)
+                                    res2.dtype, nw.dtype, pdl)
     fn = compat.compiled(key, build)
     fn(ws.datas[ws.rank], ws.gen, res2, addend.reshape(T, H) if addend is not None else res2, nw,
        out, normed, ws.err, float(eps), timeout_ns)

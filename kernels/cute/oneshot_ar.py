@@ -36,19 +36,24 @@ if compat.HAVE_CUTE:
         """One CTA per token row; `threads` each own H / (4 * threads) float4 chunks of the row."""
 
         def __init__(self, world: int, hidden: int, max_tokens: int, threads: int,
-                     has_addend: bool, has_norm: bool, debug_timeout: bool):
+                     has_addend: bool, has_norm: bool, debug_timeout: bool, pdl: bool = False):
             assert 1 <= world <= MAX_WORLD and hidden % (VEC * threads) == 0
             self.world, self.H, self.max_t = world, hidden, max_tokens
             self.threads, self.vpt = threads, hidden // (VEC * threads)
             self.has_addend, self.has_norm, self.debug = has_addend, has_norm, debug_timeout
             self.num_warps = threads // 32
+            # pdl: launched as a programmatic dependent of the push GEMM, so the launch and the
+            # buffer reset overlap the GEMM's tail; it only polls data, and waits for the GEMM grid
+            # to complete before exiting (so stream order after this kernel still covers the GEMM)
+            self.pdl = pdl
 
         @cute.jit
         def __call__(self, data: cute.Tensor, gen: cute.Tensor, residual: cute.Tensor,
                      addend: cute.Tensor, norm_w: cute.Tensor, out: cute.Tensor, normed: cute.Tensor,
                      err: cute.Tensor, eps: Float32, timeout_ns: Int64, stream):
             self.kernel(data, gen, residual, addend, norm_w, out, normed, err, eps, timeout_ns).launch(
-                grid=(residual.shape[0], 1, 1), block=(self.threads, 1, 1), stream=stream)
+                grid=(residual.shape[0], 1, 1), block=(self.threads, 1, 1), stream=stream,
+                use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, data: cute.Tensor, gen: cute.Tensor, residual: cute.Tensor,
@@ -110,6 +115,8 @@ if compat.HAVE_CUTE:
                     for q in cutlass.range_constexpr(0, len(chunks) * W * VEC, VEC):  # after all loads
                         p = p | compat.any_sentinel4(raw[q], raw[q + 1], raw[q + 2], raw[q + 3])
                     pending = p
+                    if pending != 0:
+                        compat.nanosleep(Int32(128))
                     if const_expr(self.debug):
                         if pending != 0:
                             if compat.globaltimer_ns() - start > timeout_ns:
@@ -167,6 +174,8 @@ if compat.HAVE_CUTE:
                     cute.autovec_copy(nv, nrow[None, c])
 
             # 4. the last CTA to finish records this call's row count and advances the generation
+            if const_expr(self.pdl):
+                compat.griddep_wait()
             cute.arch.sync_threads()
             if tidx == 0:
                 old = compat.atom_add_acq_rel_gpu_s32(gen.iterator + 1, Int32(1))
@@ -183,10 +192,11 @@ def pick_threads(hidden: int) -> int | None:
     return None
 
 
-def builder(world, hidden, max_tokens, has_addend, has_norm, debug, io_dtype, w_dtype):
+def builder(world, hidden, max_tokens, has_addend, has_norm, debug, io_dtype, w_dtype, pdl=False):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu."""
     th = pick_threads(hidden)
-    key = ("lamport_ar", world, hidden, max_tokens, th, has_addend, has_norm, debug, io_dtype, w_dtype)
+    key = ("lamport_ar", world, hidden, max_tokens, th, has_addend, has_norm, debug, io_dtype, w_dtype,
+           pdl)
 
     def build():
         C = compat.TORCH2CUTE
@@ -197,7 +207,7 @@ def builder(world, hidden, max_tokens, has_addend, has_norm, debug, io_dtype, w_
         row = lambda dt: ft(C[dt], (cute.sym_int(), H), (H, 1))
         nw = ft(C[w_dtype], (H,), (1,))
         err = ft(cutlass.Int32, (1,), (1,), align=4)
-        k = LamportArResidualNorm(world, hidden, max_tokens, th, has_addend, has_norm, debug)
+        k = LamportArResidualNorm(world, hidden, max_tokens, th, has_addend, has_norm, debug, pdl)
         return (k, data, gen, row(io_dtype), row(io_dtype), nw, row(io_dtype), row(io_dtype), err,
                 Float32(1e-5), Int64(0), compat.fake_stream())
 
