@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import Tensor
 
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, static_weight, token_count
@@ -26,15 +27,15 @@ from ._spelling import base_variant, cast_free, per_dtype, randn, trunk_dtype
 T, K, N = 4, 16, 8  # example shapes
 
 
-def _linear(x, weight):
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
-def _linear_bias(x, weight, bias):
+def _linear_bias(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def _fp32_out(x, weight):
+def _fp32_out(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x.float(), weight.float())
 
 

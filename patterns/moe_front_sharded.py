@@ -21,6 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import Tensor
 
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures, shape_of, static_weight,
@@ -35,11 +36,11 @@ from .shared_expert_stream import shared_mlp_linears
 T, E, L, H = 4, 6, 8, 16  # example shapes
 
 
-def _router(x, router_w):
+def _router(x: Tensor, router_w: Tensor) -> Tensor:
     return F.linear(x.float(), router_w.float())
 
 
-def _linear(x, w):
+def _linear(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 

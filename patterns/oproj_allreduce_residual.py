@@ -17,6 +17,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch import Tensor
 
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, failures, static_weight, token_count,
@@ -28,20 +29,22 @@ from ._spelling import GROUP, all_reduce_sum, base_variant, cast_free, linear, p
 T, K, H = 4, 8, 16  # example shapes: tokens, local reduction width, hidden
 
 
-def _residual(x, weight, residual, group_name: str):
+def _residual(x: Tensor, weight: Tensor, residual: Tensor, group_name: str) -> Tensor:
     return residual + all_reduce_sum(linear(x, weight), group_name)
 
 
-def _residual_norm(x, weight, residual, norm_weight, eps: float, group_name: str):
+def _residual_norm(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                   group_name: str) -> tuple[Tensor, Tensor]:
     out = residual + all_reduce_sum(linear(x, weight), group_name)
     return out, rms_norm(out, norm_weight, eps)
 
 
-def _moe(x, weight, residual, addend, group_name: str):
+def _moe(x: Tensor, weight: Tensor, residual: Tensor, addend: Tensor, group_name: str) -> Tensor:
     return residual + (addend + all_reduce_sum(linear(x, weight), group_name))
 
 
-def _moe_norm(x, weight, residual, addend, norm_weight, eps: float, group_name: str):
+def _moe_norm(x: Tensor, weight: Tensor, residual: Tensor, addend: Tensor, norm_weight: Tensor, eps: float,
+              group_name: str) -> tuple[Tensor, Tensor]:
     out = residual + (addend + all_reduce_sum(linear(x, weight), group_name))
     return out, rms_norm(out, norm_weight, eps)
 

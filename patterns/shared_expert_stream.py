@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch import Tensor
 
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, static_weight, token_count
@@ -37,11 +38,11 @@ _ASSERT = torch.ops.aten._assert_tensor_metadata.default
 _FUSED_REDUCTION = {"k3fuse::gemm_ar_residual", "k3fuse::gemm_ar_residual_rmsnorm"}
 
 
-def _gate_up(x, w_gate, w_up, beta: float, linear_beta: float):
+def _gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, beta: float, linear_beta: float) -> Tensor:
     return situ_glu(linear(x, w_gate), linear(x, w_up), beta, linear_beta)
 
 
-def _mlp(x, w_gate, w_up, w_down, beta: float, linear_beta: float):
+def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, beta: float, linear_beta: float) -> Tensor:
     return linear(situ_glu(linear(x, w_gate), linear(x, w_up), beta, linear_beta), w_down)
 
 

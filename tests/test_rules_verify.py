@@ -51,10 +51,6 @@ def k3_graph(k3_program) -> fx.GraphModule:
     return gm
 
 
-def _node(gm: fx.GraphModule, name: str) -> fx.Node:
-    return next(n for n in gm.graph.nodes if n.name == name)
-
-
 def _first(gm: fx.GraphModule, target) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.target is target)
 
