@@ -57,6 +57,10 @@ def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) ->
     return None
 
 
+def _pdl(path: str | None) -> bool:
+    return path == "gemv" and os.environ.get("K3FUSE_AR_PDL", "0") == "1"
+
+
 def _gemm_path(x2, weight) -> str | None:
     if (compat.available() and x2.shape[0] <= decode_gemm.gemv_max_m(*weight.shape)
             and decode_gemv.supports(x2, weight, None, torch.float32)):
@@ -90,9 +94,9 @@ def _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, 
     normed = torch.empty_like(res2) if has_norm else out
     debug, timeout_ns = _debug()
     nw = norm_weight if has_norm else res2[0]
-    # PDL only behind the CuTe GEMV, which triggers its dependents early (the Triton kernel does
-    # not); K3FUSE_AR_PDL=0 turns it off
-    pdl = path == "gemv" and os.environ.get("K3FUSE_AR_PDL", "1") != "0"
+    # K3FUSE_AR_PDL=1: launch the epilogue as a programmatic dependent of the CuTe GEMV (which
+    # triggers early). Off by default: on 2 x H200 it measured no faster (docs/perf.md).
+    pdl = _pdl(path)
     key, build = oneshot_ar.builder(ws.world, H, max_tokens, addend is not None, has_norm, debug,
                                     res2.dtype, nw.dtype, pdl)
     fn = compat.compiled(key, build)
@@ -131,10 +135,34 @@ def arn_run(x, weight, residual, addend, norm_weight, eps, group_name, world_siz
     return _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens)
 
 
+def _warmup(norm: bool):
+    def warm(shapes) -> None:
+        """Compile the CuTe kernels for [{"M", "N" (hidden), "K", "world_size", "max_tokens",
+        "dtype", "addend"}] before CUDA-graph capture (this rank's GEMV push variant included).
+        The symmetric workspace is created collectively by the first real call, which must also
+        happen before capture (it compiles the Triton variant)."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        for s_ in shapes:
+            M, N, K = s_["M"], s_["N"], s_["K"]
+            W, MT = s_.get("world_size", 2), s_.get("max_tokens", 64)
+            dt = s_.get("dtype", torch.bfloat16)
+            debug, _ = _debug()
+            use_gemv = M <= decode_gemm.gemv_max_m(N, K) and decode_gemv.pick_config(M, N, K) is not None
+            key, build = oneshot_ar.builder(W, N, MT, bool(s_.get("addend", False)), norm, debug, dt, dt,
+                                            _pdl("gemv" if use_gemv else None))
+            compat.compiled(key, build)
+            if use_gemv:
+                rows, threads = decode_gemv.pick_config(M, N, K)
+                key, build = decode_gemv.builder(M, K, rows, threads, dt, dt, torch.float32, False, dt,
+                                                 push=(W, rank, MT, N))
+                compat.compiled(key, build)
+    return warm
+
+
 if compat.HAVE_CUTE:
     from ..dispatch import Impl, register_impl
 
     register_impl("gemm_ar_residual", Impl("cute.oneshot_ar", supports=ar_supports, run=ar_run,
-                                           priority=100))
+                                           priority=100, warmup=_warmup(False)))
     register_impl("gemm_ar_residual_rmsnorm", Impl("cute.oneshot_ar", supports=arn_supports,
-                                                   run=arn_run, priority=100))
+                                                   run=arn_run, priority=100, warmup=_warmup(True)))

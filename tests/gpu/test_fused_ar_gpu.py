@@ -122,16 +122,16 @@ def _body(rank, world, dist):
                     check(got, tot, f"T={T} out (plain, addend={use_add})")
                     same_on_all_ranks(got, f"T={T} plain")
 
-        # the GEMV path without programmatic dependent launch (PDL is the default there)
-        os.environ["K3FUSE_AR_PDL"] = "0"
+        # the GEMV path with programmatic dependent launch (off by default)
+        os.environ["K3FUSE_AR_PDL"] = "1"
         for T in (1, 2):
             x, res, add = inputs(T, 555 + T)
             _poison((T, H), torch.bfloat16, dev)
             got = call(x, res, add, True)
             tot, normed = reference(x, res, add, True)
-            check(got[0], tot, f"no-PDL T={T} out")
-            check(got[1], normed, f"no-PDL T={T} normed")
-            same_on_all_ranks(got[1], f"no-PDL T={T}")
+            check(got[0], tot, f"PDL T={T} out")
+            check(got[1], normed, f"PDL T={T} normed")
+            same_on_all_ranks(got[1], f"PDL T={T}")
         os.environ.pop("K3FUSE_AR_PDL")
 
         # a late rank: rank 1 sleeps ~50 ms on its stream before the op, rank 0 waits in the kernel
