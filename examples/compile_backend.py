@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"multicast: {r0['multicast']}")
     print(f"rules that fired: {r0['active'] or 'none'}")
     for rule, s in r0["summary"].items():
-        print(f"  {rule}: applied={s['applied']} rejected={s['rejected']} {s['why'] or ''} not_matched={s['not_matched']}")
+        why = f" {s['why']}" if s["why"] else ""
+        print(f"  {rule}: applied={s['applied']} rejected={s['rejected']}{why} not_matched={s['not_matched']}")
     print(f"fused op implementations: {r0['stats'] or 'none ran'}")
     print(f"max |compiled - eager| over ranks: {max(r['max_abs_diff'] for r in results):.2e}")
     return {"results": results}

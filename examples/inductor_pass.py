@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"pass uuid (cache key part): {r0['uuid']}")
     print(f"rules that fired: {r0['active'] or 'none'}")
     for rule, s in r0["summary"].items():
-        print(f"  {rule}: applied={s['applied']} rejected={s['rejected']} {s['why'] or ''} not_matched={s['not_matched']}")
+        why = f" {s['why']}" if s["why"] else ""
+        print(f"  {rule}: applied={s['applied']} rejected={s['rejected']}{why} not_matched={s['not_matched']}")
     print(f"max |compiled - eager| over ranks: {max(r['max_abs_diff'] for r in results):.2e}")
     return {"results": results}
 

@@ -22,7 +22,7 @@ from .context import DecodeContext
 from .inductor import mark_static_by_index, static_input_indices_from_tracing_context
 from .log import RewriteLog
 from .matcher import decomposition_table
-from .pipeline import RuleRegistry, default_rules, run_pipeline
+from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
 
 COMPILERS = ("inductor", "eager")
@@ -45,7 +45,7 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
     log = opts.get("log")
     rlog = log if isinstance(log, RewriteLog) else RewriteLog(log, rank=ctx.rank)
     rules: Sequence[Rule] | RuleRegistry | None = opts.get("rules")
-    registry = rules if isinstance(rules, RuleRegistry) else RuleRegistry(default_rules() if rules is None else rules)
+    registry = RuleRegistry.coerce(rules)
     return compiler, ctx, rlog, registry
 
 

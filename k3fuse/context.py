@@ -80,7 +80,8 @@ def _device_supports_multicast(device: torch.device | None) -> MulticastStatus:
             return MulticastStatus(True, "available")
         return MulticastStatus(False, "unavailable: device reports no multicast support")
     except Exception:
-        return MulticastStatus(False, "unavailable: cannot query the device (no cuda-python, no torch symmetric memory)")
+        return MulticastStatus(False, "unavailable: cannot query the device "
+                                      "(no cuda-python, no torch symmetric memory)")
 
 
 def probe_multicast(policy: MulticastPolicy = "auto", *, device: torch.device | None = None,

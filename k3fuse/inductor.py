@@ -23,7 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .context import DecodeContext
 from .log import RewriteLog
-from .pipeline import RuleRegistry, default_rules, run_pipeline
+from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
 
 
@@ -57,7 +57,7 @@ class K3FusePass(CustomGraphPass):
     def __init__(self, ctx: DecodeContext, *, rules: RuleRegistry | list[Rule] | None = None,
                  log: RewriteLog | str | os.PathLike[str] | None = None, chain: Any = None):
         self.ctx = ctx
-        self.rules = rules if isinstance(rules, RuleRegistry) else RuleRegistry(default_rules() if rules is None else rules)
+        self.rules = RuleRegistry.coerce(rules)
         self.log = log if isinstance(log, RewriteLog) else RewriteLog(log, rank=ctx.rank)
         self.chain = chain
 

@@ -135,7 +135,8 @@ class RewriteLog:
         return len(self.events)
 
     def select(self, rule: str | None = None, decision: Decision | None = None) -> list[RewriteEvent]:
-        return [e for e in self.events if (rule is None or e.rule == rule) and (decision is None or e.decision == decision)]
+        return [e for e in self.events
+                if (rule is None or e.rule == rule) and (decision is None or e.decision == decision)]
 
     def applied(self, rule: str | None = None) -> int:
         """Number of applied rewrites (of `rule`, or of all rules)."""

@@ -23,7 +23,7 @@ from . import normalize, runtime, verify
 from .context import ContextError, DecodeContext
 from .guards import GuardFailure, multicast_policy
 from .log import RewriteEvent, RewriteLog
-from .rule import Match, Rule, RewriteError
+from .rule import Rule, RewriteError
 
 logger = logging.getLogger("k3fuse")
 
@@ -81,6 +81,13 @@ class RuleRegistry:
             out.append((rule, why))
         return out
 
+    @classmethod
+    def coerce(cls, rules: RuleRegistry | Iterable[Rule] | None) -> RuleRegistry:
+        """A registry from a registry, a list of rules, or None (the K3 rules)."""
+        if isinstance(rules, RuleRegistry):
+            return rules
+        return cls(default_rules() if rules is None else rules)
+
     def fingerprint(self) -> str:
         h = hashlib.sha256()
         for r in self._rules:
@@ -134,7 +141,7 @@ def run_pipeline(
     """Rewrite the graph in place with every enabled rule and return the log of decisions."""
     gm = graph_or_module if isinstance(graph_or_module, fx.GraphModule) else None
     graph = gm.graph if gm is not None else graph_or_module
-    registry = rules if isinstance(rules, RuleRegistry) else RuleRegistry(default_rules() if rules is None else rules)
+    registry = RuleRegistry.coerce(rules)
     rlog = log if isinstance(log, RewriteLog) else RewriteLog(log, rank=ctx.rank)
     if rlog.rank == 0 and ctx.rank:
         rlog.rank = ctx.rank
@@ -142,8 +149,8 @@ def run_pipeline(
     selection = registry.select(ctx)
 
     def event(rule: Rule, decision: str, **kw: object) -> RewriteEvent:
-        return rlog.add(RewriteEvent(rule=rule.name, decision=decision, graph_id=gid, door=door,  # type: ignore[arg-type]
-                                     rank=ctx.rank, **kw))  # type: ignore[arg-type]
+        return rlog.add(RewriteEvent(rule=rule.name, decision=decision,  # type: ignore[arg-type]
+                                     graph_id=gid, door=door, rank=ctx.rank, **kw))  # type: ignore[arg-type]
 
     if runtime.is_disabled():
         for rule, _ in selection:
@@ -226,8 +233,8 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
                     m.discard_new_nodes()
                     failures = [GuardFailure("site", "placement", str(exc))]
                 except Exception as exc:
-                    raise RuleFailure(f"rule {rule.name} failed rewriting the site at {m.source() or m.outputs[0].name}: "
-                                      f"{exc}") from exc
+                    site = m.source() or m.outputs[0].name
+                    raise RuleFailure(f"rule {rule.name} failed rewriting the site at {site}: {exc}") from exc
             ms = (time.perf_counter() - t0) * 1e3
             base = dict(variant=m.variant, nodes=[n.name for n in m.nodes], shapes=m.shapes(), source=m.source(),
                         time_ms=ms)

@@ -163,7 +163,8 @@ class Match:
         self._anchor = last_in.next
         return self._anchor
 
-    def insert(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> fx.Node:
+    def insert(self, target: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any] | None = None) -> fx.Node:
         """Insert `target(*args, **kwargs)` where the replacement belongs; fills meta["val"]."""
         kwargs = kwargs or {}
         anchor = self._insertion_anchor()

@@ -180,5 +180,6 @@ def _by(rule: str | None) -> str:
     return f"rule {rule}: " if rule else ""
 
 
-__all__ = ["ReorderingError", "SYNC_OPS", "ANCHOR_OPS", "ORDERING_ARGS", "register_sync_op", "snapshot", "check_reordering", "check_handles",
+__all__ = ["ReorderingError", "SYNC_OPS", "ANCHOR_OPS", "ORDERING_ARGS", "register_sync_op", "snapshot",
+           "check_reordering", "check_handles",
            "GraphSnapshot", "is_sync", "is_handle", "is_static_value", "op_qualname"]

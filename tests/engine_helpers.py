@@ -108,7 +108,8 @@ class ResidualStack(nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.ws = nn.ParameterList([nn.Parameter(torch.randn(hidden, hidden, generator=g) / hidden**0.5)
                                     for _ in range(layers)])
-        self.bs = nn.ParameterList([nn.Parameter(torch.randn(hidden, generator=g)) for _ in range(layers)]) if bias else None
+        self.bs = (nn.ParameterList([nn.Parameter(torch.randn(hidden, generator=g)) for _ in range(layers)])
+                   if bias else None)
 
     def forward(self, h):
         for i, w in enumerate(self.ws):

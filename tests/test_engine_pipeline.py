@@ -11,7 +11,7 @@ from engine_helpers import LINEAR_RESIDUAL, LinearResidualRule, RMSNormRule, op_
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3fuse
-from k3fuse import compat, guards, runtime
+from k3fuse import compat, guards
 from k3fuse.context import ContextError, DecodeContext, probe_multicast
 from k3fuse.guards import GuardFailure
 from k3fuse.log import RewriteLog
