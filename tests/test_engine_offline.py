@@ -93,3 +93,11 @@ def test_cli_rejects_bad_token_range(exported, tmp_path):
     torch.export.save(ep, tmp_path / "in.pt2")
     with pytest.raises(k3fuse.context.ContextError, match="bad token range 1-100"):
         main(["apply", str(tmp_path / "in.pt2"), "-o", str(tmp_path / "o.pt2"), "--tokens", "1-100"])
+
+
+def test_cli_tp2_without_collectives_in_graph_is_a_clear_error(exported, tmp_path, capsys):
+    from k3fuse.cli import main
+    _, _, ep = exported
+    torch.export.save(ep, tmp_path / "in.pt2")
+    assert main(["apply", str(tmp_path / "in.pt2"), "-o", str(tmp_path / "o.pt2"), "--tp", "2"]) == 2
+    assert "--tp 2 needs --group-name: the graph uses collective groups []" in capsys.readouterr().err
