@@ -19,9 +19,6 @@ import k3fuse
 from k3fuse.dist import launch
 from k3fuse.model import DecodeState, K3DecodeStack, get_config
 
-# the saved program keeps its example inputs; allow their state class when loading them back
-torch.serialization.add_safe_globals([DecodeState])
-
 
 def worker(rank: int, world_size: int, layers: int, tokens: int, out_dir: str,
            log_path: str | None) -> dict:

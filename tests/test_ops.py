@@ -320,7 +320,14 @@ def test_stats_and_reset():
 
 
 @pytest.fixture
-def registered_impls():
+def registered_impls(monkeypatch):
+    """A registry holding only the reference impls, for tests that register their own.
+
+    Kernel modules imported earlier in the session (test_cute_compile imports them where the CuTe
+    DSL and Triton are installed) register real impls; they are hidden for the test and restored.
+    """
+    for entry in list(dispatch._ops.values()):
+        monkeypatch.setattr(entry, "impls", [i for i in entry.impls if i.name == dispatch.REFERENCE])
     names: list[tuple[str, str]] = []
     yield names
     for op, name in names:

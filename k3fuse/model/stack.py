@@ -34,6 +34,8 @@ class DecodeState:
 
 
 torch.export.register_dataclass(DecodeState, serialized_type_name="k3fuse.model.DecodeState")
+# torch.export.load unpickles example inputs with weights_only=True: allow the state class
+torch.serialization.add_safe_globals([DecodeState])
 
 
 class K3DecodeLayer(nn.Module):
