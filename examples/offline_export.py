@@ -17,7 +17,7 @@ import torch
 
 import k3fuse
 from k3fuse.dist import launch
-from k3fuse.model import DecodeState, K3DecodeStack, get_config
+from k3fuse.model import K3DecodeStack, get_config
 
 
 def worker(rank: int, world_size: int, layers: int, tokens: int, out_dir: str,
