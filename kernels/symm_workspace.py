@@ -8,6 +8,8 @@ symmetric allocation so that torch does not create a multicast object either.
 
 Layout of the one symmetric fp32 buffer per rank (Lamport, see kernels/cute/oneshot_ar.py):
   data [3 buffers, world (source rank), max_tokens, hidden] fp32, initialised to the sentinel -0.0
+  flags [world (source rank), max_tokens] int32 after it, initialised to 0 (only the acquire/release
+  flag protocol, K3FUSE_AR_PROTOCOL=flags, uses them: epoch per source rank and token row)
 Local (not symmetric): gen int32[4] (generation, arrival counter, rows written last generation,
 spare), ptrs int64[world] (each rank's data base address as seen from this process, for the Triton
 push epilogue), err int32[1] (debug timeout report).
@@ -40,6 +42,7 @@ class ArWorkspace:
         self.max_tokens, self.hidden = max_tokens, hidden
         W, MT, H = self.world, max_tokens, hidden
         n_data = 3 * W * MT * H
+        n_flags = (W * MT + 3) // 4 * 4   # int32 words, a multiple of 16 bytes
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed on some torch versions, a deprecated no-op on others
             try:
@@ -50,14 +53,17 @@ class ArWorkspace:
                     enable(group_name)
             except Exception:
                 pass
-        buf = symm_mem.empty((n_data,), dtype=torch.float32, device=device)
-        buf.view(torch.int32).fill_(-2**31)   # 0x80000000 = -0.0: "not written yet"
+        n = n_data + n_flags
+        buf = symm_mem.empty((n,), dtype=torch.float32, device=device)
+        buf[:n_data].view(torch.int32).fill_(-2**31)   # 0x80000000 = -0.0: "not written yet"
+        buf[n_data:].view(torch.int32).zero_()
         hdl = symm_mem.rendezvous(buf, group_name)
         self.handle, self.buf = hdl, buf
-        self.datas = []
+        self.datas, self.flags = [], []
         for r in range(W):
-            peer = buf if r == self.rank else hdl.get_buffer(r, (n_data,), torch.float32)
-            self.datas.append(peer.view(3, W, MT, H))
+            peer = buf if r == self.rank else hdl.get_buffer(r, (n,), torch.float32)
+            self.datas.append(peer[:n_data].view(3, W, MT, H))
+            self.flags.append(peer[n_data:].view(torch.int32)[:W * MT].view(W, MT))
         self.ptrs = torch.tensor([d.data_ptr() for d in self.datas], dtype=torch.int64, device=device)
         self.gen = torch.zeros(4, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)

@@ -4,6 +4,8 @@
 #
 #   scripts/gpu_check.sh [all | STEP...]   steps: versions test-gemm bench-gemm test-ar bench-ar tests sweep
 #   (all = test-gemm bench-gemm test-ar bench-ar; each step has a timeout, logs go to $OUT/<step>.log)
+#   test-ar runs both all-reduce protocols (lamport, flags); K3FUSE_TEST_AR_TOKENS=1,2,64 limits its
+#   token sweep, PYTEST_X= runs on past a failure, PYTEST_ARGS adds pytest options
 #
 # NVLink multicast stays off everywhere (it can take the host's shared GPUs down): these three are
 # exported explicitly and never unset; k3fuse never creates a multicast object.
@@ -62,11 +64,11 @@ step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.lo
   local r=${PIPESTATUS[0]}; [[ $r -ne 0 ]] && { echo "== $name FAILED rc=$r"; rc=1; }
   return 0
 }
-PYTEST=("$PY" -m pytest -m gpu -x -q -p no:cacheprovider -o addopts= --timeout=400)
+PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X--x} -q -p no:cacheprovider -o addopts= --timeout=${PYTEST_TIMEOUT:-400})
 for s in "${STEPS[@]}"; do
   case "$s" in
     test-gemm) step pytest_gemm "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_decode_gemm_gpu.py ;;
-    test-ar)   step pytest_ar "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_fused_ar_gpu.py ;;
+    test-ar)   step pytest_ar "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_fused_ar_gpu.py ;;
     tests)     step pytest_gpu "${TEST_TIMEOUT:-420}" "${PYTEST[@]}" tests/gpu ;;
     bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py \
                   --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;

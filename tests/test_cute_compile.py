@@ -85,6 +85,66 @@ def test_oneshot_ar_compiles_to_ptx(world, addend, norm, debug, pdl, tmp_path):
 
 
 @needs_cute
+@pytest.mark.parametrize("world,rank,addend,norm,debug", [
+    (2, 0, False, True, False), (2, 1, True, True, True), (2, 1, True, False, False),
+    (8, 5, False, True, True),
+])
+def test_oneshot_ar_flags_compiles_to_ptx(world, rank, addend, norm, debug, tmp_path):
+    """K3FUSE_AR_PROTOCOL=flags: release flags to every rank, acquire spin, then one data load."""
+    from k3fuse.kernels.cute import oneshot_ar
+
+    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, debug, torch.bfloat16, torch.bfloat16,
+                                    flags_rank=rank)
+    assert key[0] == "flag_ar"
+    ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
+    ops = _ops(ptx)
+    vpt = 7168 // 4 // oneshot_ar.pick_threads(7168)
+    assert ops["st.release.sys"] == world, ops            # one epoch flag per destination rank
+    assert ops["fence.acq_rel.sys"] == world, ops         # data fenced before each flag
+    assert ops["ld.acquire.sys"] == 1, ops                # the flag spin
+    assert ops["ld.volatile.v4"] == vpt * world, ops      # peer slots read once, after the wait
+    assert ptx.rindex("ld.acquire.sys") < ptx.index("ld.volatile.global.v4")
+    assert ops["st.v4.sentinel"] == 0 and "0x80000000" not in ptx, ops   # no Lamport sentinel
+    assert ops["atom"] == 1, ops                          # the epoch's arrival counter
+    assert (ops["globaltimer"] > 0) == debug, ops
+    assert ops["ld.local"] == 0 and ops["st.local"] == 0, ops
+    assert ops["multimem"] == 0 and "griddepcontrol" not in ptx
+    assert "nanosleep" in ptx
+
+
+@pytest.fixture
+def restore_registry():
+    """Importing a kernel module registers its Impls: undo that for the registry tests."""
+    from k3fuse.kernels import dispatch
+
+    saved = {op: list(e.impls) for op, e in dispatch._ops.items()}
+    yield
+    for op, e in dispatch._ops.items():
+        e.impls = saved.get(op, [])
+
+
+def test_protocol_selection(monkeypatch, restore_registry):
+    """K3FUSE_AR_PROTOCOL picks one of two distinctly named Impls; read once per process."""
+    from k3fuse.kernels.cute import gemm_ar_residual as g
+
+    monkeypatch.setattr(g, "_PROTOCOL", [])
+    monkeypatch.setenv("K3FUSE_AR_PROTOCOL", "flags")
+    assert g.protocol() == "flags" and g._flags_rank(1) == 1 and not g._pdl("gemv")
+    monkeypatch.setenv("K3FUSE_AR_PROTOCOL", "lamport")
+    assert g.protocol() == "flags"                        # fixed after the first read
+    assert g._only("lamport", lambda *a, **k: None)() == "K3FUSE_AR_PROTOCOL=flags"
+    assert g._only("flags", lambda *a, **k: None)() is None
+    monkeypatch.setattr(g, "_PROTOCOL", [])
+    monkeypatch.delenv("K3FUSE_AR_PROTOCOL")
+    assert g.protocol() == "lamport" and g._flags_rank(1) is None
+    if compat.HAVE_CUTE:
+        from k3fuse.kernels import dispatch
+
+        names = {i.name for i in dispatch.implementations("gemm_ar_residual_rmsnorm")}
+        assert {"cute.oneshot_ar", "cute.oneshot_ar.flags"} <= names
+
+
+@needs_cute
 @pytest.mark.parametrize("M,world,rank", [(1, 2, 0), (2, 2, 1), (4, 8, 5)])
 def test_gemv_push_epilogue_compiles(M, world, rank, tmp_path):
     from k3fuse.kernels.cute import decode_gemv

@@ -9,6 +9,9 @@ torch symmetric memory, symm_workspace.py). GEMM: the CuTe GEMV (few tokens) or 
 split-K kernel, chosen as for decode_gemm.
 Set K3FUSE_AR_TIMEOUT_MS=<ms> for a debug build whose polls give up after that long and report
 it (RuntimeError from `check_timeout`) instead of hanging.
+K3FUSE_AR_PROTOCOL=lamport (default; runtime stats name "cute.oneshot_ar") or flags (explicit
+acquire/release flags per source rank and row after the same push; "cute.oneshot_ar.flags"). Read
+once per process: both share the workspace, and the Lamport one needs its sentinel invariant.
 """
 from __future__ import annotations
 
@@ -18,6 +21,23 @@ import torch
 import torch.distributed as dist
 
 from . import compat, decode_gemm, decode_gemv, oneshot_ar
+
+_PROTOCOL: list[str] = []
+
+
+def protocol() -> str:
+    """K3FUSE_AR_PROTOCOL (lamport | flags), read on first use and then fixed for the process."""
+    if not _PROTOCOL:
+        p = os.environ.get("K3FUSE_AR_PROTOCOL", "lamport").strip().lower() or "lamport"
+        if p not in ("lamport", "flags"):
+            raise ValueError(f"K3FUSE_AR_PROTOCOL={p!r}: expected 'lamport' or 'flags'")
+        _PROTOCOL.append(p)
+    return _PROTOCOL[0]
+
+
+def _flags_rank(rank: int) -> int | None:
+    return rank if protocol() == "flags" else None
+
 
 def _debug() -> tuple[bool, int]:
     """(debug build?, timeout in ns) from K3FUSE_AR_TIMEOUT_MS (read per call; part of the key)."""
@@ -58,7 +78,8 @@ def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) ->
 
 
 def _pdl(path: str | None) -> bool:
-    return path == "gemv" and os.environ.get("K3FUSE_AR_PDL", "0") == "1"
+    # never with flags: the epilogue's flag store must follow the whole GEMM push
+    return path == "gemv" and os.environ.get("K3FUSE_AR_PDL", "0") == "1" and protocol() == "lamport"
 
 
 def _gemm_path(x2, weight) -> str | None:
@@ -98,9 +119,9 @@ def _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, 
     # triggers early). Off by default: on 2 x H200 it measured no faster (docs/perf.md).
     pdl = _pdl(path)
     key, build = oneshot_ar.builder(ws.world, H, max_tokens, addend is not None, has_norm, debug,
-                                    res2.dtype, nw.dtype, pdl)
+                                    res2.dtype, nw.dtype, pdl, _flags_rank(ws.rank))
     fn = compat.compiled(key, build)
-    fn(ws.datas[ws.rank], ws.gen, res2, addend.reshape(T, H) if addend is not None else res2, nw,
+    fn(ws.datas[ws.rank], *ws.padded(ws.flags, oneshot_ar.MAX_WORLD), ws.gen, res2, addend.reshape(T, H) if addend is not None else res2, nw,
        out, normed, ws.err, float(eps), timeout_ns)
     out = out.view(residual.shape)
     return (out, normed.view(residual.shape)) if has_norm else out
@@ -135,12 +156,14 @@ def arn_run(x, weight, residual, addend, norm_weight, eps, group_name, world_siz
     return _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens)
 
 
-def _warmup(norm: bool):
+def _warmup(norm: bool, proto: str):
     def warm(shapes) -> None:
         """Compile the CuTe kernels for [{"M", "N" (hidden), "K", "world_size", "max_tokens",
         "dtype", "addend"}] before CUDA-graph capture (this rank's GEMV push variant included).
         The symmetric workspace is created collectively by the first real call, which must also
         happen before capture (it compiles the Triton variant)."""
+        if protocol() != proto:
+            return
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         for s_ in shapes:
             M, N, K = s_["M"], s_["N"], s_["K"]
@@ -149,7 +172,7 @@ def _warmup(norm: bool):
             debug, _ = _debug()
             use_gemv = M <= decode_gemm.gemv_max_m(N, K) and decode_gemv.pick_config(M, N, K) is not None
             key, build = oneshot_ar.builder(W, N, MT, bool(s_.get("addend", False)), norm, debug, dt, dt,
-                                            _pdl("gemv" if use_gemv else None))
+                                            _pdl("gemv" if use_gemv else None), _flags_rank(rank))
             compat.compiled(key, build)
             if use_gemv:
                 rows, threads = decode_gemv.pick_config(M, N, K)
@@ -159,10 +182,21 @@ def _warmup(norm: bool):
     return warm
 
 
+def _only(proto: str, supports):
+    """supports() of one protocol's Impl: declines unless K3FUSE_AR_PROTOCOL selects it."""
+    def f(*args, **kw):
+        if protocol() != proto:
+            return f"K3FUSE_AR_PROTOCOL={protocol()}"
+        return supports(*args, **kw)
+    return f
+
+
 if compat.HAVE_CUTE:
     from ..dispatch import Impl, register_impl
 
-    register_impl("gemm_ar_residual", Impl("cute.oneshot_ar", supports=ar_supports, run=ar_run,
-                                           priority=100, warmup=_warmup(False)))
-    register_impl("gemm_ar_residual_rmsnorm", Impl("cute.oneshot_ar", supports=arn_supports,
-                                                   run=arn_run, priority=100, warmup=_warmup(True)))
+    # the same kernels, recorded under distinct names so stats show which protocol ran
+    for _proto, _name in (("lamport", "cute.oneshot_ar"), ("flags", "cute.oneshot_ar.flags")):
+        register_impl("gemm_ar_residual", Impl(_name, supports=_only(_proto, ar_supports), run=ar_run,
+                                               priority=100, warmup=_warmup(False, _proto)))
+        register_impl("gemm_ar_residual_rmsnorm", Impl(_name, supports=_only(_proto, arn_supports),
+                                                       run=arn_run, priority=100, warmup=_warmup(True, _proto)))

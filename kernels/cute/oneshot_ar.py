@@ -17,6 +17,17 @@ gen[2] rows) to the sentinel; the last CTA to finish (gen[1] arrival counter) st
 in gen[2] and advances gen[0]. Three buffers suffice: a peer writes buffer (g + 2) % 3 at g + 2
 only after this rank pushed g + 1, which it does after this kernel (and its reset) finished.
 Debug builds bound every poll with %globaltimer and report a timeout in err[0] instead of hanging.
+
+Flag variant (`flags_rank` set; K3FUSE_AR_PROTOCOL=flags): the same GEMM push (plain stores into
+buffer g % 3), then explicit acquire/release flags instead of sentinels. Epoch e = g + 1 (gen[0]
+in device memory, advanced by the last CTA as above, so graph replays stay correct). CTA t:
+loads the static norm weight, then (thread r) `fence.acq_rel.sys` + `st.release.sys` of e into
+flag [rank, t] of rank r (the GEMM's stores precede this kernel in stream order, the fence makes
+them visible system-wide before the flag), then (thread s) spins with `ld.acquire.sys` on its own
+flag [s, t] until flag - e >= 0 (flags only grow; a peer at most one epoch ahead), a CTA barrier,
+and only then reads the peer slots. No buffer reset is needed (no sentinel); the flags live after
+the data in the same symmetric allocation (symm_workspace.py). PDL is never used here: the flag
+store must follow the GEMM's completion.
 """
 from __future__ import annotations
 
@@ -36,7 +47,8 @@ if compat.HAVE_CUTE:
         """One CTA per token row; `threads` each own H / (4 * threads) float4 chunks of the row."""
 
         def __init__(self, world: int, hidden: int, max_tokens: int, threads: int,
-                     has_addend: bool, has_norm: bool, debug_timeout: bool, pdl: bool = False):
+                     has_addend: bool, has_norm: bool, debug_timeout: bool, pdl: bool = False,
+                     flags_rank: int | None = None):
             assert 1 <= world <= MAX_WORLD and hidden % (VEC * threads) == 0
             self.world, self.H, self.max_t = world, hidden, max_tokens
             self.threads, self.vpt = threads, hidden // (VEC * threads)
@@ -46,17 +58,28 @@ if compat.HAVE_CUTE:
             # buffer reset overlap the GEMM's tail; it only polls data, and waits for the GEMM grid
             # to complete before exiting (so stream order after this kernel still covers the GEMM)
             self.pdl = pdl
+            # flags_rank: None = Lamport (data is its own flag); r = acquire/release flag protocol
+            # of rank r (module docstring); never with PDL (the flags must follow the GEMM)
+            assert flags_rank is None or (not pdl and 0 <= flags_rank < world)
+            self.flags, self.rank = flags_rank is not None, flags_rank
 
         @cute.jit
-        def __call__(self, data: cute.Tensor, gen: cute.Tensor, residual: cute.Tensor,
+        def __call__(self, data: cute.Tensor,
+                     f0: cute.Tensor, f1: cute.Tensor, f2: cute.Tensor, f3: cute.Tensor,
+                     f4: cute.Tensor, f5: cute.Tensor, f6: cute.Tensor, f7: cute.Tensor,
+                     gen: cute.Tensor, residual: cute.Tensor,
                      addend: cute.Tensor, norm_w: cute.Tensor, out: cute.Tensor, normed: cute.Tensor,
                      err: cute.Tensor, eps: Float32, timeout_ns: Int64, stream):
-            self.kernel(data, gen, residual, addend, norm_w, out, normed, err, eps, timeout_ns).launch(
+            self.kernel(data, f0, f1, f2, f3, f4, f5, f6, f7, gen, residual, addend, norm_w, out,
+                        normed, err, eps, timeout_ns).launch(
                 grid=(residual.shape[0], 1, 1), block=(self.threads, 1, 1), stream=stream,
                 use_pdl=self.pdl)
 
         @cute.kernel
-        def kernel(self, data: cute.Tensor, gen: cute.Tensor, residual: cute.Tensor,
+        def kernel(self, data: cute.Tensor,
+                   f0: cute.Tensor, f1: cute.Tensor, f2: cute.Tensor, f3: cute.Tensor,
+                   f4: cute.Tensor, f5: cute.Tensor, f6: cute.Tensor, f7: cute.Tensor,
+                   gen: cute.Tensor, residual: cute.Tensor,
                    addend: cute.Tensor, norm_w: cute.Tensor, out: cute.Tensor, normed: cute.Tensor,
                    err: cute.Tensor, eps: Float32, timeout_ns: Int64):
             W: cutlass.Constexpr = self.world
@@ -76,12 +99,49 @@ if compat.HAVE_CUTE:
             tprev = gen[2]
             base = data.iterator
 
-            # 1. reset the rows of buffer (g+2)%3 written at generation g-1 (rows t, t+T, ...)
-            for row in cutlass.range(t, tprev, nblk):
-                for src in cutlass.range_constexpr(W):
-                    for j in cutlass.range_constexpr(VPT):
-                        off = ((bc * W + src) * MT + row) * H + (tidx + j * TH) * VEC
-                        compat.st_v4_b32_splat(base + off, Int32(compat.SENTINEL))
+            # 0. static weights only, before any wait (never peer data)
+            wpre = []
+            if const_expr(self.has_norm):
+                wrow = cute.zipped_divide(norm_w, (VEC,))
+                for j in cutlass.range_constexpr(VPT):
+                    wv = cute.make_rmem_tensor((VEC,), norm_w.element_type)
+                    cute.autovec_copy(wrow[None, tidx + j * TH], wv)
+                    wpre.append(wv)
+
+            if const_expr(not self.flags):
+                # 1. reset the rows of buffer (g+2)%3 written at generation g-1 (rows t, t+T, ...)
+                for row in cutlass.range(t, tprev, nblk):
+                    for src in cutlass.range_constexpr(W):
+                        for j in cutlass.range_constexpr(VPT):
+                            off = ((bc * W + src) * MT + row) * H + (tidx + j * TH) * VEC
+                            compat.st_v4_b32_splat(base + off, Int32(compat.SENTINEL))
+            else:
+                # 1. flags: release epoch g+1 into flag [RANK, t] of every rank (thread r -> rank
+                #    r), after a system fence over the pushed data; then thread s acquires flag
+                #    [s, t] of this rank until source s reached the epoch; a barrier for the CTA
+                flags = [f0, f1, f2, f3, f4, f5, f6, f7]
+                RANK: cutlass.Constexpr = self.rank
+                ep = g + 1
+                for r in cutlass.range_constexpr(W):
+                    if tidx == r:
+                        compat.fence_acq_rel_sys()
+                        compat.st_release_sys_s32(flags[r].iterator + (RANK * MT + t), ep)
+                if tidx < W:
+                    fptr = flags[RANK].iterator + (tidx * MT + t)
+                    if const_expr(self.debug):
+                        fstart = compat.globaltimer_ns()
+                    waiting = Int32(1)
+                    while waiting != 0:
+                        if compat.ld_acquire_sys_s32(fptr) - ep >= 0:
+                            waiting = Int32(0)
+                        else:
+                            compat.nanosleep(Int32(64))
+                        if const_expr(self.debug):
+                            if waiting != 0:
+                                if compat.globaltimer_ns() - fstart > timeout_ns:
+                                    err[0] = Int32(1)
+                                    waiting = Int32(0)
+                cute.arch.sync_threads()
 
             # 2. poll the W slots of row t (local memory, written by every rank's GEMM) and sum
             #    them in fixed rank order; then residual (+ addend) -> out
@@ -94,7 +154,8 @@ if compat.HAVE_CUTE:
                 start = compat.globaltimer_ns()
             # poll in batches of chunks: all 16-byte volatile loads of a batch are in flight
             # together (one memory round trip when the peers are done), re-polled until no word
-            # is the sentinel; at most 16 loads (64 registers) per batch
+            # is the sentinel; at most 16 loads (64 registers) per batch. Flags: the data is
+            # complete (acquired above), so each batch is loaded once.
             CB: cutlass.Constexpr = max(1, 16 // W)
             for b0 in cutlass.range_constexpr(0, VPT, CB):
                 chunks = list(range(b0, min(VPT, b0 + CB)))
@@ -112,12 +173,13 @@ if compat.HAVE_CUTE:
                             raw[q + 1] = v1
                             raw[q + 2] = v2
                             raw[q + 3] = v3
-                    for q in cutlass.range_constexpr(0, len(chunks) * W * VEC, VEC):  # after all loads
-                        p = p | compat.any_sentinel4(raw[q], raw[q + 1], raw[q + 2], raw[q + 3])
+                    if const_expr(not self.flags):
+                        for q in cutlass.range_constexpr(0, len(chunks) * W * VEC, VEC):  # after all loads
+                            p = p | compat.any_sentinel4(raw[q], raw[q + 1], raw[q + 2], raw[q + 3])
                     pending = p
                     if pending != 0:
                         compat.nanosleep(Int32(128))
-                    if const_expr(self.debug):
+                    if const_expr(self.debug and not self.flags):
                         if pending != 0:
                             if compat.globaltimer_ns() - start > timeout_ns:
                                 err[0] = Int32(1)
@@ -163,14 +225,11 @@ if compat.HAVE_CUTE:
                 for wi in cutlass.range_constexpr(self.num_warps):
                     tot = tot + red[wi]
                 rstd = cute.math.rsqrt(tot / Float32(H) + eps)
-                wrow = cute.zipped_divide(norm_w, (VEC,))
                 nrow = cute.zipped_divide(normed[t, None], (VEC,))
                 for j in cutlass.range_constexpr(VPT):
                     c = tidx + j * TH
-                    wv = cute.make_rmem_tensor((VEC,), norm_w.element_type)
-                    cute.autovec_copy(wrow[None, c], wv)
                     nv = cute.make_rmem_tensor((VEC,), normed.element_type)
-                    nv.store(((keep[j].load() * rstd) * wv.load().to(Float32)).to(normed.element_type))
+                    nv.store(((keep[j].load() * rstd) * wpre[j].load().to(Float32)).to(normed.element_type))
                     cute.autovec_copy(nv, nrow[None, c])
 
             # 4. the last CTA to finish records this call's row count and advances the generation
@@ -192,11 +251,14 @@ def pick_threads(hidden: int) -> int | None:
     return None
 
 
-def builder(world, hidden, max_tokens, has_addend, has_norm, debug, io_dtype, w_dtype, pdl=False):
-    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu."""
+def builder(world, hidden, max_tokens, has_addend, has_norm, debug, io_dtype, w_dtype, pdl=False,
+            flags_rank=None):
+    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu.
+
+    flags_rank=None: Lamport protocol; flags_rank=r: acquire/release flag protocol of rank r."""
     th = pick_threads(hidden)
-    key = ("lamport_ar", world, hidden, max_tokens, th, has_addend, has_norm, debug, io_dtype, w_dtype,
-           pdl)
+    key = ("lamport_ar" if flags_rank is None else "flag_ar", world, hidden, max_tokens, th,
+           has_addend, has_norm, debug, io_dtype, w_dtype, pdl, flags_rank)
 
     def build():
         C = compat.TORCH2CUTE
@@ -207,8 +269,10 @@ def builder(world, hidden, max_tokens, has_addend, has_norm, debug, io_dtype, w_
         row = lambda dt: ft(C[dt], (cute.sym_int(), H), (H, 1))
         nw = ft(C[w_dtype], (H,), (1,))
         err = ft(cutlass.Int32, (1,), (1,), align=4)
-        k = LamportArResidualNorm(world, hidden, max_tokens, th, has_addend, has_norm, debug, pdl)
-        return (k, data, gen, row(io_dtype), row(io_dtype), nw, row(io_dtype), row(io_dtype), err,
+        flg = [ft(cutlass.Int32, (world, MT), (MT, 1)) for _ in range(MAX_WORLD)]  # every rank's flags
+        k = LamportArResidualNorm(world, hidden, max_tokens, th, has_addend, has_norm, debug, pdl,
+                                  flags_rank)
+        return (k, data, *flg, gen, row(io_dtype), row(io_dtype), nw, row(io_dtype), row(io_dtype), err,
                 Float32(1e-5), Int64(0), compat.fake_stream())
 
     return key, build

@@ -4,7 +4,10 @@ Two processes, one GPU each. Checks against a float64 reference (partials all-re
 through NCCL), every token count 1..64, fresh random inputs, NaN-poisoned allocator blocks (an
 unwritten output element fails), bitwise-identical outputs on both ranks, a late rank
 (torch.cuda._sleep on one rank while the other spins), CUDA-graph capture with 1000 replays on
-changing inputs, strict mode on and runtime.stats() showing only the kernel ran.
+changing inputs, strict mode on and runtime.stats() showing only the kernel ran. Every test runs
+for both all-reduce protocols (K3FUSE_AR_PROTOCOL=lamport, the default, and flags), and the stats
+must name the protocol's implementation. K3FUSE_TEST_AR_TOKENS=1,2,7 limits the token sweep
+(default: every count 1..64).
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 H, P = 7168, 6144  # out-projection per rank at TP 2: [H, P/2] with P/2 = 6144
 MAX_T = 64
 EPS = 1e-5
+PROTOCOLS = {"lamport": "cute.oneshot_ar", "flags": "cute.oneshot_ar.flags"}
+TOKENS = [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",") if t.strip()] \
+    or list(range(1, MAX_T + 1))
 
 
 def _port() -> int:
@@ -41,16 +47,16 @@ def _poison(shape, dtype, device):
     del t
 
 
-def _worker(rank: int, world: int, port: int, errfile: str) -> None:
+def _worker(rank: int, world: int, port: int, errfile: str, protocol: str) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
-                          NVSHMEM_DISABLE_NVLS="1")
+                          NVSHMEM_DISABLE_NVLS="1", K3FUSE_AR_PROTOCOL=protocol)
         torch.cuda.set_device(rank)
         import torch.distributed as dist
 
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        _body(rank, world, dist)
+        _body(rank, world, dist, protocol)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -59,7 +65,7 @@ def _worker(rank: int, world: int, port: int, errfile: str) -> None:
         raise
 
 
-def _body(rank, world, dist):
+def _body(rank, world, dist, protocol):
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
 
@@ -105,8 +111,8 @@ def _body(rank, world, dist):
 
     runtime.reset_stats()
     with runtime.strict():
-        # every token count, both variants, with and without addend
-        for T in range(1, 65):
+        # every token count (or K3FUSE_TEST_AR_TOKENS), both variants, with and without addend
+        for T in TOKENS:
             for norm, use_add in ((True, False), (False, T % 3 == 0), (True, T % 5 == 0)):
                 x, res, add = inputs(T, 1000 * T + 2 * norm + use_add)
                 add = add if use_add else None
@@ -122,9 +128,10 @@ def _body(rank, world, dist):
                     check(got, tot, f"T={T} out (plain, addend={use_add})")
                     same_on_all_ranks(got, f"T={T} plain")
 
-        # the GEMV path with programmatic dependent launch (off by default)
+        # the GEMV path with programmatic dependent launch (off by default; Lamport only: the flag
+        # protocol ignores K3FUSE_AR_PDL)
         os.environ["K3FUSE_AR_PDL"] = "1"
-        for T in (1, 2):
+        for T in ((1, 2) if protocol == "lamport" else ()):
             x, res, add = inputs(T, 555 + T)
             _poison((T, H), torch.bfloat16, dev)
             got = call(x, res, add, True)
@@ -168,12 +175,25 @@ def _body(rank, world, dist):
                     check(normed, nref, f"graph T={T} replay {i} normed")
                     same_on_all_ranks(normed, f"graph T={T} replay {i}")
             torch.cuda.synchronize()
+            # rough timing (not a benchmark: one op per graph, the same weight every replay,
+            # back-to-back replays): µs per replay, the slower rank
+            dist.barrier()
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            for _ in range(200):
+                g.replay()
+            ev1.record()
+            ev1.synchronize()
+            us = torch.tensor([ev0.elapsed_time(ev1) * 1e3 / 200], device=dev, dtype=torch.float64)
+            dist.all_reduce(us, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                print(f"TIMING {protocol} T={T}: {us.item():.2f} us per graph replay", flush=True)
             del g
 
     st = runtime.stats()
     for op in ("gemm_ar_residual", "gemm_ar_residual_rmsnorm"):
         impls = st.get(op, {})
-        assert impls and set(impls) == {"cute.oneshot_ar"}, f"{op}: {impls}"
+        assert impls and set(impls) == {PROTOCOLS[protocol]}, f"{protocol} {op}: {impls}"
 
 
 def _timeout_body(rank, world, dist):
@@ -200,11 +220,11 @@ def _timeout_body(rank, world, dist):
     dist.barrier()
 
 
-def _timeout_worker(rank, world, port, errfile):
+def _timeout_worker(rank, world, port, errfile, protocol):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
-                          NVSHMEM_DISABLE_NVLS="1")
+                          NVSHMEM_DISABLE_NVLS="1", K3FUSE_AR_PROTOCOL=protocol)
         torch.cuda.set_device(rank)
         import torch.distributed as dist
 
@@ -217,20 +237,22 @@ def _timeout_worker(rank, world, port, errfile):
         raise
 
 
-def _spawn(fn, tmp_path):
+def _spawn(fn, tmp_path, protocol):
     import torch.multiprocessing as mp
 
     errfile = str(tmp_path / "err")
     try:
-        mp.spawn(fn, args=(2, _port(), errfile), nprocs=2, join=True)
+        mp.spawn(fn, args=(2, _port(), errfile, protocol), nprocs=2, join=True)
     except Exception:
         msgs = [open(f"{errfile}.{r}").read() for r in range(2) if os.path.exists(f"{errfile}.{r}")]
         pytest.fail("worker failed:\n" + "\n".join(msgs))
 
 
-def test_fused_ar_tp2(tmp_path):
-    _spawn(_worker, tmp_path)
+@pytest.mark.parametrize("protocol", ["flags", "lamport"])
+def test_fused_ar_tp2(tmp_path, protocol):
+    _spawn(_worker, tmp_path, protocol)
 
 
-def test_debug_spin_timeout(tmp_path):
-    _spawn(_timeout_worker, tmp_path)
+@pytest.mark.parametrize("protocol", ["flags", "lamport"])
+def test_debug_spin_timeout(tmp_path, protocol):
+    _spawn(_timeout_worker, tmp_path, protocol)
