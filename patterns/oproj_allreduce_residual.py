@@ -56,7 +56,9 @@ class OProjAllReduceResidual(Rule):
     description = ("row-parallel out-projection -> all_reduce -> residual add [-> next RMSNorm] (KDA "
                    "out-projection, AttnRes prefix add, MoE final reduction + residual) -> "
                    "k3fuse.gemm_ar_residual[_rmsnorm]")
-    uses_multicast = True  # the fused one-shot exchange uses NVLink multicast when allowed
+    # the exchange is an NVLink collective: policy "require" rejects it where multicast is unavailable
+    # (the kernel itself is the unicast one-shot; a multicast variant is out of scope)
+    uses_multicast = True
 
     def patterns(self) -> list[PatternSpec]:
         def ex(dtype: torch.dtype, addend: bool, norm: bool) -> tuple:
@@ -89,11 +91,10 @@ class OProjAllReduceResidual(Rule):
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         status = ctx.multicast_status()
-        if ctx.multicast != "off" and status.available:
-            match.note("NVLink multicast available", path="multicast", multicast=status.reason)
-        else:
-            match.note(f"unicast one-shot all-reduce: multicast {status.reason}", path="unicast_one_shot",
-                       multicast=status.reason, policy=ctx.multicast)
+        why = ("multicast available, but this build has no multicast kernel" if status.available
+               else f"multicast {status.reason}")
+        match.note(f"unicast one-shot all-reduce: {why}", path="unicast_one_shot",
+                   multicast=status.reason, policy=ctx.multicast)
         ops = torch.ops.k3fuse
         addend = match.inputs.get("addend")
         head = (match["x"], match["weight"], match["residual"], addend)
