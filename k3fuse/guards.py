@@ -79,6 +79,28 @@ def device_capability_at_least(ctx: DecodeContext, minimum: tuple[int, int],
                         {"device_capability": cap, "minimum": minimum})
 
 
+def kernels_available(ctx: DecodeContext, ops: Iterable[str], level: GuardLevel = "contract") -> GuardFailure | None:
+    """Every op a rule emits has an implementation for the context's device.
+
+    On CPU (no device capability) the reference implementation *is* the implementation. On a GPU a
+    rule must not insert an op that would only ever run the reference fallback: strict mode would
+    turn every call into an error, and the rewrite would be slower than the stock path.
+    """
+    if ctx.device_capability is None:
+        return None
+    from k3fuse.kernels import dispatch  # the framework may ask the registry; patterns never do
+
+    dispatch.load_gpu_impls()
+    missing = [op for op in ops
+               if not any(i.name != dispatch.REFERENCE and "cuda" in i.device_types
+                          for i in dispatch.implementations(op))]
+    if not missing:
+        return None
+    return GuardFailure(level, "kernel", f"no CUDA kernel for {', '.join('k3fuse.' + m for m in missing)} in this build",
+                        {"ops": missing, "device_capability": ctx.device_capability,
+                         "import_errors": dispatch.import_errors()})
+
+
 def dtype_in(ctx: DecodeContext, allowed: Iterable[torch.dtype], level: GuardLevel = "contract") -> GuardFailure | None:
     """The model dtype (when the context fixes one) is among `allowed`."""
     allowed = tuple(allowed)
@@ -160,6 +182,7 @@ __all__ = [
     "decode_token_range",
     "tp_at_least",
     "device_capability_at_least",
+    "kernels_available",
     "dtype_in",
     "multicast_policy",
     "divisible",

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from . import normalize, runtime, verify
 from .context import ContextError, DecodeContext
-from .guards import GuardFailure, multicast_policy
+from .guards import GuardFailure, kernels_available, multicast_policy
 from .log import RewriteEvent, RewriteLog
 from .rule import Rule, RewriteError
 
@@ -200,6 +200,9 @@ def _contract_failures(rule: Rule, ctx: DecodeContext) -> list[GuardFailure]:
         f = multicast_policy(ctx)
         if f is not None:
             out.append(f)
+    f = kernels_available(ctx, rule.emits)
+    if f is not None:
+        out.append(f)
     out.extend(rule.check_contract(ctx))
     return out
 

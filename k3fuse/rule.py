@@ -237,6 +237,9 @@ class Rule:
     description: ClassVar[str] = ""
     #: True if the fused op uses NVLink multicast (contract guard with policy "require")
     uses_multicast: ClassVar[bool] = False
+    #: names of the torch.ops.k3fuse ops the rewrite inserts (contract guard: a kernel exists for
+    #: the context's device)
+    emits: ClassVar[tuple[str, ...]] = ()
 
     def patterns(self) -> Sequence[PatternSpec]:
         """Spelling variants of this rule's pattern (genuinely different computations only)."""

@@ -49,6 +49,7 @@ class DecodeGemm(Rule):
     """x @ W.T (+ b) with a static W -> k3fuse.decode_gemm (fp32 out for the router spelling)."""
 
     name = "decode_gemm"
+    emits = ("decode_gemm",)
     description = ("projections with a static weight at decode shapes (mm / addmm, incl. the fp32-cast "
                    "router) -> k3fuse.decode_gemm (GEMV at 1-2 tokens, split-K above)")
 

@@ -86,6 +86,7 @@ class MoEFrontSharded(Rule):
     """Router + latent down-projection of the same input -> k3fuse.moe_front_sharded."""
 
     name = "moe_front_sharded"
+    emits = ("moe_front_sharded",)
     description = ("replicated router GEMM (fp32 logits) + replicated latent down-projection of the same "
                    "input -> k3fuse.moe_front_sharded (each rank reads 1/TP of the rows, one all-gather)")
 

@@ -53,6 +53,7 @@ class OProjAllReduceResidual(Rule):
     """The row-parallel projection, its all-reduce and the residual add (+ next RMSNorm) fused."""
 
     name = "oproj_allreduce_residual"
+    emits = ("gemm_ar_residual", "gemm_ar_residual_rmsnorm")
     description = ("row-parallel out-projection -> all_reduce -> residual add [-> next RMSNorm] (KDA "
                    "out-projection, AttnRes prefix add, MoE final reduction + residual) -> "
                    "k3fuse.gemm_ar_residual[_rmsnorm]")

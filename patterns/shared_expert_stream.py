@@ -83,6 +83,7 @@ class SharedExpertStream(Rule):
     """Shared-expert MLP -> side stream (fork at its input, join before the sum with y_routed)."""
 
     name = "shared_expert_stream"
+    emits = ("shared_expert_fork",)  # the join is an event wait, not a dispatched kernel
     description = ("shared-expert SiTU-GLU MLP -> k3fuse.shared_expert_fork/join: runs on a side stream "
                    "while the router and routed experts run; collectives stay on the main stream")
 

@@ -69,6 +69,7 @@ class WeightPrefetch(Rule):
     """Between a collective and its wait: l2_prefetch of the next consumers' static weights."""
 
     name = "weight_prefetch"
+    emits = ("l2_prefetch",)
     description = ("all_reduce ... wait_tensor still in the graph -> k3fuse.l2_prefetch(handle, [next "
                    "consumers' static weights], budget) between them (weights only, never activations)")
 
