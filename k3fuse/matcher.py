@@ -42,11 +42,6 @@ def decomposition_table() -> dict[Any, Any]:
     return select_decomp_table()
 
 
-@dataclass(frozen=True)
-class _Wildcard:
-    name: str
-
-
 _SENTINEL_FLOAT = 0.000123456789012345
 _SENTINEL_INT = 987_654_301
 
