@@ -78,6 +78,9 @@ _import_errors: dict[str, str] = {}  # module -> "ExcType: message"
 
 
 def _entry(op: str) -> _OpEntry:
+    entry = _ops.get(op)  # the per-call path: no lock once the op has an entry
+    if entry is not None:
+        return entry
     with _lock:
         return _ops.setdefault(op, _OpEntry())
 
@@ -86,8 +89,9 @@ def register_impl(op: str, impl: Impl) -> None:
     """Add (or replace, by name) an implementation of `op`; order is by priority, then age."""
     with _lock:
         entry = _entry(op)
-        entry.impls = [i for i in entry.impls if i.name != impl.name] + [impl]
-        entry.impls.sort(key=lambda i: -i.priority)  # stable: equal priorities keep their order
+        # a new list, sorted before it is published: dispatch iterates entry.impls without the lock
+        entry.impls = sorted([i for i in entry.impls if i.name != impl.name] + [impl],
+                             key=lambda i: -i.priority)  # stable: equal priorities keep their order
         entry.broken.pop(impl.name, None)
 
 
@@ -201,7 +205,7 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
         load_gpu_impls()
 
     declined: list[str] = []
-    for impl in implementations(op):
+    for impl in entry.impls:  # never mutated in place (register/unregister replace the list)
         if device not in impl.device_types:
             continue
         reason = entry.broken.get(impl.name)

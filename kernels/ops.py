@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from k3fuse import runtime
+
 from . import reference  # noqa: F401  (registers the reference impls and stock sequences)
 from . import streams
 from .dispatch import dispatch
@@ -151,8 +153,6 @@ def _join_features(anchor: torch.Tensor, out_features: int):
 
 def _shared_expert_join(x_pass, anchor, site, out_features=-1):
     """Wait (event) for `site`'s side output and return it; counts under the fork's producer."""
-    from k3fuse import runtime
-
     output, producer = streams.join(site, x_pass.device)
     expected = _join_features(anchor, out_features)
     if output.shape[-1] != expected or output.dtype != x_pass.dtype:
