@@ -16,12 +16,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from k3fuse.guards import GuardFailure
+from k3fuse.normalize import is_metadata_check
 from k3fuse.rule import PatternSpec
 
 #: trunk dtypes the rules trace patterns for and accept (K3 ships a bf16 trunk; fp32 for tests)
 TRUNK_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-#: the decode token range every fused op is built for
-MAX_DECODE_TOKENS = 64
 GROUP = "tp"  # example group name: a literal wildcard, the graph's own name is captured
 
 
@@ -94,11 +93,11 @@ def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
         if getattr(node, "_erased", False):
             continue
         for user in list(node.users):
-            if user.target is torch.ops.aten._assert_tensor_metadata.default:
+            if is_metadata_check(user):
                 graph.erase_node(user)
         if not node.users:
             graph.erase_node(node)
 
 
-__all__ = ["TRUNK_DTYPES", "MAX_DECODE_TOKENS", "GROUP", "rms_norm", "situ_glu", "all_reduce_sum", "linear",
+__all__ = ["TRUNK_DTYPES", "GROUP", "rms_norm", "situ_glu", "all_reduce_sum", "linear",
            "per_dtype", "cast_free", "base_variant", "randn", "dtype_of", "trunk_dtype", "erase_dead"]

@@ -30,7 +30,7 @@ from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches
 from k3fuse.normalize import skip_transparent, value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, per_dtype, randn, trunk_dtype
+from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
 from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
@@ -38,10 +38,6 @@ T, E, L, H = 4, 6, 8, 16  # example shapes
 
 def _router(x: Tensor, router_w: Tensor) -> Tensor:
     return F.linear(x.float(), router_w.float())
-
-
-def _linear(x: Tensor, w: Tensor) -> Tensor:
-    return F.linear(x, w)
 
 
 @functools.cache
@@ -52,7 +48,7 @@ def _router_patterns() -> tuple[CompiledPattern, ...]:
 
 @functools.cache
 def _linear_patterns() -> tuple[CompiledPattern, ...]:
-    return tuple(compile_pattern(s) for s in cast_free("latent", _linear, lambda d: (randn(T, H, dtype=d),
+    return tuple(compile_pattern(s) for s in cast_free("latent", linear, lambda d: (randn(T, H, dtype=d),
                                                                                    randn(L, H, dtype=d))))
 
 
@@ -102,6 +98,7 @@ class MoEFrontSharded(Rule):
         linears = _unique(find_matches(graph, _linear_patterns(), overlap=True))
         shared = shared_mlp_linears(graph)
         router_outs = {m.outputs[0] for m in routers}
+        order = {n: i for i, n in enumerate(graph.nodes)}
         found = []
         for r in routers:
             x = value_root(r["x"])
@@ -114,7 +111,6 @@ class MoEFrontSharded(Rule):
                 refused = GuardFailure("site", "ambiguous_latent", "the router input feeds several candidate "
                                        "latent projections", {"candidates": [m.outputs[0].name for m in latents]})
             lat = latents[0]
-            order = {n: i for i, n in enumerate(graph.nodes)}
             suffix = r.variant.removeprefix("router")
             found.append(Match(
                 variant="router+latent" + suffix, graph=graph,

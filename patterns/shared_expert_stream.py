@@ -27,6 +27,7 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, static_weight, token_count
 from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches
+from k3fuse.normalize import is_metadata_check
 from k3fuse.rule import Match, PatternSpec, Rule, fake_call
 from k3fuse.verify import op_qualname
 
@@ -34,7 +35,6 @@ from ._spelling import base_variant, erase_dead, linear, per_dtype, randn, situ_
 
 T, H, S = 4, 16, 8  # example shapes: tokens, hidden, local shared intermediate
 BETA, LINEAR_BETA = 4.0, 25.0
-_ASSERT = torch.ops.aten._assert_tensor_metadata.default
 _FUSED_REDUCTION = {"k3fuse::gemm_ar_residual", "k3fuse::gemm_ar_residual_rmsnorm"}
 
 
@@ -43,7 +43,7 @@ def _gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor, beta: float, linear_beta: 
 
 
 def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, beta: float, linear_beta: float) -> Tensor:
-    return linear(situ_glu(linear(x, w_gate), linear(x, w_up), beta, linear_beta), w_down)
+    return linear(_gate_up(x, w_gate, w_up, beta, linear_beta), w_down)
 
 
 def _specs() -> list[PatternSpec]:
@@ -70,7 +70,7 @@ def shared_mlp_linears(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _real_users(node: fx.Node) -> list[fx.Node]:
-    return [u for u in node.users if u.target is not _ASSERT]
+    return [u for u in node.users if not is_metadata_check(u)]
 
 
 @dataclass
@@ -155,7 +155,7 @@ class SharedExpertStream(Rule):
         site = sum(1 for n in graph.nodes if op_qualname(n) == "k3fuse::shared_expert_fork")
         region = set(match.nodes)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        first_reader = min((u for u in x.users if u.target is not _ASSERT), key=order.__getitem__)
+        first_reader = min((u for u in x.users if not is_metadata_check(u)), key=order.__getitem__)
         w_down = match.inputs.get("w_down")
         fork_args = (x, match["w_gate"], match["w_up"], w_down, site, ctx.strict, float(match["beta"]),
                      float(match["linear_beta"]))
@@ -163,7 +163,7 @@ class SharedExpertStream(Rule):
             fork = graph.call_function(ops.shared_expert_fork.default, fork_args)
         fork.meta["val"] = fake_call(ops.shared_expert_fork.default, fork_args, {})
         for user in list(x.users):  # the main stream reads x through the fork
-            if user is not fork and user not in region and user.target is not _ASSERT:
+            if user is not fork and user not in region and not is_metadata_check(user):
                 user.replace_input_with(x, fork)
         out = match.outputs[0]
         join_args = (fork, site_info.anchor, site, int(out.meta["val"].shape[-1]))
@@ -173,7 +173,7 @@ class SharedExpertStream(Rule):
         for n in (fork, join):
             if "stack_trace" in out.meta:
                 n.meta["stack_trace"] = out.meta["stack_trace"]
-        out.replace_all_uses_with(join, delete_user_cb=lambda u: u is not join and u.target is not _ASSERT)
+        out.replace_all_uses_with(join, delete_user_cb=lambda u: u is not join and not is_metadata_check(u))
         erase_dead(graph, match.nodes)
         match.note(site=site, side_region="gate/up/SiTU" if w_down is None else "gate/up/SiTU/down",
                    join_before=site_info.consumer.name, anchor=site_info.anchor.name)
