@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .context import DecodeContext
-from .inductor import mark_static_by_index, static_input_indices_from_tracing_context
+from .inductor import mark_static_by_index, mutated_input_indices, static_input_indices_from_tracing_context
 from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
@@ -42,8 +42,7 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
     if compiler not in COMPILERS:
         raise BackendOptionError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
     ctx = DecodeContext.coerce(opts.get("context"))
-    log = opts.get("log")
-    rlog = log if isinstance(log, RewriteLog) else RewriteLog(log, rank=ctx.rank)
+    rlog = RewriteLog.coerce(opts.get("log"), rank=ctx.rank)
     rules: Sequence[Rule] | RuleRegistry | None = opts.get("rules")
     registry = RuleRegistry.coerce(rules)
     return compiler, ctx, rlog, registry
@@ -69,7 +68,7 @@ def k3fuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
         def inner_compile(aot_gm: fx.GraphModule, aot_inputs: Sequence[Any], **kwargs: Any) -> Any:
             static = set(kwargs.get("static_input_idxs") or ())
-            mutated = _mutated_input_indices()
+            mutated = mutated_input_indices()
             _rewrite(aot_gm, static - mutated, ctx, rlog, registry, door="backend.inductor")
             return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
@@ -86,16 +85,6 @@ def k3fuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return aot_autograd(fw_compiler=fw_compiler, decompositions=decomposition_table())(gm, example_inputs)
-
-
-def _mutated_input_indices() -> set[int]:
-    from torch._guards import TracingContext
-
-    tc = TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
-    if meta is None:
-        return set()
-    return {i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata}
 
 
 __all__ = ["k3fuse_backend", "BackendOptionError", "COMPILERS"]

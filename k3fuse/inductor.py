@@ -27,17 +27,29 @@ from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
 
 
-def static_input_indices_from_tracing_context() -> set[int] | None:
-    """Indices of AOT graph inputs that are parameters/buffers never mutated, if AOT says so."""
+def _aot_metadata() -> Any:
+    """The active TracingContext's AOT forward metadata, or None outside AOT compilation."""
     from torch._guards import TracingContext
 
     tc = TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    return getattr(tc, "fw_metadata", None) if tc is not None else None
+
+
+def mutated_input_indices() -> set[int]:
+    """Indices of AOT graph inputs the graph mutates (data or metadata); empty outside AOT."""
+    meta = _aot_metadata()
+    if meta is None:
+        return set()
+    return {i for i, info in enumerate(meta.input_info) if getattr(info, "mutates_data", False)
+            or getattr(info, "mutates_metadata", False)}
+
+
+def static_input_indices_from_tracing_context() -> set[int] | None:
+    """Indices of AOT graph inputs that are parameters/buffers never mutated, if AOT says so."""
+    meta = _aot_metadata()
     if meta is None or getattr(meta, "static_input_indices", None) is None:
         return None
-    mutated = {i for i, info in enumerate(meta.input_info) if getattr(info, "mutates_data", False)
-               or getattr(info, "mutates_metadata", False)}
-    return set(meta.static_input_indices) - mutated
+    return set(meta.static_input_indices) - mutated_input_indices()
 
 
 def mark_static_by_index(graph: fx.Graph, indices: set[int] | None) -> int:
@@ -58,7 +70,7 @@ class K3FusePass(CustomGraphPass):
                  log: RewriteLog | str | os.PathLike[str] | None = None, chain: Any = None):
         self.ctx = ctx
         self.rules = RuleRegistry.coerce(rules)
-        self.log = log if isinstance(log, RewriteLog) else RewriteLog(log, rank=ctx.rank)
+        self.log = RewriteLog.coerce(log, rank=ctx.rank)
         self.chain = chain
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -94,4 +106,5 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, *,
     return K3FusePass(DecodeContext.coerce(ctx), rules=rules, log=log, chain=existing)
 
 
-__all__ = ["inductor_pass", "K3FusePass", "mark_static_by_index", "static_input_indices_from_tracing_context"]
+__all__ = ["inductor_pass", "K3FusePass", "mark_static_by_index", "mutated_input_indices",
+           "static_input_indices_from_tracing_context"]

@@ -83,6 +83,11 @@ class RewriteLog:
         self.events: list[RewriteEvent] = []
         self.rule_time_ms: dict[str, float] = defaultdict(float)
 
+    @classmethod
+    def coerce(cls, log: RewriteLog | str | os.PathLike[str] | None, *, rank: int = 0) -> RewriteLog:
+        """A log from a log (returned as is), a JSONL path, or None (K3FUSE_LOG, else in memory)."""
+        return log if isinstance(log, RewriteLog) else cls(log, rank=rank)
+
     # --- recording -------------------------------------------------------------------------------
     def add(self, event: RewriteEvent) -> RewriteEvent:
         if event.rank == 0:

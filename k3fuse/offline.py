@@ -86,7 +86,7 @@ def _lacks_val(node: fx.Node) -> bool:
     return schema is None or len(schema.returns) > 0
 
 
-def _fill_missing_vals(gm: fx.GraphModule, ep: ExportedProgram) -> None:
+def _fill_missing_vals(gm: fx.GraphModule) -> None:
     """Fake-propagate the graph if any node lacks meta["val"] (new nodes whose fake call failed)."""
     if not any(_lacks_val(n) for n in gm.graph.nodes):
         return
@@ -133,9 +133,9 @@ def apply(
     rlog = run_pipeline(gm, ctx, rules=rules, door="offline", log=log)
     if rlog.applied() == 0:
         return ep, rlog
-    _fill_missing_vals(gm, ep)
-    sig = copy.copy(ep.graph_signature)
-    sig = type(sig)(input_specs=list(sig.input_specs), output_specs=_rebuild_output_specs(ep, gm))
+    _fill_missing_vals(gm)
+    sig = type(ep.graph_signature)(input_specs=list(ep.graph_signature.input_specs),
+                                   output_specs=_rebuild_output_specs(ep, gm))
     return ep._update(gm, sig), rlog
 
 

@@ -142,7 +142,7 @@ def run_pipeline(
     gm = graph_or_module if isinstance(graph_or_module, fx.GraphModule) else None
     graph = gm.graph if gm is not None else graph_or_module
     registry = RuleRegistry.coerce(rules)
-    rlog = log if isinstance(log, RewriteLog) else RewriteLog(log, rank=ctx.rank)
+    rlog = RewriteLog.coerce(log, rank=ctx.rank)
     if rlog.rank == 0 and ctx.rank:
         rlog.rank = ctx.rank
     gid = graph_id or graph_fingerprint(graph)
