@@ -5,6 +5,10 @@ Three doors into one rewrite pipeline:
   torch._inductor.config.post_grad_custom_post_pass = k3fuse.inductor_pass(ctx)
   new_ep, log = k3fuse.apply(exported_program, ctx)            (k3fuse.offline)
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .compat import UnsupportedTorchVersion, check_torch_version
 
 check_torch_version()  # fail here, clearly, rather than deep inside tracing
@@ -17,8 +21,11 @@ from .runtime import disable, reset_stats, stats, strict  # noqa: E402
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .inductor import K3FusePass
 
-def inductor_pass(ctx=None, **kwargs):  # type: ignore[no-untyped-def]
+
+def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, **kwargs: Any) -> K3FusePass:
     """`k3fuse.inductor.inductor_pass` (imported on first use: torch._inductor is slow to import)."""
     from .inductor import inductor_pass as _inductor_pass
 

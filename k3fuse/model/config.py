@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ PRESETS: dict[str, K3Config] = {
 }
 
 
-def get_config(name: str, **overrides) -> K3Config:
+def get_config(name: str, **overrides: Any) -> K3Config:
     """A preset by name, with fields replaced by `overrides` (validated again)."""
     try:
         base = PRESETS[name]

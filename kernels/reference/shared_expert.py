@@ -7,6 +7,8 @@ is then fused into the MoE final reduction, gemm_ar_residual).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import streams
@@ -33,7 +35,7 @@ def shared_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return h.to(x.dtype)
 
 
-def make_fork_run(producer: str):
+def make_fork_run(producer: str) -> Callable[..., None]:
     """A fork `run` that computes the reference MLP via `streams.launch` (side stream on CUDA)."""
 
     def run(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
