@@ -13,7 +13,6 @@ Two kinds of normalisation live here:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -227,11 +226,6 @@ def _fake_mm(x: Any, w: Any) -> torch.Tensor | None:
         return torch.ops.aten.mm.default(x, w)
 
 
-def tensor_args(node: fx.Node) -> Iterable[fx.Node]:
-    """Every fx.Node among a node's args and kwargs (flattened)."""
-    return node.all_input_nodes
-
-
 __all__ = [
     "VIEW_LIKE",
     "CAST_OPS",
@@ -247,5 +241,4 @@ __all__ = [
     "split_addmm",
     "restore_addmm",
     "strip_transparent",
-    "tensor_args",
 ]
