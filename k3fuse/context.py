@@ -115,8 +115,10 @@ class DecodeContext:
     tp_size/rank/group_name: tensor parallelism (group_name is the c10d name in the graph's
     collectives; required when tp_size > 1). device_capability: (major, minor) or None on CPU.
     dtype: model dtype, or None for any. tokens: inclusive token range per decode step
-    (within 1..64). multicast: "auto" (use if available), "off", "require" (rules that use it fail
-    their contract guard when unavailable). strict: fused ops raise instead of falling back.
+    (within 1..64). multicast: "auto" (probe and report it), "off" (report "policy off"), "require"
+    (rules under the multicast policy, `Rule.uses_multicast`, fail their contract guard when it is
+    unavailable; no k3fuse kernel uses multicast, the fused all-reduce is a unicast one-shot).
+    strict: fused ops raise instead of falling back.
     enabled_rules: only these (None: all); disabled_rules: never these.
     """
 

@@ -111,7 +111,8 @@ def dtype_in(ctx: DecodeContext, allowed: Iterable[torch.dtype], level: GuardLev
 
 
 def multicast_policy(ctx: DecodeContext, level: GuardLevel = "contract") -> GuardFailure | None:
-    """For a rule that uses NVLink multicast: fails only when policy is "require" and it is unavailable."""
+    """For a rule under the multicast policy (`Rule.uses_multicast`): fails only when the policy is
+    "require" and multicast is unavailable. k3fuse's kernels never use multicast themselves."""
     if ctx.multicast != "require":
         return None
     status = ctx.multicast_status()

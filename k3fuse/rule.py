@@ -235,7 +235,9 @@ class Rule:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    #: True if the fused op uses NVLink multicast (contract guard with policy "require")
+    #: True puts the rule under the multicast policy: the engine adds the `multicast` contract guard,
+    #: which rejects it under policy "require" where multicast is unavailable. It does not mean the
+    #: fused op uses multicast (no k3fuse kernel does: the fused all-reduce is a unicast one-shot)
     uses_multicast: ClassVar[bool] = False
     #: names of the torch.ops.k3fuse ops the rewrite inserts (contract guard: a kernel exists for
     #: the context's device)
