@@ -100,13 +100,9 @@ def compile_pattern(spec: PatternSpec) -> CompiledPattern:
     normalize.strip_transparent(graph)
     normalize.split_addmm(graph)
     graph.eliminate_dead_code()
+    # make_fx keeps one placeholder per argument, in order (dead-code elimination keeps placeholders)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    names: dict[fx.Node, str] = {}
-    # make_fx keeps one placeholder per argument, in order
-    all_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for pname, node in zip(params, all_ph):
-        if node in placeholders:
-            names[node] = pname
+    names: dict[fx.Node, str] = dict(zip(placeholders, params))
     out_node = next(n for n in graph.nodes if n.op == "output")
     outs = out_node.args[0]
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
