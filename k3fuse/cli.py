@@ -46,7 +46,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
                                multicast=args.multicast, strict=args.strict)
     new_ep, log = k3fuse.apply(ep, ctx, log=args.log)
     torch.export.save(new_ep, args.output)
-    _print_summary(log.summary(), title=f"{args.input} -> {args.output}")
+    print_rewrite_summary(log.summary(), title=f"{args.input} -> {args.output}")
     return 0
 
 
@@ -67,7 +67,7 @@ def register_apply(sub: Any) -> None:
 # --- log -----------------------------------------------------------------------------------------
 
 
-def _print_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewrite log") -> None:
+def print_rewrite_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewrite log") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -94,7 +94,7 @@ def _cmd_log(args: argparse.Namespace) -> int:
                   sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
-        _print_summary(summary, title=f"{args.file} ({len(log.events)} events)")
+        print_rewrite_summary(summary, title=f"{args.file} ({len(log.events)} events)")
     return 0
 
 

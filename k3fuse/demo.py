@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ class RankReport:
     rewrite_summary: dict[str, dict[str, Any]]
     active_rules: list[str]
     runtime_stats: dict[str, dict[str, int]]
-    notes: list[str] = field(default_factory=list)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,18 +112,15 @@ def print_demo(cfg: DemoConfig, reports: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from .cli import print_rewrite_summary
+
     console = Console()
     r0 = reports[0]
     console.print(f"[bold]k3fuse demo[/bold]: preset={cfg.preset} layers={cfg.layers} residual={cfg.residual} "
                   f"TP={cfg.tp} tokens={cfg.tokens} steps={cfg.steps} compiler={cfg.compiler} "
                   f"strict={cfg.strict} torch={torch.__version__}")
-    table = Table(title=f"rewrite log (rank 0, {r0['graphs']} compiled graph(s)): what the passes did")
-    for col in ("rule", "applied", "rejected", "why rejected", "not matched"):
-        table.add_column(col)
-    for rule, s in r0["rewrite_summary"].items():
-        why = ", ".join(f"{k} x{v}" for k, v in sorted(s["why"].items())) or "-"
-        table.add_row(rule, str(s["applied"]), str(s["rejected"]), why, str(s["not_matched"]))
-    console.print(table)
+    print_rewrite_summary(r0["rewrite_summary"],
+                          title=f"rewrite log (rank 0, {r0['graphs']} compiled graph(s)): what the passes did")
     stats = Table(title="runtime (rank 0): which implementation each fused op ran")
     stats.add_column("op")
     stats.add_column("implementation")

@@ -111,11 +111,10 @@ def parse_rules_env(value: str) -> tuple[set[str] | None, set[str]]:
 
 
 def default_rules() -> list[Rule]:
-    """The K3 rules in pipeline order, or [] while k3fuse.patterns does not list any yet."""
-    try:
-        from .patterns import default_rules as k3_rules  # type: ignore[attr-defined]
-    except ImportError:
-        return []
+    """The K3 rules in pipeline order (k3fuse.patterns). A broken import raises: silently running
+    no rules would look like a model without K3 sites."""
+    from .patterns import default_rules as k3_rules
+
     return list(k3_rules())
 
 
