@@ -67,19 +67,27 @@ def register_apply(sub: Any) -> None:
 # --- log -----------------------------------------------------------------------------------------
 
 
-def print_rewrite_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewrite log") -> None:
+def wide_console() -> Any:
+    """A rich Console; in logs and pipes 120 columns (rich's default 80 would squeeze the reasons)."""
     from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 120))
+
+
+def print_rewrite_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewrite log") -> None:
     from rich.table import Table
 
     table = Table(title=title)
     table.add_column("rule", no_wrap=True)
     for col, justify in (("applied", "right"), ("rejected", "right"), ("why rejected", "left"),
                          ("not matched", "right"), ("ms", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        # the reasons are the point of the table: fold them, never crop them to an ellipsis
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for rule, s in summary.items():
         why = ", ".join(f"{k} x{v}" for k, v in sorted(s["why"].items()))
         table.add_row(rule, str(s["applied"]), str(s["rejected"]), why, str(s["not_matched"]), f"{s['time_ms']:.1f}")
-    Console().print(table)
+    wide_console().print(table)
 
 
 def _cmd_log(args: argparse.Namespace) -> int:

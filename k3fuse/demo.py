@@ -109,19 +109,18 @@ def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
 
 
 def print_demo(cfg: DemoConfig, reports: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    from .cli import print_rewrite_summary
+    from .cli import print_rewrite_summary, wide_console
 
-    console = Console()
+    console = wide_console()
     r0 = reports[0]
     console.print(f"[bold]k3fuse demo[/bold]: preset={cfg.preset} layers={cfg.layers} residual={cfg.residual} "
                   f"TP={cfg.tp} tokens={cfg.tokens} steps={cfg.steps} compiler={cfg.compiler} "
                   f"strict={cfg.strict} torch={torch.__version__}")
     print_rewrite_summary(r0["rewrite_summary"],
                           title=f"rewrite log (rank 0, {r0['graphs']} compiled graph(s)): what the passes did")
-    stats = Table(title="runtime (rank 0): which implementation each fused op ran")
+    stats = Table(title="runtime (rank 0): what each fused op ran")
     stats.add_column("op")
     stats.add_column("implementation")
     stats.add_column("calls", justify="right")
@@ -136,8 +135,8 @@ def print_demo(cfg: DemoConfig, reports: list[dict[str, Any]]) -> None:
         check.add_row(str(r["rank"]), f"{r['compile_s']:.1f}", f"{r['max_rel_err_out']:.2e}",
                       f"{r['max_rel_err_state']:.2e}")
     console.print(check)
-    console.print("active rules: " + (", ".join(r0["active_rules"]) or "none") +
-                  "   |  stock path: K3FUSE_DISABLE=1  |  one rule off: K3FUSE_RULES=-<rule>")
+    console.print("active rules: " + (", ".join(r0["active_rules"]) or "none"))
+    console.print("stock path: K3FUSE_DISABLE=1   one rule off: K3FUSE_RULES=-<rule>   log: --log FILE, k3fuse log FILE")
 
 
 def demo_passed(reports: list[dict[str, Any]], tol: float = 1e-4) -> bool:
