@@ -14,6 +14,7 @@ import argparse
 import torch
 
 import k3fuse
+from k3fuse.cli import print_rewrite_summary
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
 
@@ -49,9 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     r0 = results[0]
     print(f"multicast: {r0['multicast']}")
     print(f"rules that fired: {r0['active'] or 'none'}")
-    for rule, s in r0["summary"].items():
-        why = f" {s['why']}" if s["why"] else ""
-        print(f"  {rule}: applied={s['applied']} rejected={s['rejected']}{why} not_matched={s['not_matched']}")
+    print_rewrite_summary(r0["summary"], title="rewrite log, rank 0")
     print(f"fused op implementations: {r0['stats'] or 'none ran'}")
     print(f"max |compiled - eager| over ranks: {max(r['max_abs_diff'] for r in results):.2e}")
     return {"results": results}

@@ -13,6 +13,7 @@ import argparse
 import torch
 
 import k3fuse
+from k3fuse.cli import print_rewrite_summary
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
 
@@ -47,9 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     r0 = results[0]
     print(f"pass uuid (cache key part): {r0['uuid']}")
     print(f"rules that fired: {r0['active'] or 'none'}")
-    for rule, s in r0["summary"].items():
-        why = f" {s['why']}" if s["why"] else ""
-        print(f"  {rule}: applied={s['applied']} rejected={s['rejected']}{why} not_matched={s['not_matched']}")
+    print_rewrite_summary(r0["summary"], title="rewrite log, rank 0")
     print(f"max |compiled - eager| over ranks: {max(r['max_abs_diff'] for r in results):.2e}")
     return {"results": results}
 
