@@ -7,8 +7,10 @@ function: the unfused torch sequence the op replaced. `dispatch(op, *args)` runs
 2. call guard: when the op has `max_tokens`, a token count T outside [1, max_tokens] runs the stock
    sequence, counted as `fallback:tokens T outside [1, max_tokens]`;
 3. the highest-priority Impl for the tensors' device whose `supports(*args, **kw)` returns None.
-   "reference" is the expected implementation on CPU; on CUDA choosing it is a fallback whose
-   reason lists why every kernel declined (or failed to import).
+   "reference" is the expected implementation on CPU. On CUDA, when every kernel declines, the op
+   runs the stock sequence (the model's own bf16 ops, cuBLAS and NCCL), never the fp32 reference:
+   a fallback that costs what the unfused model costs, counted with a reason that lists why every
+   kernel declined (or failed to import).
 
 GPU kernel modules register themselves when imported::
 
@@ -218,10 +220,10 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
             declined.append(f"{impl.name}: {reason}")
             continue
         if impl.name == REFERENCE:
-            if device == "cuda":
+            if device == "cuda":  # no kernel serves these arguments: run what the model ran
                 runtime.record_fallback(op, _no_kernel_reason(declined), strict=strict)
-            else:
-                runtime.record(op, REFERENCE)
+                return _run_stock(op, entry, args, kw)
+            runtime.record(op, REFERENCE)
             return impl.run(*args, **kw)
         try:
             result = impl.run(*args, **kw)

@@ -3,6 +3,8 @@ ranks, fake impls, opcheck, dispatch (kill switch, call guard, strict, registry)
 surviving DCE / Inductor / export, and the shared-expert fork/join on CPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 import textwrap
 import warnings
@@ -382,6 +384,22 @@ def test_reference_on_cuda_is_a_fallback_listing_why_kernels_declined(monkeypatc
                       "k3fuse.kernels.triton.splitk_gemm (ModuleNotFoundError: No module named 'triton')")
     with runtime.strict(), pytest.raises(runtime.K3FuseFallbackError, match="decode_gemm.*cute.test_gemv"):
         ops.decode_gemm(x, w, None)
+
+
+def test_declined_on_cuda_runs_the_stock_sequence_not_the_fp32_reference(monkeypatch, registered_impls):
+    """On a GPU a declined op must cost what the unfused model costs: the stock (bf16) sequence."""
+    monkeypatch.setattr(dispatch, "_device_type", lambda args: "cuda")
+    monkeypatch.setattr(dispatch, "load_gpu_impls", lambda: None)
+    entry = dispatch._entry("decode_gemm")
+    ran: list[str] = []
+    monkeypatch.setattr(entry, "stock", lambda *a, **k: ran.append("stock") or stock.decode_gemm(*a, **k))
+    reference = next(i for i in entry.impls if i.name == dispatch.REFERENCE)
+    monkeypatch.setattr(entry, "impls", [dataclasses.replace(
+        reference, run=lambda *a, **k: ran.append("reference"))])
+    x, w = rand(2, 16, seed=1), rand(8, 16, seed=2)
+    torch.testing.assert_close(ops.decode_gemm(x, w, None), x @ w.T)
+    assert ran == ["stock"]
+    assert list(runtime.stats()["decode_gemm"]) == ["fallback:no kernel registered"]
 
 
 def test_lazy_gpu_import_registers_good_modules_and_records_bad_ones(tmp_path, monkeypatch,
