@@ -101,6 +101,55 @@ def kernels_available(ctx: DecodeContext, ops: Iterable[str], level: GuardLevel 
                          "import_errors": dispatch.import_errors()})
 
 
+def site_tokens(node: Any) -> int | None:
+    """Tokens of a decode activation node [..., features] (the product of its leading dims), or
+    None when a dim is symbolic or the shape is unknown."""
+    shape = shape_of(node)
+    if shape is None or not all(isinstance(d, int) for d in shape[:-1]):
+        return None
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n
+
+
+def _spans(counts: Iterable[int]) -> str:
+    """1,2,3,5,7,8 -> '1-3, 5, 7-8'."""
+    out: list[str] = []
+    for c in sorted(counts):
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == c - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        elif out and "-" not in out[-1] and int(out[-1]) == c - 1:
+            out[-1] = f"{out[-1]}-{c}"
+        else:
+            out.append(str(c))
+    return ", ".join(out)
+
+
+def kernel_covers(ctx: DecodeContext, op: str, shape: dict[str, Any], tokens: int | None,
+                  level: GuardLevel = "site") -> GuardFailure | None:
+    """On a GPU, some CUDA kernel of `op` serves this site's `shape` at every token count the site
+    can see: `tokens` when the graph fixes it, else the context's whole range.
+
+    Why: an op inserted where no kernel serves the shape falls back on every call (strict mode
+    raises, and the rewrite only adds a dispatch). On CPU the reference is the implementation.
+    """
+    if ctx.device_capability is None:
+        return None
+    from k3fuse.kernels import dispatch
+
+    counts = [tokens] if tokens is not None else range(ctx.tokens[0], ctx.tokens[1] + 1)
+    uncovered = dispatch.coverage(op, shape, counts)
+    if not uncovered:
+        return None
+    limits = sorted({why for whys in uncovered.values() for why in whys})
+    described = " ".join(f"{k}={v}" for k, v in shape.items())
+    return GuardFailure(level, "kernel_shape",
+                        f"no CUDA kernel of k3fuse.{op} serves {described} at tokens {_spans(uncovered)}",
+                        {"op": op, **{k: str(v) if isinstance(v, torch.dtype) else v for k, v in shape.items()},
+                         "tokens": _spans(uncovered), "limits": limits})
+
+
 def dtype_in(ctx: DecodeContext, allowed: Iterable[torch.dtype], level: GuardLevel = "contract") -> GuardFailure | None:
     """The model dtype (when the context fixes one) is among `allowed`."""
     allowed = tuple(allowed)
@@ -184,6 +233,8 @@ __all__ = [
     "tp_at_least",
     "device_capability_at_least",
     "kernels_available",
+    "kernel_covers",
+    "site_tokens",
     "dtype_in",
     "multicast_policy",
     "divisible",

@@ -56,6 +56,10 @@ class Impl:
     fallback message). run(*args, **kw) -> the op's result. priority: higher is tried first.
     device_types: tensor device types it is considered for (kernels: cuda only).
     warmup(shapes) compiles ahead of CUDA-graph capture; `shapes` is op-specific (see `warmup`).
+    covers(shape) answers at compile time, from one op-specific shape dict like warmup's (e.g.
+    {"M": tokens, "N", "K", "dtype", "out_dtype", "bias"} for decode_gemm): None if the kernel
+    serves that shape, else its limit. Rules ask it (`coverage`) before inserting the op, so a site
+    no kernel serves stays stock instead of falling back on every call. None: no shape limits.
     """
 
     name: str
@@ -64,6 +68,7 @@ class Impl:
     priority: int = 0
     device_types: tuple[str, ...] = ("cuda",)
     warmup: Callable[[Sequence[Any]], None] | None = None
+    covers: Callable[[dict[str, Any]], str | None] | None = None
 
 
 @dataclass
@@ -274,6 +279,25 @@ def warmup(op: str, shapes: Sequence[Any]) -> dict[str, str | None]:
     return result
 
 
+def coverage(op: str, shape: dict[str, Any], tokens: Iterable[int]) -> dict[int, list[str]]:
+    """Token counts of `tokens` at which no CUDA kernel of `op` covers `shape`, each with every
+    kernel's limit ({} when some kernel serves every count). `shape` is the op's shape dict without
+    "M"; each token count is tried as "M". Imports the GPU modules first."""
+    load_gpu_impls()
+    kernels = [i for i in implementations(op) if i.name != REFERENCE and "cuda" in i.device_types]
+    uncovered: dict[int, list[str]] = {}
+    for m in tokens:
+        limits = []
+        for impl in kernels:
+            why = impl.covers(dict(shape, M=m)) if impl.covers is not None else None
+            if why is None:
+                break
+            limits.append(f"{impl.name}: {why}")
+        else:
+            uncovered[m] = limits or ["no CUDA kernel registered"]
+    return uncovered
+
+
 def _reset_for_tests() -> None:
     """Forget the lazy GPU import and disabled kernels (tests only)."""
     global _gpu_loaded
@@ -285,4 +309,4 @@ def _reset_for_tests() -> None:
 
 
 __all__ = ["Impl", "REFERENCE", "register_impl", "unregister_impl", "register_stock", "dispatch",
-           "implementations", "import_errors", "load_gpu_impls", "warmup", "token_count"]
+           "implementations", "import_errors", "load_gpu_impls", "warmup", "coverage", "token_count"]

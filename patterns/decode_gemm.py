@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, static_weight, token_count
+from k3fuse.guards import (GuardFailure, decode_token_range, failures, is_static, kernel_covers, site_tokens,
+                           static_weight, token_count)
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root
 from k3fuse.rule import Match, PatternSpec, Rule
@@ -81,11 +82,21 @@ class DecodeGemm(Rule):
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         bias = static_weight(match["bias"], "bias") if "bias" in match.inputs else None
-        return failures(static_weight(match["weight"], "weight"), bias, token_count(match["x"], ctx),
-                        trunk_dtype(match["x"], "x"))
+        found = failures(static_weight(match["weight"], "weight"), bias, token_count(match["x"], ctx),
+                         trunk_dtype(match["x"], "x"))
+        if found:
+            return found
+        x, w = match.val("x"), match.val("weight")
+        shape = {"N": int(w.shape[0]), "K": int(w.shape[1]), "dtype": x.dtype,
+                 "out_dtype": self._out_dtype(match) or x.dtype, "bias": "bias" in match.inputs}
+        return failures(kernel_covers(ctx, "decode_gemm", shape, site_tokens(match["x"])))
+
+    @staticmethod
+    def _out_dtype(match: Match) -> torch.dtype | None:
+        return torch.float32 if base_variant(match.variant) == "fp32_out" else None
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        out_dtype = torch.float32 if base_variant(match.variant) == "fp32_out" else None
+        out_dtype = self._out_dtype(match)
         gemm = match.insert(torch.ops.k3fuse.decode_gemm.default,
                             (match["x"], match["weight"], match.inputs.get("bias"), out_dtype, ctx.strict))
         match.replace([gemm])

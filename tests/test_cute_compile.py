@@ -206,16 +206,19 @@ def test_splitk_compiles_for_sm90():
            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "K_SPLIT": "constexpr",
            "SPLIT_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
            "HAS_BIAS": "constexpr", "PUSH_WORLD": "constexpr", "PUSH_RANK": "constexpr",
-           "PUSH_MAXT": "constexpr"}
+           "PUSH_MAXT": "constexpr", "EVEN_N": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12)}
-    for split, push in ((8, 0), (1, 0), (2, 2), (1, 8)):
+    # (split, push, block_n, even_n): the last two cover a skinny N (W_b, 48 rows) in masked tiles
+    for split, push, block_n, even_n in ((8, 0, 64, True), (1, 0, 64, True), (2, 2, 64, True),
+                                         (1, 8, 64, True), (28, 0, 16, False), (1, 0, 16, False)):
         src = triton.compiler.ASTSource(
             fn=splitk_gemm._splitk_kernel, signature=sig, attrs=attrs,
-            constexprs={"K_SPLIT": 6144 // split, "SPLIT_K": split, "BLOCK_N": 64, "BLOCK_M": 16,
-                        "BLOCK_K": 128, "HAS_BIAS": False, "PUSH_WORLD": push, "PUSH_RANK": push // 2,
-                        "PUSH_MAXT": 64})
+            constexprs={"K_SPLIT": 6144 // split if split != 28 else 256, "SPLIT_K": split,
+                        "BLOCK_N": block_n, "BLOCK_M": 16, "BLOCK_K": 128, "HAS_BIAS": False,
+                        "PUSH_WORLD": push, "PUSH_RANK": push // 2, "PUSH_MAXT": 64, "EVEN_N": even_n})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 5})
         ptx = k.asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+        # wgmma needs 64-row tiles: the 16-column skinny tiles run on mma.sync (a 688 KB weight)
+        assert ("wgmma.mma_async" if block_n == 64 else "mma.sync") in ptx and "cp.async" in ptx
         assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1)
         assert "multimem" not in ptx

@@ -39,6 +39,20 @@ def gemv_supports(x, weight, bias, out_dtype=None, **_) -> str | None:
     return None
 
 
+def gemv_covers(shape: dict) -> str | None:
+    """Compile-time limit of the GEMV (see dispatch.Impl.covers)."""
+    if not compat.available():
+        return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"
+    M, N, K = shape["M"], shape["N"], shape["K"]
+    if shape.get("dtype") not in (torch.bfloat16, torch.float16):
+        return f"dtype {shape.get('dtype')} (bf16/fp16 only)"
+    if M > gemv_max_m(N, K):
+        return f"M={M} > {gemv_max_m(N, K)}"
+    if decode_gemv.pick_config(M, N, K) is None:
+        return f"no GEMV config for N={N} K={K}"
+    return None
+
+
 def gemv_run(x, weight, bias, out_dtype=None, **_):
     y = decode_gemv.run(_flat(x), weight, bias, out_dtype or x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -79,4 +93,4 @@ if compat.HAVE_CUTE:
     from ..dispatch import Impl, register_impl
 
     register_impl("decode_gemm", Impl("cute.gemv", supports=gemv_supports, run=gemv_run,
-                                      priority=100, warmup=gemv_warmup))
+                                      priority=100, warmup=gemv_warmup, covers=gemv_covers))

@@ -25,18 +25,26 @@ except Exception:  # pragma: no cover - CPU CI without triton
 
 BLOCK_K = 128
 MAX_M = 64
+MIN_BLOCK_N = 16  # the narrowest column tile (one counter per tile of the split-K reduction)
 
 if HAVE_TRITON:
 
     @triton.jit
     def _store_out(total, b_ptr, y_ptr, stride_ym, offs_n, offs_m, m_mask, N, push_ptr, gen_ptr,
                    HAS_BIAS: tl.constexpr, PUSH_WORLD: tl.constexpr, PUSH_RANK: tl.constexpr,
-                   PUSH_MAXT: tl.constexpr):
+                   PUSH_MAXT: tl.constexpr, EVEN_N: tl.constexpr):
+        n_ok = offs_n < N
         if HAS_BIAS:
-            total += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
+            if EVEN_N:
+                total += tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
+            else:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         if PUSH_WORLD == 0:
             y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_mask[None, :])
+            if EVEN_N:
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_mask[None, :])
+            else:
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_mask[None, :])
         else:
             # Lamport push (kernels/cute/oneshot_ar.py): fp32 into slot [rank] of buffer gen%3
             # of every rank; -0.0 is the "not written" sentinel, so write +0.0 instead
@@ -45,14 +53,15 @@ if HAVE_TRITON:
             off = ((buf * PUSH_WORLD + PUSH_RANK) * PUSH_MAXT + offs_m[None, :]) * N + offs_n[:, None]
             for r in tl.static_range(PUSH_WORLD):
                 base = tl.load(push_ptr + r).to(tl.pointer_type(tl.float32))
-                tl.store(base + off, val, mask=m_mask[None, :])
+                tl.store(base + off, val, mask=n_ok[:, None] & m_mask[None, :])
 
     @triton.jit
     def _splitk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, push_ptr, gen_ptr,
                        M, N, stride_xm, stride_wn, stride_ym,
                        K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PUSH_WORLD: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_MAXT: tl.constexpr):
+                       PUSH_WORLD: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_MAXT: tl.constexpr,
+                       EVEN_N: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,27 +72,31 @@ if HAVE_TRITON:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_kk)[None, :]
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_kk)[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        n_ok = offs_n < N
         for _ in range(0, K_SPLIT // BLOCK_K):
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            if EVEN_N:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:  # a skinny or odd N (e.g. W_b, 48 rows at TP 2): the last tile is masked
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0, eviction_policy="evict_last")
             acc = tl.dot(w, xt, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if SPLIT_K == 1:
             _store_out(acc, b_ptr, y_ptr, stride_ym, offs_n, offs_m, m_mask, N, push_ptr, gen_ptr,
-                       HAS_BIAS, PUSH_WORLD, PUSH_RANK, PUSH_MAXT)
+                       HAS_BIAS, PUSH_WORLD, PUSH_RANK, PUSH_MAXT, EVEN_N)
         else:
             ws_tile = ws_ptr + offs_m[None, :] * N + offs_n[:, None]   # [S, M, N], n contiguous
-            tl.store(ws_tile + pid_k * M * N, acc, mask=m_mask[None, :])
+            tl.store(ws_tile + pid_k * M * N, acc, mask=n_ok[:, None] & m_mask[None, :])
             tl.debug_barrier()
             old = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if old == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):   # fixed order: deterministic
-                    total += tl.load(ws_tile + s * M * N, mask=m_mask[None, :], other=0.0,
-                                     cache_modifier=".cg")
+                    total += tl.load(ws_tile + s * M * N, mask=n_ok[:, None] & m_mask[None, :],
+                                     other=0.0, cache_modifier=".cg")
                 _store_out(total, b_ptr, y_ptr, stride_ym, offs_n, offs_m, m_mask, N, push_ptr,
-                           gen_ptr, HAS_BIAS, PUSH_WORLD, PUSH_RANK, PUSH_MAXT)
+                           gen_ptr, HAS_BIAS, PUSH_WORLD, PUSH_RANK, PUSH_MAXT, EVEN_N)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -99,10 +112,9 @@ def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     tuned = _tuned(M, N, K)
     if tuned is not None:
         return tuned
-    block_n = 64 if N % 64 == 0 else (32 if N % 32 == 0 else None)
-    if block_n is None:
-        return None
-    tiles = N // block_n
+    # full 64/32-column tiles where N allows; else 16-column tiles with the last one masked
+    block_n = 64 if N % 64 == 0 else (32 if N % 32 == 0 else 16)
+    tiles = -(-N // block_n)
     kb = K // BLOCK_K
     split = 1
     for s in range(1, kb + 1):
@@ -138,7 +150,7 @@ def _workspace(device: torch.device, N: int, split: int):
     ws = _ws.get(key)
     if ws is None:
         ws = (torch.empty((split, MAX_M, N), dtype=torch.float32, device=device),
-              torch.zeros((N // 32,), dtype=torch.int32, device=device))
+              torch.zeros((-(-N // MIN_BLOCK_N),), dtype=torch.int32, device=device))
         _ws[key] = ws
     return ws
 
@@ -186,7 +198,7 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     else:
         ws, cnt = out, _scratch(x.device)
     bk = cfg.get("BLOCK_K", BLOCK_K)
-    grid = (N // cfg["BLOCK_N"], split)
+    grid = (-(-N // cfg["BLOCK_N"]), split)
     if push is None:
         ptrs, gen, pw, pr, pm = cnt, cnt, 0, 0, 1
     else:
@@ -197,6 +209,7 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
         M, N, x.stride(0), weight.stride(0), out.stride(0),
         K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_K=bk, HAS_BIAS=bias is not None, PUSH_WORLD=pw, PUSH_RANK=pr, PUSH_MAXT=pm,
+        EVEN_N=N % cfg["BLOCK_N"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -208,7 +221,18 @@ def _supports(x, weight, bias, out_dtype=None, **_) -> str | None:
     x2 = x.reshape(-1, x.shape[-1])
     if not supports(x2, weight, bias, out_dtype or x.dtype):
         return (f"unsupported (x {tuple(x.shape)} {x.dtype}, w {tuple(weight.shape)}; needs "
-                f"M<=64, K%{BLOCK_K}==0, N%32==0, bf16/fp16, unit inner stride)")
+                f"M<=64, K%{BLOCK_K}==0, bf16/fp16, unit inner stride)")
+    return None
+
+
+def _covers(shape: dict) -> str | None:
+    """Compile-time limit of the split-K kernel (see dispatch.Impl.covers)."""
+    if shape.get("dtype") not in (torch.bfloat16, torch.float16):
+        return f"dtype {shape.get('dtype')} (bf16/fp16 only)"
+    if shape.get("out_dtype") not in (None, shape["dtype"], torch.float32):
+        return f"out_dtype {shape.get('out_dtype')}"
+    if pick_config(shape["M"], shape["N"], shape["K"]) is None:
+        return f"M={shape['M']} K={shape['K']} (needs 1 <= M <= {MAX_M}, K % {BLOCK_K} == 0)"
     return None
 
 
@@ -232,4 +256,4 @@ if HAVE_TRITON:
     from ..dispatch import Impl, register_impl
 
     register_impl("decode_gemm", Impl("triton.splitk", supports=_supports, run=_run, priority=50,
-                                      warmup=_warmup))
+                                      warmup=_warmup, covers=_covers))

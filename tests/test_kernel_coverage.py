@@ -1,0 +1,64 @@
+"""Compile-time kernel coverage: on a GPU a rule inserts an op only where a kernel serves the site.
+
+The decode GEMM kernels declare their shape limits (`Impl.covers`); `kernel_covers` asks them for
+every token count the site can see, and the rule refuses a site no kernel serves, naming the shape
+and each kernel's limit, instead of inserting an op that would fall back on every call.
+"""
+import pytest
+import torch
+
+import k3fuse
+from k3fuse.guards import kernel_covers
+from k3fuse.kernels import dispatch
+from k3fuse.model import K3DecodeStack, get_config
+
+pytest.importorskip("triton")  # CI installs Triton: the split-K kernel's limits are what is tested
+
+H100 = (9, 0)
+BF16 = torch.bfloat16
+
+
+def _gemm(N: int, K: int, dtype: torch.dtype = BF16, out_dtype: torch.dtype = BF16) -> dict:
+    return {"N": N, "K": K, "dtype": dtype, "out_dtype": out_dtype, "bias": False}
+
+
+@pytest.mark.parametrize("N,K", [(48, 7168), (6144, 7168), (896, 7168), (7168, 3584), (6144, 128)])
+def test_k3_tp2_decode_shapes_are_covered_at_every_token_count(N, K):
+    """Every decode_gemm site of the K3 layer at TP 2, W_b's 48 rows included (masked tiles)."""
+    out = torch.float32 if N == 896 else BF16  # the router's fp32 logits
+    assert dispatch.coverage("decode_gemm", _gemm(N, K, out_dtype=out), range(1, 65)) == {}
+
+
+def test_uncovered_shape_names_the_tokens_and_every_kernels_limit():
+    ctx = k3fuse.DecodeContext(device_capability=H100)
+    failure = kernel_covers(ctx, "decode_gemm", _gemm(64, 100), tokens=None)
+    assert failure is not None and (failure.level, failure.guard) == ("site", "kernel_shape")
+    assert failure.values["tokens"] == "1-64" and failure.values["N"] == 64 and failure.values["K"] == 100
+    assert any(limit.startswith("triton.splitk: ") and "K % 128 == 0" in limit
+               for limit in failure.values["limits"])
+    assert "N=64 K=100" in failure.message
+    # the graph's own token count, when static, is the only one asked about
+    assert kernel_covers(ctx, "decode_gemm", _gemm(64, 100), tokens=3).values["tokens"] == "3"
+
+
+def test_cpu_context_never_asks_the_kernels():
+    assert kernel_covers(k3fuse.DecodeContext(), "decode_gemm", _gemm(64, 100), tokens=None) is None
+
+
+def test_rule_refuses_only_the_site_no_kernel_serves():
+    """tiny in bf16: W_fb [128, 16] and W_up [128, 64] have K < 128 and no GEMV config; the rest is served."""
+    model = K3DecodeStack(get_config("tiny", n_layers=1, dtype="bfloat16"), seed=0)
+    x = torch.randn(2, model.config.hidden, dtype=BF16)
+    ep = torch.export.export(model, (x, model.init_state(2)))
+    _, log = k3fuse.apply(ep, k3fuse.DecodeContext(device_capability=H100))
+    refused = log.rejected("decode_gemm")
+    assert {(e.level, e.guard) for e in refused} == {("site", "kernel_shape")}
+    assert sorted((e.values["N"], e.values["K"], e.values["tokens"]) for e in refused) == [(128, 16, "2"),
+                                                                                           (128, 64, "2")]
+    assert log.applied("decode_gemm") == 9  # the 11 CPU sites less W_fb and W_up
+
+    _, log_fp32 = k3fuse.apply(torch.export.export(
+        K3DecodeStack(get_config("tiny", n_layers=1), seed=0), (x.float(), model.init_state(2))),
+        k3fuse.DecodeContext(device_capability=H100))
+    assert log_fp32.applied("decode_gemm") == 0  # no kernel takes an fp32 trunk
+    assert {e.guard for e in log_fp32.rejected("decode_gemm")} == {"kernel_shape"}
