@@ -405,3 +405,30 @@ def test_dataclass_config_is_frozen():
     cfg = get_config("tiny")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hidden = 1  # type: ignore[misc]
+
+
+def test_grouped_experts_compute_what_the_gathered_reference_does(monkeypatch):
+    """The CUDA spelling (pairs sorted by expert, torch._grouped_mm) against the CPU gather+bmm."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    from k3fuse.model import layers
+
+    cfg = get_config("tiny", n_layers=1, dtype="bfloat16")
+    moe = layers.LatentMoE(cfg, 0, layers.WeightSource(3, torch.bfloat16, "cpu"),
+                           layers.TensorParallel(1, 0, None))
+    for T in (1, 3, 8):
+        a = torch.randn(T, cfg.latent, dtype=torch.bfloat16)
+        experts = torch.randint(0, cfg.n_experts, (T, cfg.top_k)).reshape(-1)
+        experts[: cfg.top_k] = 5  # a crowded expert next to empty ones
+        ref = moe._experts_gathered(a.float().to(torch.bfloat16), experts).float()
+        try:
+            got = moe._experts_grouped(a, experts).float()
+        except RuntimeError as exc:  # a CPU build without the grouped kernel
+            pytest.skip(f"torch._grouped_mm does not run on this CPU build: {exc}")
+        assert (got - ref).norm() / ref.norm() < 2e-2, T
+    monkeypatch.setattr(layers, "use_grouped_mm", lambda a: True)
+    x = torch.randn(4, cfg.hidden, dtype=torch.bfloat16)
+    grouped = moe(x).float()
+    monkeypatch.setattr(layers, "use_grouped_mm", lambda a: False)
+    gathered = moe(x).float()
+    assert (grouped - gathered).norm() / gathered.norm() < 2e-2
