@@ -222,3 +222,32 @@ def test_splitk_compiles_for_sm90():
         assert ("wgmma.mma_async" if block_n == 64 else "mma.sync") in ptx and "cp.async" in ptx
         assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1)
         assert "multimem" not in ptx
+
+
+def test_l2_prefetch_compiles_to_bulk_prefetch_for_sm90():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from k3fuse.kernels.triton import l2_prefetch
+
+    src = triton.compiler.ASTSource(
+        fn=l2_prefetch._prefetch_kernel, signature={"addr_ptr": "*i64", "size_ptr": "*i32", "n": "i32",
+                                                     "BLOCK": "constexpr"},
+        constexprs={"BLOCK": 128})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "cp.async.bulk.prefetch.L2.global" in ptx and "multimem" not in ptx
+
+
+def test_l2_prefetch_chunks_follow_the_list_and_stop_at_the_budget():
+    from k3fuse.kernels.triton import l2_prefetch
+
+    a, b = torch.empty(100_000, dtype=torch.bfloat16), torch.empty(50_000, dtype=torch.bfloat16)
+    assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    chunks = l2_prefetch.chunk_table([a, b], budget_bytes=250_008)
+    assert sum(s for _, s in chunks) == 250_000  # the budget, trimmed to 16-byte multiples
+    assert all(addr % 16 == 0 and size % 16 == 0 and 0 < size <= l2_prefetch.CHUNK_BYTES for addr, size in chunks)
+    in_a = [s for addr, s in chunks if a.data_ptr() <= addr < a.data_ptr() + 200_000]
+    in_b = [addr for addr, s in chunks if b.data_ptr() <= addr < b.data_ptr() + 100_000]
+    assert sum(in_a) == 200_000 and chunks[: len(in_a)] == [c for c in chunks if c[0] < a.data_ptr() + 200_000
+                                                         and c[0] >= a.data_ptr()]  # a first, whole
+    assert in_b[0] == b.data_ptr() and len(in_a) + len(in_b) == len(chunks)  # then the head of b

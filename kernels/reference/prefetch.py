@@ -1,10 +1,9 @@
 """Reference L2 prefetch: does nothing but get counted.
 
 Prefetching is a performance hint with no numerical effect, so "do nothing" is a correct
-implementation everywhere. On CPU it is the expected path; on CUDA it counts as a fallback
-("no kernel registered") until a GPU module registers a real prefetch for "l2_prefetch" with
-`dispatch.register_impl` (run(anchor, weights, budget_bytes) -> None, on the side stream, reading
-only the static `weights`, never `anchor`, whose collective may still be in flight).
+implementation everywhere. On CPU it is the expected path; on CUDA the kernel is
+kernels/triton/l2_prefetch.py (bulk L2 prefetch issued on the current stream while the collective
+runs on NCCL's, reading only the static `weights`, never `anchor`).
 """
 from __future__ import annotations
 
