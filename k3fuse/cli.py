@@ -120,7 +120,13 @@ def register_demo(sub: Any) -> None:
     _register(sub)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log]
+def register_bench(sub: Any) -> None:
+    from .bench.cli import register_bench as _register
+
+    _register(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log, register_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

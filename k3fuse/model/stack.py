@@ -59,7 +59,8 @@ class K3DecodeStack(nn.Module):
 
     def __init__(self, config: K3Config, *, tp_size: int = 1, rank: int = 0,
                  group: dist.ProcessGroup | None = None, seed: int = 0,
-                 dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+                 init_on_device: bool = False):
         super().__init__()
         config.validate_for_tp(tp_size)
         if tp_size > 1:
@@ -82,7 +83,7 @@ class K3DecodeStack(nn.Module):
         self.tp_size, self.rank, self.group = tp_size, rank, group
         self.dtype = dtype
         self.device = torch.device(device)
-        src = WeightSource(seed, dtype, device)
+        src = WeightSource(seed, dtype, device, on_device=init_on_device)
         tp = TensorParallel(tp_size, rank, group if tp_size > 1 else None)
         self.layers = nn.ModuleList(K3DecodeLayer(config, i, src, tp) for i in range(config.n_layers))
         self.final_norm = make_norm(config, src, -1, "final_norm", config.hidden)

@@ -1,0 +1,185 @@
+"""One rank of `k3fuse bench`: build the reference stack, compile every arm, time every token count.
+
+Per arm: torch.compile (stock Inductor, or the k3fuse backend in strict mode with the arm's rules),
+then for each token count a CUDA graph of `steps` decode steps (the KDA state threaded from step to
+step, fresh random inputs per replay) timed over `replays` replays, one replay profiled (kernels
+per step, device time per kernel, the timeline of one step), and the runtime counters read back, so
+every figure says which implementation ran. Compile time is the first calls' wall time; the passes'
+share is the time the rewrite log recorded for the rules.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import profile, timing
+from .arms import Arm, parse_arms
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What `k3fuse bench` runs (see `k3fuse bench --help` for each field)."""
+
+    preset: str = "k3"
+    overrides: dict[str, Any] = field(default_factory=lambda: {"moe_inter": 128})
+    layers: int = 1
+    residual: str = "plain"
+    tp: int = 2
+    tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    arms: tuple[str, ...] = ("stock", "k3fuse")
+    rule_arm_tokens: tuple[int, ...] | None = None  # per-rule arms only at these counts (None: all)
+    steps: int = 10
+    replays: int = 20
+    compiler: str = "inductor"
+    device: str = "cuda"
+    profile: bool = True
+    compile_only: bool = False
+    seed: int = 0
+
+    def model_config(self) -> Any:
+        from k3fuse.model import get_config
+
+        return get_config(self.preset, n_layers=self.layers, residual=self.residual, **self.overrides)
+
+    def tokens_for(self, arm: Arm) -> tuple[int, ...]:
+        if arm.name in ("stock", "k3fuse") or self.rule_arm_tokens is None:
+            return self.tokens
+        return tuple(t for t in self.tokens if t in self.rule_arm_tokens)
+
+
+def _random_state(model: Any, T: int, gen: torch.Generator) -> Any:
+    """A KDA state mid-sequence (small random values, never zeros: zeros hide unwritten outputs)."""
+    from k3fuse.model import DecodeState
+
+    state = model.init_state(T)
+
+    def rnd(t: torch.Tensor, scale: float) -> torch.Tensor:
+        return (torch.randn(t.shape, generator=gen, device=t.device) * scale).to(t.dtype)
+
+    return DecodeState(recurrent=tuple(rnd(r, 0.1) for r in state.recurrent),
+                       conv=tuple(rnd(c, 1.0) for c in state.conv))
+
+
+def weight_floor(model: Any, T: int) -> dict[str, float]:
+    """Per-rank bytes a decode step must read at T tokens: every parameter once, the routed experts
+    only for the experts T tokens touch (expected distinct experts under uniform routing)."""
+    cfg = model.config
+    expert_bytes = dense_bytes = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if ".routed.w1" in name or ".routed.w2" in name or ".routed.w3" in name:
+            expert_bytes += nbytes
+        else:
+            dense_bytes += nbytes
+    touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** T)
+    return {"dense_bytes": dense_bytes, "expert_bytes_touched": expert_bytes * touched / cfg.n_experts,
+            "experts_touched": touched}
+
+
+def _compile(model: Any, arm: Arm, cfg: BenchConfig, rank: int) -> tuple[Any, Any]:
+    import k3fuse
+    from k3fuse.log import RewriteLog
+
+    torch._dynamo.reset()
+    if arm.is_stock:
+        backend = "inductor" if cfg.compiler == "inductor" else "eager"
+        return torch.compile(model, backend=backend), None
+    rlog = RewriteLog(None, rank=rank)
+    kw = dict(strict=True, enabled_rules=arm.rules)
+    ctx = (k3fuse.DecodeContext.from_process_group(**kw) if cfg.tp > 1 else k3fuse.DecodeContext(**kw))
+    options = {"compiler": cfg.compiler, "context": ctx, "log": rlog}
+    return torch.compile(model, backend="k3fuse", options=options), rlog
+
+
+def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: torch.device,
+                 gen: torch.Generator) -> dict[str, Any]:
+    H, dtype = model.config.hidden, model.dtype
+    xs = [torch.randn(T, H, generator=gen, device=device).to(dtype) for _ in range(cfg.steps)]
+    state0 = _random_state(model, T, gen)
+
+    def steps() -> torch.Tensor:
+        state, y = state0, xs[0]
+        for x in xs:
+            y, state = compiled(x, state)
+        return y
+
+    def refill() -> None:
+        for x in xs:
+            x.normal_(generator=gen)
+
+    row: dict[str, Any] = {"tokens": T}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        steps()  # compiles on the first token count (and once more when the shape turns dynamic)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row["first_call_s"] = time.perf_counter() - t0
+        if cfg.compile_only:
+            return row
+        if device.type == "cuda":
+            graph = timing.capture(steps)
+            per_step = timing.time_graph(graph, cfg.steps, cfg.replays, refill)
+            if cfg.profile:
+                row["profile"] = profile.profile_steps(graph.replay, cfg.steps)
+            del graph
+        else:
+            per_step = timing.time_host(steps, cfg.steps, cfg.replays, refill)
+    row["us_this_rank"] = timing.median(per_step)
+    row["us"] = timing.slowest_rank(row["us_this_rank"], device)
+    return row
+
+
+def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
+    """Run every arm at every token count on this rank; returns this rank's report."""
+    import k3fuse
+    from k3fuse.model import K3DecodeStack
+
+    device = torch.device(f"cuda:{rank}" if cfg.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = dist.group.WORLD if world_size > 1 else None
+    model_cfg = cfg.model_config()
+    model = K3DecodeStack(model_cfg, tp_size=world_size, rank=rank, group=group, seed=cfg.seed,
+                          device=device, init_on_device=device.type == "cuda")
+    report: dict[str, Any] = {"rank": rank, "arms": {}, "model": asdict(model_cfg),
+                              "floor": {T: weight_floor(model, T) for T in cfg.tokens}}
+    if device.type == "cuda":
+        report["copy_bandwidth_Bps"] = timing.copy_bandwidth(device)
+        ctx = k3fuse.DecodeContext.from_process_group() if world_size > 1 else k3fuse.DecodeContext()
+        status = ctx.multicast_status()
+        report["multicast"] = {"available": status.available, "reason": status.reason}
+    for arm in parse_arms(cfg.arms):
+        gen = torch.Generator(device).manual_seed(cfg.seed + 1)  # the same inputs for every arm
+        compiled, rlog = _compile(model, arm, cfg, rank)
+        k3fuse.reset_stats()
+        entry: dict[str, Any] = {"rows": []}
+        try:
+            for T in cfg.tokens_for(arm):
+                entry["rows"].append(_time_tokens(compiled, model, T, cfg, device, gen))
+        except Exception as exc:  # one arm failing (strict mode!) must not hide the others
+            entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+        entry["compile_s"] = sum(r.get("first_call_s", 0.0) for r in entry["rows"])
+        entry["stats"] = k3fuse.stats()
+        if rlog is not None:
+            summary = rlog.summary()
+            entry["rewrites"] = {rule: {"applied": s["applied"], "rejected": s["rejected"], "why": s["why"]}
+                                 for rule, s in summary.items()}
+            entry["passes_ms"] = round(sum(rlog.rule_time_ms.values()), 1)
+            entry["graphs"] = len({e.graph_id for e in rlog.events})
+            entry["fallbacks"] = {op: {k: v for k, v in impls.items() if k.startswith("fallback")}
+                                  for op, impls in entry["stats"].items()
+                                  if any(k.startswith("fallback") for k in impls)}
+        report["arms"][arm.name] = entry
+        del compiled
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
+
+
+__all__ = ["BenchConfig", "bench_rank", "weight_floor"]

@@ -1,0 +1,105 @@
+"""Timing decode steps the way METHOD.md asks: CUDA events over CUDA-graph replays, medians.
+
+One graph holds several decode steps (rank start skew would otherwise pollute the collectives'
+timings), inputs are refilled with fresh random values between replays (outside the timed
+window), ranks meet at a barrier before each replay, and the caller reports the slower rank.
+On CPU the same steps are timed with the host clock (a smoke test, not a measurement).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def capture(steps: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Warm `steps` up on a side stream (compiles, workspaces, side streams), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            steps()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, n_steps: int, replays: int,
+               refill: Callable[[], None] | None = None) -> list[float]:
+    """Microseconds per decode step of each timed replay (after 3 untimed ones)."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    per_step: list[float] = []
+    for _ in range(replays):
+        if refill is not None:
+            refill()
+        _barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_step.append(start.elapsed_time(end) * 1e3 / n_steps)
+    return per_step
+
+
+def time_host(steps: Callable[[], object], n_steps: int, replays: int,
+              refill: Callable[[], None] | None = None) -> list[float]:
+    """Host-clock microseconds per step (CPU smoke runs)."""
+    steps()
+    per_step: list[float] = []
+    for _ in range(replays):
+        if refill is not None:
+            refill()
+        _barrier()
+        t0 = time.perf_counter()
+        steps()
+        per_step.append((time.perf_counter() - t0) * 1e6 / n_steps)
+    return per_step
+
+
+def slowest_rank(value: float, device: torch.device) -> float:
+    """The largest `value` over the ranks (the slower rank decides a collective step)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the floor's denominator."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+__all__ = ["capture", "time_graph", "time_host", "slowest_rank", "median", "copy_bandwidth"]
