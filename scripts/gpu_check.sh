@@ -3,7 +3,10 @@
 # GPU tests, then the benchmarks. Logs and JSON go to ${OUT:-out}.
 #
 #   scripts/gpu_check.sh [all | STEP...]   steps: versions test-gemm bench-gemm test-ar bench-ar tests sweep
-#   (all = test-gemm bench-gemm test-ar bench-ar; each step has a timeout, logs go to $OUT/<step>.log)
+#                                          test-layer bench-layer bench-attnres
+#   (all = test-gemm bench-gemm test-ar bench-ar test-layer bench-layer; each step has a timeout, logs
+#   go to $OUT/<step>.log; PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches;
+#   PACK=1 packs everything under $OUT into $OUT/results.tgz, for transports that return few files)
 #   test-ar runs both all-reduce protocols (lamport, flags); K3FUSE_TEST_AR_TOKENS=1,2,64 limits its
 #   token sweep, PYTEST_X= runs on past a failure, PYTEST_ARGS adds pytest options
 #
@@ -16,7 +19,7 @@ export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 STEPS=("$@")
-[[ ${#STEPS[@]} -eq 0 || "${STEPS[0]}" == all ]] && STEPS=(test-gemm bench-gemm test-ar bench-ar)
+[[ ${#STEPS[@]} -eq 0 || "${STEPS[0]}" == all ]] && STEPS=(test-gemm bench-gemm test-ar bench-ar test-layer bench-layer)
 PY="${PYTHON:-python3}"
 
 # CuTe DSL (+ apache-tvm-ffi for --enable-tvm-ffi) from local wheels, never from a registry.
@@ -64,12 +67,18 @@ step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.lo
   local r=${PIPESTATUS[0]}; [[ $r -ne 0 ]] && { echo "== $name FAILED rc=$r"; rc=1; }
   return 0
 }
-PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X--x} -q -p no:cacheprovider -o addopts= --timeout=${PYTEST_TIMEOUT:-400})
+PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X--x} -q -p no:cacheprovider -o addopts= --timeout=${PYTEST_TIMEOUT:-400}
+        ${PYTEST_K:+-k "$PYTEST_K"} -rs)
 for s in "${STEPS[@]}"; do
   case "$s" in
     test-gemm) step pytest_gemm "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_decode_gemm_gpu.py ;;
     test-ar)   step pytest_ar "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_fused_ar_gpu.py ;;
     tests)     step pytest_gpu "${TEST_TIMEOUT:-420}" "${PYTEST[@]}" tests/gpu ;;
+    test-layer) step pytest_layer "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" -s tests/gpu/test_layer_gpu.py ;;
+    bench-layer) step bench_layer "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.cli bench --residual plain --layers 1 \
+                   --json "$OUT/bench_layer_plain.json" --plots "$OUT/plain_" ${BENCH_ARGS:-} ;;
+    bench-attnres) step bench_attnres "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.cli bench --residual attnres --layers 2 \
+                   --json "$OUT/bench_layer_attnres.json" --plots "$OUT/attnres_" ${BENCH_ARGS:-} ;;
     bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py \
                   --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;
     sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" bench/sweep_decode_gemm.py \
@@ -79,4 +88,7 @@ for s in "${STEPS[@]}"; do
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done
+if [[ "${PACK:-0}" == 1 ]]; then
+  tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/results.tgz"
+fi
 exit $rc

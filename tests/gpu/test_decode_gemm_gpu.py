@@ -29,6 +29,12 @@ SHAPES = [
     ("router", 896, 7168, torch.float32),
     ("w_down", 3584, 7168, torch.bfloat16),
     ("w_up", 7168, 3584, torch.bfloat16),
+    # the rest of the K3 layer at TP 2: q/k/v/g, the gate's low-rank pair, and W_b's 48 rows
+    # (a skinny N the split-K kernel serves with masked 16-column tiles)
+    ("qkvg_tp2", 6144, 7168, torch.bfloat16),
+    ("w_fa", 128, 7168, torch.bfloat16),
+    ("w_fb_tp2", 6144, 128, torch.bfloat16),
+    ("w_b_tp2", 48, 7168, torch.bfloat16),
 ]
 DEV = "cuda"
 _weights: dict = {}
