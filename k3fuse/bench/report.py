@@ -74,8 +74,10 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
     floor = {}
     for T, f in r0["floor"].items():
         total = f["dense_bytes"] + f["expert_bytes_touched"]
+        state = f.get("state_bytes_read_write", 0)
         floor[int(T)] = {"bytes": total, "experts_touched": f["experts_touched"],
-                         "us": total / bandwidth * 1e6 if bandwidth else None}
+                         "us": total / bandwidth * 1e6 if bandwidth else None, "state_bytes": state,
+                         "us_with_state": (total + state) / bandwidth * 1e6 if bandwidth else None}
     return {"conditions": conditions(cfg, reports), "arms": arms, "weight_read_floor": floor,
             "model": r0["model"]}
 
@@ -113,6 +115,7 @@ def print_tables(result: dict[str, Any]) -> None:
         table.add_row(name + (" [red](error)[/]" if arm.get("error") else ""), *cells)
     floor = result["weight_read_floor"]
     table.add_row("weight-read floor", *[_fmt(floor.get(T, {}).get("us")) for T in tokens])
+    table.add_row("  + KDA state r/w", *[_fmt(floor.get(T, {}).get("us_with_state")) for T in tokens])
     console.print(table)
 
     kt = Table(title="kernels per step, compile time, rewrites")

@@ -67,7 +67,8 @@ def _random_state(model: Any, T: int, gen: torch.Generator) -> Any:
 
 def weight_floor(model: Any, T: int) -> dict[str, float]:
     """Per-rank bytes a decode step must read at T tokens: every parameter once, the routed experts
-    only for the experts T tokens touch (expected distinct experts under uniform routing)."""
+    only for the experts T tokens touch (expected distinct experts under uniform routing). The KDA
+    state, read and written once per step, is given apart (it grows with T: 400 MB at 64 tokens)."""
     cfg = model.config
     expert_bytes = dense_bytes = 0
     for name, p in model.named_parameters():
@@ -77,8 +78,11 @@ def weight_floor(model: Any, T: int) -> dict[str, float]:
         else:
             dense_bytes += nbytes
     touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** T)
+    state = model.init_state(1) if model.device.type != "meta" else None
+    state_bytes = 0 if state is None else T * sum(t.numel() * t.element_size()
+                                                   for t in state.recurrent + state.conv)
     return {"dense_bytes": dense_bytes, "expert_bytes_touched": expert_bytes * touched / cfg.n_experts,
-            "experts_touched": touched}
+            "experts_touched": touched, "state_bytes_read_write": 2 * state_bytes}
 
 
 def _compile(model: Any, arm: Arm, cfg: BenchConfig, rank: int) -> tuple[Any, Any]:
