@@ -251,3 +251,18 @@ def test_l2_prefetch_chunks_follow_the_list_and_stop_at_the_budget():
     assert sum(in_a) == 200_000 and chunks[: len(in_a)] == [c for c in chunks if c[0] < a.data_ptr() + 200_000
                                                          and c[0] >= a.data_ptr()]  # a first, whole
     assert in_b[0] == b.data_ptr() and len(in_a) + len(in_b) == len(chunks)  # then the head of b
+
+
+def test_glu_activation_compiles_for_sm90():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from k3fuse.kernels.triton import glu_act
+
+    src = triton.compiler.ASTSource(
+        fn=glu_act._situ_glu_kernel, signature={"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16",
+                                                "n": "i32", "beta": "fp32", "linear_beta": "fp32",
+                                                "BLOCK": "constexpr"},
+        constexprs={"BLOCK": 1024})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "ld.global" in ptx and "st.global" in ptx
