@@ -72,3 +72,13 @@ def test_bench_cli_smoke_on_two_gloo_ranks(tmp_path):
     assert result["conditions"]["tp"] == 2 and result["model"]["hidden"] == 128
     pytest.importorskip("matplotlib")
     assert (tmp_path / "b_latency.png").stat().st_size > 1000
+
+
+def test_side_stream_overlap_counts_only_time_under_main_stream_work():
+    from k3fuse.bench.profile import KernelEvent, side_stream_overlap
+
+    main = [KernelEvent("mm", 7, 0.0, 10.0), KernelEvent("topk", 7, 12.0, 8.0)]  # busy 0-10, 12-20
+    side = [KernelEvent("gemv", 9, 5.0, 10.0)]  # 5-15: overlaps 5-10 and 12-15
+    got = side_stream_overlap(main + side)
+    assert got == {"side_us": 10.0, "overlapped_us": 8.0, "share": 0.8}
+    assert side_stream_overlap(main)["side_us"] == 0.0

@@ -55,6 +55,32 @@ def _kernel_events(prof: torch.profiler.profile) -> list[KernelEvent]:
     return sorted(out, key=lambda k: k.start_us)
 
 
+def side_stream_overlap(kernels: list[KernelEvent]) -> dict[str, float]:
+    """How much side-stream kernel time ran while the main stream (the busiest one) was busy too.
+
+    Evidence for the shared-expert offload: overlapped µs and the share of side-stream time."""
+    busiest: dict[int, float] = defaultdict(float)
+    for k in kernels:
+        busiest[k.stream] += k.dur_us
+    if len(busiest) < 2:
+        return {"side_us": 0.0, "overlapped_us": 0.0, "share": 0.0}
+    main = max(busiest, key=busiest.__getitem__)
+    spans: list[list[float]] = []
+    for k in sorted((k for k in kernels if k.stream == main), key=lambda k: k.start_us):
+        if spans and k.start_us <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], k.start_us + k.dur_us)
+        else:
+            spans.append([k.start_us, k.start_us + k.dur_us])
+    side = overlapped = 0.0
+    for k in kernels:
+        if k.stream == main:
+            continue
+        side += k.dur_us
+        end = k.start_us + k.dur_us
+        overlapped += sum(max(0.0, min(end, b) - max(k.start_us, a)) for a, b in spans)
+    return {"side_us": side, "overlapped_us": overlapped, "share": overlapped / side if side else 0.0}
+
+
 def profile_steps(run: Callable[[], object], n_steps: int) -> dict[str, Any]:
     """Profile one call of `run` (a graph replay of `n_steps` decode steps, or the eager steps).
 
@@ -87,6 +113,8 @@ def profile_steps(run: Callable[[], object], n_steps: int) -> dict[str, Any]:
         "top_kernels": [{"name": name, "calls_per_step": c / max(n_steps, 1), "us_per_step": us / max(n_steps, 1)}
                         for name, (c, us) in top[:25]],
         "timeline": timeline,
+        "side_stream": {k: v / max(n_steps, 1) if k != "share" else v
+                        for k, v in side_stream_overlap(kernels).items()},
     }
 
 

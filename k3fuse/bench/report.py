@@ -60,7 +60,7 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
                    "kernels_per_step": prof.get("kernels_per_step"),
                    "device_us_per_step": prof.get("device_us_per_step"),
                    "by_kind_us_per_step": prof.get("by_kind_us_per_step"),
-                   "top_kernels": prof.get("top_kernels")}
+                   "top_kernels": prof.get("top_kernels"), "side_stream": prof.get("side_stream")}
             if stock.get(T) and row.get("us"):
                 out["speedup_vs_stock"] = stock[T] / row["us"]
             rows.append(out)
@@ -118,13 +118,16 @@ def print_tables(result: dict[str, Any]) -> None:
     table.add_row("  + KDA state r/w", *[_fmt(floor.get(T, {}).get("us_with_state")) for T in tokens])
     console.print(table)
 
-    kt = Table(title="kernels per step, compile time, rewrites")
-    for col in ("arm", "kernels/step", "device µs/step", "compile s", "passes ms", "applied", "fallbacks", "error"):
+    kt = Table(title=f"at T={tokens[0]}: kernels per step, side-stream overlap; compile time, rewrites")
+    for col in ("arm", "kernels/step", "device µs/step", "side-stream µs (overlapped)", "compile s",
+                "passes ms", "applied", "fallbacks", "error"):
         kt.add_column(col)
     for name, arm in arms.items():
         first = arm["rows"][0] if arm["rows"] else {}
         applied = ", ".join(f"{r}:{s['applied']}" for r, s in (arm.get("rewrites") or {}).items() if s["applied"])
+        side = first.get("side_stream") or {}
         kt.add_row(name, _fmt(first.get("kernels_per_step")), _fmt(first.get("device_us_per_step")),
+                   f"{_fmt(side.get('side_us'))} ({_fmt(side.get('overlapped_us'))})" if side else "-",
                    _fmt(arm["compile_s"]), _fmt(arm.get("passes_ms")), applied or "-",
                    str(sum(sum(v.values()) for v in (arm.get("fallbacks") or {}).values())),
                    arm.get("error") or "")
