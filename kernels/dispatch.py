@@ -246,8 +246,8 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
             result = impl.run(*args, **kw)
         except Exception as exc:
             if op in COLLECTIVE_OPS:
-                if isinstance(exc, RuntimeError) and type(exc).__name__.startswith("Collective"):
-                    raise   # already names the op, the rank and the peer
+                if isinstance(exc, K3FuseCollectiveError):
+                    raise   # e.g. symm_workspace.CollectiveTimeoutError: names the op, rank, peer
                 raise K3FuseCollectiveError(
                     f"k3fuse collective op {op}: {impl.name} failed: {_short_error(exc)} (no "
                     "per-rank fallback: the other ranks fail too, see their errors)") from exc

@@ -49,6 +49,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from .dispatch import K3FuseCollectiveError
+
 DEFAULT_TIMEOUT_S = 5.0
 
 _lock = threading.Lock()
@@ -56,7 +58,7 @@ _workspaces: dict = {}
 _lane = threading.local()
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(K3FuseCollectiveError):
     """A fused collective failed; raised on every rank (never a per-rank fallback)."""
 
 
@@ -237,6 +239,8 @@ class ArWorkspace:
         if self.failed is not None:
             raise CollectiveTimeoutError(self.failed + " (the workspace stays failed; restart the "
                                          "TP group)")
+        if torch.cuda.is_current_stream_capturing():
+            return   # no event query / sync inside capture
         if sync:
             torch.cuda.synchronize(self.device)
             vals = [int(v) for v in self.err.tolist()]

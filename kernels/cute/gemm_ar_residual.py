@@ -134,7 +134,7 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _run(op, x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens):
-    from ..symm_workspace import get_workspace
+    from ..symm_workspace import CollectiveError, get_workspace
 
     K = x.shape[-1]
     H = weight.shape[0]
@@ -151,8 +151,20 @@ def _run(op, x, weight, residual, addend, norm_weight, eps, group_name, world_si
     ws = get_workspace(group_name, world_size, max_tokens, H, x.device,
                        facts=dict(protocol=protocol(), path=path, cute=compat.cute_version()))
     ws.before_call(op)
-    # 1. every kernel compiled and fetched before anything is pushed: a compile error here leaves
-    #    the peers' buffers untouched (they time out and raise; this rank raises now)
+    try:
+        return _launch(op, ws, x2, weight, res2, add2, nw, has_norm, eps, path, residual.shape,
+                       max_tokens, T, H, K)
+    except Exception as exc:
+        if not isinstance(exc, CollectiveError):
+            # whatever failed (compile, launch, before or after this rank's push): fail the
+            # workspace here and on every peer, so no rank spins to its timeout or reads stale
+            # partial sums later; the caller (dispatch) raises, never a per-rank fallback
+            ws.fail(op, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _launch(op, ws, x2, weight, res2, add2, nw, has_norm, eps, path, out_shape, max_tokens, T, H, K):
+    # 1. every kernel compiled and fetched before anything is pushed
     pdl = _pdl(path)
     key, build = oneshot_ar.builder(ws.world, H, max_tokens, add2 is not None, has_norm,
                                     res2.dtype, nw.dtype, pdl, _flags_rank(ws.rank))
@@ -171,23 +183,16 @@ def _run(op, x, weight, residual, addend, norm_weight, eps, group_name, world_si
     out = torch.empty_like(res2)
     normed = torch.empty_like(res2) if has_norm else out
     tmo = _timeout_ns()
-    # 2. push, then the epilogue; a failure after the push fails the workspace on every rank
-    pushed = False
-    try:
-        if path == "gemv":
-            decode_gemv.run_push(x2, weight, ws.datas, ws.gen, ws.rank, max_tokens)
-        else:
-            splitk_gemm.run(x2, weight, None, torch.float32, push=(ws.ptrs, ws.gen, ws.rank, max_tokens))
-        pushed = True
-        epilogue(ws.datas[ws.rank], *ws.padded(ws.flags, oneshot_ar.MAX_WORLD), ws.gen, res2,
-                 add2 if add2 is not None else res2, nw, out, normed, ws.err, float(eps), tmo)
-    except Exception as exc:
-        ws.fail(op, f"{'epilogue' if pushed else 'push GEMM'} launch failed: "
-                    f"{type(exc).__name__}: {exc}")
-        raise
+    # 2. push, then the epilogue (a failure in either fails the workspace on every rank: _run)
+    if path == "gemv":
+        decode_gemv.run_push(x2, weight, ws.datas, ws.gen, ws.rank, max_tokens)
+    else:
+        splitk_gemm.run(x2, weight, None, torch.float32, push=(ws.ptrs, ws.gen, ws.rank, max_tokens))
+    epilogue(ws.datas[ws.rank], *ws.padded(ws.flags, oneshot_ar.MAX_WORLD), ws.gen, res2,
+             add2 if add2 is not None else res2, nw, out, normed, ws.err, float(eps), tmo)
     ws.after_call()
-    out = out.view(residual.shape)
-    return (out, normed.view(residual.shape)) if has_norm else out
+    out = out.view(out_shape)
+    return (out, normed.view(out_shape)) if has_norm else out
 
 
 def check_timeout(group_name: str, max_tokens: int, hidden: int, device: torch.device) -> None:

@@ -11,12 +11,18 @@ fp32 (every rank reads the same words, so every rank's result is bitwise identic
 residual (and addend), writes `out` and optionally RMSNorm of the fp32 sum times the weight (the
 reference's rounding points).
 
-Protocol state lives in device memory, so CUDA-graph replays stay correct: gen[0] = generation g
-picks buffer g % 3 (the GEMM reads it too); each CTA resets buffer (g + 2) % 3 (used at g - 1,
+Protocol state lives in device memory, so CUDA-graph replays stay correct: int64 words
+(symm_workspace.py) gen[0] = epoch (64-bit), gen[3] = buffer index b in {0, 1, 2} (the GEMM reads
+it too; rotated by the last CTA, never `g % 3`, which as int32 went negative after 2^31 calls and
+broke the rotation at 2^32); each CTA resets buffer (b + 2) mod 3 (used at the previous call,
 gen[2] rows) to the sentinel; the last CTA to finish (gen[1] arrival counter) stores the row count
-in gen[2] and advances gen[0]. Three buffers suffice: a peer writes buffer (g + 2) % 3 at g + 2
-only after this rank pushed g + 1, which it does after this kernel (and its reset) finished.
-Debug builds bound every poll with %globaltimer and report a timeout in err[0] instead of hanging.
+in gen[2], advances the epoch and rotates b. Three buffers suffice: a peer writes buffer b + 2 two
+calls later only after this rank pushed the next call, which it does after this kernel (and its
+reset) finished.
+Every spin is bounded (%globaltimer, `timeout_ns` = K3FUSE_AR_TIMEOUT_S): on timeout err[] names
+the source rank that never arrived, the output is NaN, and a workspace whose err is set (here or
+by a failing peer, which writes it remotely) never spins again; the host raises
+(symm_workspace.CollectiveTimeoutError).
 
 Flag variant (`flags_rank` set; K3FUSE_AR_PROTOCOL=flags): the same GEMM push (plain stores into
 buffer g % 3), then explicit acquire/release flags instead of sentinels. Epoch e = g + 1 (gen[0]
@@ -24,7 +30,7 @@ in device memory, advanced by the last CTA as above, so graph replays stay corre
 loads the static norm weight, then (thread r) `fence.acq_rel.sys` + `st.release.sys` of e into
 flag [rank, t] of rank r (the GEMM's stores precede this kernel in stream order, the fence makes
 them visible system-wide before the flag), then (thread s) spins with `ld.acquire.sys` on its own
-flag [s, t] until flag - e >= 0 (flags only grow; a peer at most one epoch ahead), a CTA barrier,
+flag [s, t] until flag - e >= 0 (int64 signed difference: wrap-safe; flags only grow), a CTA barrier,
 and only then reads the peer slots. No buffer reset is needed (no sentinel); the flags live after
 the data in the same symmetric allocation (symm_workspace.py). PDL is never used here: the flag
 store must follow the GEMM's completion.
@@ -149,10 +155,11 @@ if compat.HAVE_CUTE:
                         else:
                             compat.nanosleep(Int32(64))
                             if compat.globaltimer_ns() - fstart > tmo:
-                                err[1] = tidx                  # the source rank that never arrived
-                                err[2] = Int32(1 if self.has_norm else 0)
-                                err[3] = t
-                                err[0] = Int32(1)
+                                if failed == 0:                # first failure: record it
+                                    err[1] = tidx              # the source rank that never arrived
+                                    err[2] = Int32(1 if self.has_norm else 0)
+                                    err[3] = t
+                                    err[0] = Int32(1)
                                 waiting = Int32(0)
                             elif compat.ld_relaxed_gpu_s32(err.iterator) != 0:
                                 waiting = Int32(0)             # a rank reported a failure
@@ -196,15 +203,16 @@ if compat.HAVE_CUTE:
                     if pending != 0:
                         compat.nanosleep(Int32(128))
                         if compat.globaltimer_ns() - start > tmo:
-                            # name a source whose slot is still the sentinel, then give up
-                            for ci in cutlass.range_constexpr(len(chunks)):
-                                for src in cutlass.range_constexpr(W):
-                                    q = (ci * W + src) * VEC
-                                    if compat.any_sentinel4(raw[q], raw[q + 1], raw[q + 2], raw[q + 3]) != 0:
-                                        err[1] = Int32(src)
-                            err[2] = Int32(1 if self.has_norm else 0)
-                            err[3] = t
-                            err[0] = Int32(1)
+                            if failed == 0:
+                                # first failure: name a source whose slot is still the sentinel
+                                for ci in cutlass.range_constexpr(len(chunks)):
+                                    for src in cutlass.range_constexpr(W):
+                                        q = (ci * W + src) * VEC
+                                        if compat.any_sentinel4(raw[q], raw[q + 1], raw[q + 2], raw[q + 3]) != 0:
+                                            err[1] = Int32(src)
+                                err[2] = Int32(1 if self.has_norm else 0)
+                                err[3] = t
+                                err[0] = Int32(1)
                             failed = Int32(1)
                             pending = Int32(0)
                         elif compat.ld_relaxed_gpu_s32(err.iterator) != 0:
