@@ -120,7 +120,13 @@ def register_demo(sub: Any) -> None:
     _register(sub)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log]
+def register_validate(sub: Any) -> None:
+    from .validate import register_validate as _register
+
+    _register(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log, register_validate]
 
 
 def build_parser() -> argparse.ArgumentParser:
