@@ -121,7 +121,11 @@ def _check_group(cfg: ValidateConfig):
     # agree first (a collective every rank reaches), so every rank raises the same error
     items = sorted((k, repr(v)) for k, v in asdict(cfg).items() if k != "inject")
     got: list = [None] * size
-    dist.all_gather_object(got, items, group=group)
+    try:
+        dist.all_gather_object(got, items, group=group)
+    except RuntimeError as exc:   # gloo/NCCL: connection reset, timeout
+        raise ValidateError(f"validate: a peer rank did not take part in the configuration check "
+                            f"(dead or hung?): {str(exc).splitlines()[0][:300]}") from exc
     if any(g != got[0] for g in got):
         diffs = []
         for k, _ in items:

@@ -394,3 +394,19 @@ def test_tp_subgroup(tmp_path):
     # 3 processes: rank 0 a bystander on GPU 0, ranks 1 and 2 the TP group on GPUs 0 and 1
     # (WORLD is gloo: an NCCL WORLD would put ranks 0 and 1 on one GPU; the TP group is NCCL)
     _spawn(tmp_path, "_subgroup_body", nprocs=3, gpu_of_rank=(0, 0, 1), backend="gloo")
+
+
+# --- 5. k3fuse validate on the GPUs (nccl) --------------------------------------------------------
+def test_validate_gpu():
+    """`k3fuse validate --device cuda`: bf16 stack on 2 GPUs, the fused all-reduce kernels ran (strict),
+    every difference from the float64 copy is within stock's or explained by a near-tie flip."""
+    from k3fuse import validate as v
+
+    os.environ.update(ENV)
+    cfg = v.ValidateConfig(preset="small", layers=2, tp=2, tokens=4, steps=4, dtype="bfloat16",
+                           device="cuda", skew=0.3, temperature=0.8, timeout_s=900)
+    reports = v.run_validate(cfg)
+    for r in reports:
+        fused = {op: i for op, i in r["runtime_stats"].items() if op.startswith("gemm_ar_residual")}
+        assert fused and all(set(i) <= set(PROTOCOLS.values()) for i in fused.values()), r["runtime_stats"]
+    assert v.passed(reports), [r["unexplained"] for r in reports]
