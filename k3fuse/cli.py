@@ -126,7 +126,14 @@ def register_bench(sub: Any) -> None:
     _register(sub)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log, register_bench]
+def register_validate(sub: Any) -> None:
+    from .validate import register_validate as _register
+
+    _register(sub)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log, register_bench,
+                                            register_validate]
 
 
 def build_parser() -> argparse.ArgumentParser:

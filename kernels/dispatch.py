@@ -25,6 +25,9 @@ k3fuse.kernels.triton are imported lazily on the first CUDA call (or `warmup`), 
 `import k3fuse.kernels`; a module that fails to import simply registers nothing, and its error is
 quoted in the fallback reason. A kernel whose `run` raises is disabled for that op (its error becomes
 its decline reason) and the next implementation runs; in strict mode the error is raised instead.
+Collective ops (`COLLECTIVE_OPS`) never fall back per rank: a raising implementation raises
+`K3FuseCollectiveError` (or the kernel's own CollectiveError) on this rank, and the bounded spins of
+the fused kernels make the peers raise as well.
 """
 from __future__ import annotations
 
@@ -76,6 +79,18 @@ class _OpEntry:
     impls: list[Impl] = field(default_factory=list)
     stock: Callable[..., Any] | None = None
     broken: dict[str, str] = field(default_factory=dict)  # impl name -> why it was disabled
+
+
+# Collective ops: every rank must run the same implementation, so an implementation that raises
+# (or whose supports() raises) fails the op on this rank with K3FuseCollectiveError instead of
+# being disabled on this rank only and falling back (the peers would wait in another collective).
+# Its peers fail too: the fused kernels' spins are bounded and a failing rank marks every peer's
+# workspace failed (kernels/symm_workspace.py).
+COLLECTIVE_OPS: set[str] = {"gemm_ar_residual", "gemm_ar_residual_rmsnorm", "moe_front_sharded"}
+
+
+class K3FuseCollectiveError(RuntimeError):
+    """A collective op's implementation failed; raised instead of a per-rank fallback."""
 
 
 _lock = threading.RLock()
@@ -220,6 +235,10 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
             try:
                 reason = impl.supports(*args, **kw)
             except Exception as exc:  # a buggy predicate declines instead of failing the op
+                if op in COLLECTIVE_OPS:  # ... except where the ranks could then diverge
+                    raise K3FuseCollectiveError(
+                        f"k3fuse collective op {op}: {impl.name}.supports raised "
+                        f"{_short_error(exc)}; not falling back on this rank only") from exc
                 reason = f"supports raised {_short_error(exc)}"
         if reason is not None:
             declined.append(f"{impl.name}: {reason}")
@@ -233,6 +252,12 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
         try:
             result = impl.run(*args, **kw)
         except Exception as exc:
+            if op in COLLECTIVE_OPS:
+                if isinstance(exc, K3FuseCollectiveError):
+                    raise   # e.g. symm_workspace.CollectiveTimeoutError: names the op, rank, peer
+                raise K3FuseCollectiveError(
+                    f"k3fuse collective op {op}: {impl.name} failed: {_short_error(exc)} (no "
+                    "per-rank fallback: the other ranks fail too, see their errors)") from exc
             if strict or runtime.is_strict():
                 raise runtime.K3FuseFallbackError(
                     f"k3fuse op {op} fell back in strict mode: {impl.name} failed: "
@@ -308,5 +333,6 @@ def _reset_for_tests() -> None:
             entry.broken.clear()
 
 
-__all__ = ["Impl", "REFERENCE", "register_impl", "unregister_impl", "register_stock", "dispatch",
-           "implementations", "import_errors", "load_gpu_impls", "warmup", "coverage", "token_count"]
+__all__ = ["Impl", "REFERENCE", "COLLECTIVE_OPS", "K3FuseCollectiveError", "register_impl", "unregister_impl",
+           "register_stock", "dispatch", "implementations", "import_errors", "load_gpu_impls", "warmup", "coverage",
+           "token_count"]

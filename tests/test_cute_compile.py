@@ -61,15 +61,14 @@ def test_gemv_compiles_to_ptx(M, N, K, out_dtype, tmp_path):
 
 
 @needs_cute
-@pytest.mark.parametrize("world,addend,norm,debug,pdl", [
-    (2, False, True, False, True), (2, True, True, True, True), (2, True, False, False, False),
-    (8, False, True, False, False), (4, True, False, True, True),
+@pytest.mark.parametrize("world,addend,norm,pdl", [
+    (2, False, True, True), (2, True, True, True), (2, True, False, False),
+    (8, False, True, False), (4, True, False, True),
 ])
-def test_oneshot_ar_compiles_to_ptx(world, addend, norm, debug, pdl, tmp_path):
+def test_oneshot_ar_compiles_to_ptx(world, addend, norm, pdl, tmp_path):
     from k3fuse.kernels.cute import oneshot_ar
 
-    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, debug, torch.bfloat16, torch.bfloat16,
-                                    pdl)
+    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, torch.bfloat16, torch.bfloat16, pdl)
     ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
     ops = _ops(ptx)
     vpt = 7168 // 4 // oneshot_ar.pick_threads(7168)
@@ -77,39 +76,52 @@ def test_oneshot_ar_compiles_to_ptx(world, addend, norm, debug, pdl, tmp_path):
     assert ops["ld.volatile.v4"] == vpt * world, ops
     assert ops["st.v4.sentinel"] >= vpt * world, ops   # reset of the buffer used two generations ago
     assert ops["atom"] == 1, ops                         # the generation's arrival counter
+    assert "atom.acq_rel.gpu.global.add.u64" in ptx      # ... on the int64 protocol words
     assert ops["multimem"] == 0, "multicast instructions must never appear"
-    assert (ops["globaltimer"] > 0) == debug, ops        # poll timeout only in debug builds
+    # issue 10: the spin is always bounded (a timer in every build, not only debug builds)
+    assert ops["globaltimer"] >= 2, ops
     assert ops["ld.local"] == 0 and ops["st.local"] == 0, ops
     assert ("griddepcontrol.wait" in ptx) == pdl          # PDL builds wait for the GEMM before exit
     assert "nanosleep" in ptx                             # polls back off
+    _assert_wrap_safe_indexing(ptx)
+
+
+def _assert_wrap_safe_indexing(ptx: str) -> None:
+    """Issue 10: no remainder of the generation (the old int32 `g % 3` compiled to rem.s32 and
+    went negative after 2^31 calls); the buffer index is its own rotated word, addresses 64-bit."""
+    assert not re.search(r"\brem\.s(32|64)\b", ptx), "signed remainder in the index arithmetic"
+    assert not re.search(r"\brem\.", ptx), "the buffer index must be rotated, not a remainder"
+    assert "ld.global.u64" in ptx or "ld.global.s64" in ptx or "ld.global.b64" in ptx or \
+        re.search(r"ld\.global(\.\w+)*\.(u|s|b)64", ptx), "the protocol words are 64-bit"
 
 
 @needs_cute
-@pytest.mark.parametrize("world,rank,addend,norm,debug", [
-    (2, 0, False, True, False), (2, 1, True, True, True), (2, 1, True, False, False),
-    (8, 5, False, True, True),
+@pytest.mark.parametrize("world,rank,addend,norm", [
+    (2, 0, False, True), (2, 1, True, True), (2, 1, True, False), (8, 5, False, True),
 ])
-def test_oneshot_ar_flags_compiles_to_ptx(world, rank, addend, norm, debug, tmp_path):
+def test_oneshot_ar_flags_compiles_to_ptx(world, rank, addend, norm, tmp_path):
     """K3FUSE_AR_PROTOCOL=flags: release flags to every rank, acquire spin, then one data load."""
     from k3fuse.kernels.cute import oneshot_ar
 
-    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, debug, torch.bfloat16, torch.bfloat16,
+    key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, torch.bfloat16, torch.bfloat16,
                                     flags_rank=rank)
     assert key[0] == "flag_ar"
     ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
     ops = _ops(ptx)
     vpt = 7168 // 4 // oneshot_ar.pick_threads(7168)
     assert ops["st.release.sys"] == world, ops            # one epoch flag per destination rank
+    assert "st.release.sys.global.s64" in ptx and "ld.acquire.sys.global.s64" in ptx  # 64-bit epochs
     assert ops["fence.acq_rel.sys"] == world, ops         # data fenced before each flag
     assert ops["ld.acquire.sys"] == 1, ops                # the flag spin
     assert ops["ld.volatile.v4"] == vpt * world, ops      # peer slots read once, after the wait
     assert ptx.rindex("ld.acquire.sys") < ptx.index("ld.volatile.global.v4")
     assert ops["st.v4.sentinel"] == 0 and "0x80000000" not in ptx, ops   # no Lamport sentinel
     assert ops["atom"] == 1, ops                          # the epoch's arrival counter
-    assert (ops["globaltimer"] > 0) == debug, ops
+    assert ops["globaltimer"] >= 2, ops                   # bounded spin in every build
     assert ops["ld.local"] == 0 and ops["st.local"] == 0, ops
     assert ops["multimem"] == 0 and "griddepcontrol" not in ptx
     assert "nanosleep" in ptx
+    _assert_wrap_safe_indexing(ptx)
 
 
 @pytest.fixture
@@ -157,6 +169,7 @@ def test_gemv_push_epilogue_compiles(M, world, rank, tmp_path):
     ops = _ops(ptx)
     assert ops["ld.global.v4"] >= (K // 8 // threads) * (rows + M), ops
     assert ops["st.global.b32"] >= world, ops          # one fp32 store per destination rank
+    assert not re.search(r"\brem\.", ptx), "buffer index must be the rotated word, not gen % 3"
     assert "griddepcontrol.launch_dependents" in ptx   # lets the all-reduce kernel launch early
     assert ops["multimem"] == 0 and ops["ld.local"] == 0, ops
 
@@ -202,7 +215,7 @@ def test_splitk_compiles_for_sm90():
     from k3fuse.kernels.triton import splitk_gemm
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-           "cnt_ptr": "*i32", "push_ptr": "*i64", "gen_ptr": "*i32", "M": "i32", "N": "i32",
+           "cnt_ptr": "*i32", "push_ptr": "*i64", "gen_ptr": "*i64", "M": "i32", "N": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "K_SPLIT": "constexpr",
            "SPLIT_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
            "HAS_BIAS": "constexpr", "PUSH_WORLD": "constexpr", "PUSH_RANK": "constexpr",
@@ -222,6 +235,9 @@ def test_splitk_compiles_for_sm90():
         assert ("wgmma.mma_async" if block_n == 64 else "mma.sync") in ptx and "cp.async" in ptx
         assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1)
         assert "multimem" not in ptx
+        if push:   # issue 10: buffer index is the rotated int64 word [3], never a remainder
+            assert not re.search(r"\brem\.", ptx), "signed remainder in the push index"
+            assert re.search(r"ld\.global(\.\w+)*\.b64", ptx) or re.search(r"ld\.global(\.\w+)*\.(u|s)64", ptx)
 
 
 def test_l2_prefetch_compiles_to_bulk_prefetch_for_sm90():

@@ -114,6 +114,23 @@ if HAVE_CUTE:
                           "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
 
     @dsl_user_op
+    def ld_acquire_sys_s64(ptr, *, loc=None, ip=None) -> Int64:
+        """64-bit acquire load at system scope (the flag protocol's epochs never wrap)."""
+        return Int64(_asm(T.i64(), [_addr(ptr, loc, ip)], "ld.acquire.sys.global.s64 $0, [$1];", "=l,l"))
+
+    @dsl_user_op
+    def st_release_sys_s64(ptr, val, *, loc=None, ip=None) -> None:
+        """64-bit release store at system scope (an epoch flag into a peer's memory)."""
+        _asm(None, [_addr(ptr, loc, ip), Int64(val).ir_value(loc=loc, ip=ip)],
+             "st.release.sys.global.s64 [$0], $1;", "l,l")
+
+    @dsl_user_op
+    def atom_add_acq_rel_gpu_u64(ptr, val, *, loc=None, ip=None) -> Int64:
+        """64-bit arrival counter (the generation words are int64): returns the old value."""
+        return Int64(_asm(T.i64(), [_addr(ptr, loc, ip), Int64(val).ir_value(loc=loc, ip=ip)],
+                          "atom.acq_rel.gpu.global.add.u64 $0, [$1], $2;", "=l,l,l"))
+
+    @dsl_user_op
     def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
         """Orders this thread's peer-memory stores before a later flag store (threadfence_system)."""
         _asm(None, [], "fence.acq_rel.sys;", "")

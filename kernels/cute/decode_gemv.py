@@ -104,7 +104,7 @@ if compat.HAVE_CUTE:
                     mY[m, n0 + r] = tot.to(mY.element_type)
                 else:
                     datas = [d0, d1, d2, d3, d4, d5, d6, d7]
-                    b = gen[0] % 3
+                    b = gen[3]   # buffer index in {0, 1, 2}, rotated by the epilogue (never g % 3)
                     if tot == Float32(0.0):      # -0.0 is the "not written" sentinel
                         tot = Float32(0.0)
                     for dst in cutlass.range_constexpr(self.push[0]):
@@ -161,7 +161,10 @@ def builder(M, K, rows, threads, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16,
             W, _, MT, N = push
             ds = [compat.fake_tensor(cutlass.Float32, (3, W, MT, N), (W * MT * N, MT * N, N, 1))
                   for _ in range(8)]
-        gen = compat.fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
+        if push is None:   # unused: a 16-byte int32 scratch
+            gen = compat.fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
+        else:              # the workspace's int64 protocol words (symm_workspace.py)
+            gen = compat.fake_tensor(cutlass.Int64, (4,), (1,), align=8)
         k = DecodeGemv(M, K, rows, threads, has_bias, None if push is None else push[:2])
         return (k, x, w, b, y, *ds, gen, compat.fake_stream())
 

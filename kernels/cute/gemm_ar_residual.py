@@ -7,8 +7,11 @@ while the weights stream (remote writes overlap the GEMM), and a second kernel o
 token polls only local memory. No fence/flag round trip, no multicast (unicast peer pointers from
 torch symmetric memory, symm_workspace.py). GEMM: the CuTe GEMV (few tokens) or the Triton
 split-K kernel, chosen as for decode_gemm.
-Set K3FUSE_AR_TIMEOUT_MS=<ms> for a debug build whose polls give up after that long and report
-it (RuntimeError from `check_timeout`) instead of hanging.
+Every spin is bounded (K3FUSE_AR_TIMEOUT_S, default 5 s; see symm_workspace.py for what a serving
+process sees): a peer that never arrives is reported as CollectiveTimeoutError naming the op, the
+rank and the peer, never a hang. Accept/decline uses only facts every rank shares (`decide`);
+misaligned tensors are staged. Every kernel is compiled before the first remote store, and a
+failure after it fails the workspace on every rank.
 K3FUSE_AR_PROTOCOL=lamport (default; runtime stats name "cute.oneshot_ar") or flags (explicit
 acquire/release flags per source rank and row after the same push; "cute.oneshot_ar.flags"). Read
 once per process: both share the workspace, and the Lamport one needs its sentinel invariant.
@@ -39,42 +42,66 @@ def _flags_rank(rank: int) -> int | None:
     return rank if protocol() == "flags" else None
 
 
-def _debug() -> tuple[bool, int]:
-    """(debug build?, timeout in ns) from K3FUSE_AR_TIMEOUT_MS (read per call; part of the key)."""
-    ms = float(os.environ.get("K3FUSE_AR_TIMEOUT_MS", "0") or 0)
-    return ms > 0, int(ms * 1e6)
+def _timeout_ns() -> int:
+    """The spin bound in ns (K3FUSE_AR_TIMEOUT_S, default 5 s; a runtime argument, not a key)."""
+    from ..symm_workspace import timeout_ns
+
+    return timeout_ns()
 
 
-def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) -> str | None:
-    if not compat.available():
+_IO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def decide(T: int, H: int, K: int, x_dtype, res_dtype, addend, norm, world_size: int,
+           max_tokens: int, *, cute_ok: bool, triton_ok: bool, dist_ok: bool) -> str | None:
+    """Accept (None) or decline (the reason) from facts every rank shares: shapes, dtypes, world
+    size and configuration. Never pointers, strides or per-rank state: misaligned or
+    non-contiguous tensors are staged into aligned scratch by `_run`, not declined.
+
+    addend / norm: None, or (shape, dtype) of that tensor."""
+    if not cute_ok:
         return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ok:
         return "torch.distributed not initialized"
     if not 1 <= world_size <= oneshot_ar.MAX_WORLD:
         return f"world_size {world_size} outside [1, {oneshot_ar.MAX_WORLD}]"
-    H = weight.shape[0]
-    T = x.numel() // x.shape[-1]
-    if residual.shape[-1] != H or residual.numel() != T * H or not residual.is_contiguous():
-        return "residual shape/layout mismatch"
-    if residual.dtype not in (torch.bfloat16, torch.float16) or x.dtype != residual.dtype:
-        return f"dtype {residual.dtype} unsupported"
-    if addend is not None and (addend.shape != residual.shape or addend.dtype != residual.dtype
-                               or not addend.is_contiguous()):
-        return "addend shape/dtype/layout mismatch"
-    if norm_weight is not None and (norm_weight.shape != (H,) or not norm_weight.is_contiguous()
-                                    or norm_weight.dtype not in compat.TORCH2CUTE):
-        return "norm_weight shape/layout mismatch"
+    if res_dtype not in _IO_DTYPES or x_dtype != res_dtype:
+        return f"dtype {res_dtype} unsupported"
+    if addend is not None and (tuple(addend[0]) != (T, H) or addend[1] != res_dtype):
+        return "addend shape/dtype mismatch"
+    if norm is not None and (tuple(norm[0]) != (H,) or norm[1] not in compat.TORCH2CUTE):
+        return "norm_weight shape/dtype mismatch"
     if oneshot_ar.pick_threads(H) is None:
         return f"hidden {H} not a multiple of 4*threads"
     if T > max_tokens:
         return f"tokens {T} > max_tokens {max_tokens}"
-    x2 = x.reshape(-1, x.shape[-1])
-    if _gemm_path(x2, weight) is None:
-        return f"no decode GEMM kernel with a push epilogue for x {tuple(x2.shape)} w {tuple(weight.shape)}"
-    for t in (x, residual, addend, norm_weight):
-        if t is not None and t.data_ptr() % 16:
-            return "a tensor is not 16-byte aligned"
+    if _gemm_path(T, H, K, x_dtype, cute_ok=cute_ok, triton_ok=triton_ok) is None:
+        return f"no decode GEMM kernel with a push epilogue for x ({T}, {K}) w ({H}, {K})"
     return None
+
+
+def _triton_ok() -> bool:
+    try:
+        from ..triton import splitk_gemm
+    except Exception:
+        return False
+    return splitk_gemm.HAVE_TRITON
+
+
+def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) -> str | None:
+    H, K = weight.shape[0], weight.shape[-1]
+    if x.shape[-1] != K or residual.shape[-1] != H:
+        return "x/weight/residual shapes do not fit"
+    T = x.numel() // x.shape[-1]
+    if residual.numel() != T * H:
+        return "residual shape mismatch"
+    if addend is not None and tuple(addend.shape) != tuple(residual.shape):
+        return "addend shape/dtype mismatch"
+    return decide(T, H, K, x.dtype, residual.dtype,
+                  None if addend is None else ((T, H), addend.dtype),
+                  None if norm_weight is None else (tuple(norm_weight.shape), norm_weight.dtype),
+                  world_size, max_tokens, cute_ok=compat.available(), triton_ok=_triton_ok(),
+                  dist_ok=dist.is_available() and dist.is_initialized())
 
 
 def _pdl(path: str | None) -> bool:
@@ -82,59 +109,99 @@ def _pdl(path: str | None) -> bool:
     return path == "gemv" and os.environ.get("K3FUSE_AR_PDL", "0") == "1" and protocol() == "lamport"
 
 
-def _gemm_path(x2, weight) -> str | None:
-    if (compat.available() and x2.shape[0] <= decode_gemm.gemv_max_m(*weight.shape)
-            and decode_gemv.supports(x2, weight, None, torch.float32)):
-        return "gemv"
-    try:
-        from ..triton import splitk_gemm
-    except Exception:
+def _gemm_path(T: int, N: int, K: int, dtype, *, cute_ok: bool | None = None,
+               triton_ok: bool | None = None) -> str | None:
+    """GEMV or Triton split-K push, from the shape and dtype only (alignment is staged)."""
+    cute_ok = compat.available() if cute_ok is None else cute_ok
+    if dtype not in _IO_DTYPES:
         return None
-    return "splitk" if splitk_gemm.supports(x2, weight, None, torch.float32) else None
+    if (cute_ok and T <= decode_gemm.gemv_max_m(N, K) and 1 <= T <= 8
+            and decode_gemv.pick_config(T, N, K) is not None):
+        return "gemv"
+    triton_ok = _triton_ok() if triton_ok is None else triton_ok
+    if not triton_ok:
+        return None
+    from ..triton import splitk_gemm
+
+    return "splitk" if 1 <= T <= splitk_gemm.MAX_M and splitk_gemm.pick_config(T, N, K) is not None else None
 
 
-def _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens):
-    from ..symm_workspace import get_workspace
+def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` itself if contiguous and 16-byte aligned, else a staged copy (fresh allocations are)."""
+    if t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def _run(op, x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens):
+    from ..symm_workspace import CollectiveError, get_workspace
 
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    T, H = x2.shape[0], weight.shape[0]
-    ws = get_workspace(group_name, world_size, max_tokens, H, x.device)
-    path = _gemm_path(x2, weight)
-    if path == "gemv":
-        decode_gemv.run_push(x2, weight, ws.datas, ws.gen, ws.rank, max_tokens)
-    elif path == "splitk":
+    H = weight.shape[0]
+    x2 = _aligned(x.reshape(-1, K))
+    T = x2.shape[0]
+    weight = _aligned(weight)
+    res2 = _aligned(residual.reshape(T, H))
+    add2 = _aligned(addend.reshape(T, H)) if addend is not None else None
+    has_norm = norm_weight is not None
+    nw = _aligned(norm_weight) if has_norm else res2[0]
+    path = _gemm_path(T, H, K, x2.dtype)
+    if path is None:
+        raise RuntimeError(f"no decode GEMM kernel for x {tuple(x2.shape)} w {tuple(weight.shape)}")
+    ws = get_workspace(group_name, world_size, max_tokens, H, x.device,
+                       facts=dict(protocol=protocol(), path=path, cute=compat.cute_version()))
+    ws.before_call(op)
+    try:
+        return _launch(op, ws, x2, weight, res2, add2, nw, has_norm, eps, path, residual.shape,
+                       max_tokens, T, H, K)
+    except Exception as exc:
+        if not isinstance(exc, CollectiveError):
+            # whatever failed (compile, launch, before or after this rank's push): fail the
+            # workspace here and on every peer, so no rank spins to its timeout or reads stale
+            # partial sums later; the caller (dispatch) raises, never a per-rank fallback
+            ws.fail(op, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _launch(op, ws, x2, weight, res2, add2, nw, has_norm, eps, path, out_shape, max_tokens, T, H, K):
+    # 1. every kernel compiled and fetched before anything is pushed
+    pdl = _pdl(path)
+    key, build = oneshot_ar.builder(ws.world, H, max_tokens, add2 is not None, has_norm,
+                                    res2.dtype, nw.dtype, pdl, _flags_rank(ws.rank))
+    epilogue = compat.compiled(key, build)
+    if path == "gemv":   # the exact variant run_push fetches (same builder arguments)
+        rows, threads = decode_gemv.pick_config(T, H, K)
+        key, build = decode_gemv.builder(T, K, rows, threads, x2.dtype, weight.dtype, torch.float32,
+                                         False, weight.dtype, push=(ws.world, ws.rank, max_tokens, H))
+        compat.compiled(key, build)
+    else:
         from ..triton import splitk_gemm
 
-        splitk_gemm.run(x2, weight, None, torch.float32, push=(ws.ptrs, ws.gen, ws.rank, max_tokens))
-    else:
-        raise RuntimeError(f"no decode GEMM kernel for x {tuple(x2.shape)} w {tuple(weight.shape)}")
-    res2 = residual.reshape(T, H)
+        if not torch.cuda.is_current_stream_capturing():
+            splitk_gemm.precompile(x2, weight, None, torch.float32,
+                                   push=(ws.ptrs, ws.gen, ws.rank, max_tokens))
     out = torch.empty_like(res2)
-    has_norm = norm_weight is not None
     normed = torch.empty_like(res2) if has_norm else out
-    debug, timeout_ns = _debug()
-    nw = norm_weight if has_norm else res2[0]
-    # K3FUSE_AR_PDL=1: launch the epilogue as a programmatic dependent of the CuTe GEMV (which
-    # triggers early). Off by default: on 2 x H200 it measured no faster (docs/perf.md).
-    pdl = _pdl(path)
-    key, build = oneshot_ar.builder(ws.world, H, max_tokens, addend is not None, has_norm, debug,
-                                    res2.dtype, nw.dtype, pdl, _flags_rank(ws.rank))
-    fn = compat.compiled(key, build)
-    fn(ws.datas[ws.rank], *ws.padded(ws.flags, oneshot_ar.MAX_WORLD), ws.gen, res2, addend.reshape(T, H) if addend is not None else res2, nw,
-       out, normed, ws.err, float(eps), timeout_ns)
-    out = out.view(residual.shape)
-    return (out, normed.view(residual.shape)) if has_norm else out
+    tmo = _timeout_ns()
+    # 2. push, then the epilogue (a failure in either fails the workspace on every rank: _run)
+    if path == "gemv":
+        decode_gemv.run_push(x2, weight, ws.datas, ws.gen, ws.rank, max_tokens)
+    else:
+        splitk_gemm.run(x2, weight, None, torch.float32, push=(ws.ptrs, ws.gen, ws.rank, max_tokens))
+    epilogue(ws.datas[ws.rank], *ws.padded(ws.flags, oneshot_ar.MAX_WORLD), ws.gen, res2,
+             add2 if add2 is not None else res2, nw, out, normed, ws.err, float(eps), tmo)
+    ws.after_call()
+    out = out.view(out_shape)
+    return (out, normed.view(out_shape)) if has_norm else out
 
 
 def check_timeout(group_name: str, max_tokens: int, hidden: int, device: torch.device) -> None:
-    """Raise if a debug build's spin loop timed out (reads err[0]; synchronises)."""
-    from ..symm_workspace import _workspaces
+    """Raise CollectiveTimeoutError if a spin on this workspace timed out (synchronises)."""
+    from ..symm_workspace import _workspaces, current_lane
 
-    ws = _workspaces.get((group_name, device.index, max_tokens, hidden))
-    if ws is not None and int(ws.err.item()) != 0:
-        raise RuntimeError(f"one-shot all-reduce: rank {ws.rank} timed out waiting for its peers' "
-                           "partials (K3FUSE_AR_TIMEOUT_MS)")
+    ws = _workspaces.get((group_name, device.index, max_tokens, hidden, current_lane()))
+    if ws is not None:
+        ws.raise_if_failed(ws.last_op, sync=True)
 
 
 # --- dispatcher entry points (arguments in schema order) ----------------------------------------
@@ -143,7 +210,8 @@ def ar_supports(x, weight, residual, addend, group_name, world_size, max_tokens=
 
 
 def ar_run(x, weight, residual, addend, group_name, world_size, max_tokens=64, **_):
-    return _run(x, weight, residual, addend, None, 0.0, group_name, world_size, max_tokens)
+    return _run("gemm_ar_residual", x, weight, residual, addend, None, 0.0, group_name, world_size,
+                max_tokens)
 
 
 def arn_supports(x, weight, residual, addend, norm_weight, eps, group_name, world_size,
@@ -153,28 +221,47 @@ def arn_supports(x, weight, residual, addend, norm_weight, eps, group_name, worl
 
 def arn_run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64,
             **_):
-    return _run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens)
+    return _run("gemm_ar_residual_rmsnorm", x, weight, residual, addend, norm_weight, eps,
+                group_name, world_size, max_tokens)
+
+
+def warmup_rank(shape: dict) -> int:
+    """The rank within the TP group for a warm-up shape: {"group": c10d group name} if given,
+    else WORLD only when its size is the shape's world_size (a sub-group needs "group")."""
+    W = shape.get("world_size", 2)
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    name = shape.get("group") or shape.get("group_name")
+    if name is not None:
+        from k3fuse.compat import resolve_group
+
+        return dist.get_rank(resolve_group(name))
+    if dist.get_world_size() != W:
+        raise ValueError(f"fused all-reduce warm-up for world_size {W} in a process group of "
+                         f"{dist.get_world_size()} ranks: pass the TP group's name as shape['group'] "
+                         "(the kernels are specialised on the rank within that group)")
+    return dist.get_rank()
 
 
 def _warmup(norm: bool, proto: str):
     def warm(shapes) -> None:
         """Compile the CuTe kernels for [{"M", "N" (hidden), "K", "world_size", "max_tokens",
-        "dtype", "addend"}] before CUDA-graph capture (this rank's GEMV push variant included).
-        The symmetric workspace is created collectively by the first real call, which must also
-        happen before capture (it compiles the Triton variant)."""
+        "dtype", "addend", "group" (c10d group name; required for a TP sub-group)}] before
+        CUDA-graph capture, with the rank within the TP group (this rank's GEMV push variant
+        included). The symmetric workspace is created collectively by the first real call,
+        which must also happen before capture (it compiles the Triton variant)."""
         if protocol() != proto:
             return
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         for s_ in shapes:
+            rank = warmup_rank(s_)
             M, N, K = s_["M"], s_["N"], s_["K"]
             W, MT = s_.get("world_size", 2), s_.get("max_tokens", 64)
             dt = s_.get("dtype", torch.bfloat16)
-            debug, _ = _debug()
-            use_gemv = M <= decode_gemm.gemv_max_m(N, K) and decode_gemv.pick_config(M, N, K) is not None
-            key, build = oneshot_ar.builder(W, N, MT, bool(s_.get("addend", False)), norm, debug, dt, dt,
-                                            _pdl("gemv" if use_gemv else None), _flags_rank(rank))
+            path = _gemm_path(M, N, K, dt)
+            key, build = oneshot_ar.builder(W, N, MT, bool(s_.get("addend", False)), norm, dt, dt,
+                                            _pdl(path), _flags_rank(rank))
             compat.compiled(key, build)
-            if use_gemv:
+            if path == "gemv":
                 rows, threads = decode_gemv.pick_config(M, N, K)
                 key, build = decode_gemv.builder(M, K, rows, threads, dt, dt, torch.float32, False, dt,
                                                  push=(W, rank, MT, N))

@@ -11,12 +11,18 @@ fp32 (every rank reads the same words, so every rank's result is bitwise identic
 residual (and addend), writes `out` and optionally RMSNorm of the fp32 sum times the weight (the
 reference's rounding points).
 
-Protocol state lives in device memory, so CUDA-graph replays stay correct: gen[0] = generation g
-picks buffer g % 3 (the GEMM reads it too); each CTA resets buffer (g + 2) % 3 (used at g - 1,
+Protocol state lives in device memory, so CUDA-graph replays stay correct: int64 words
+(symm_workspace.py) gen[0] = epoch (64-bit), gen[3] = buffer index b in {0, 1, 2} (the GEMM reads
+it too; rotated by the last CTA, never `g % 3`, which as int32 went negative after 2^31 calls and
+broke the rotation at 2^32); each CTA resets buffer (b + 2) mod 3 (used at the previous call,
 gen[2] rows) to the sentinel; the last CTA to finish (gen[1] arrival counter) stores the row count
-in gen[2] and advances gen[0]. Three buffers suffice: a peer writes buffer (g + 2) % 3 at g + 2
-only after this rank pushed g + 1, which it does after this kernel (and its reset) finished.
-Debug builds bound every poll with %globaltimer and report a timeout in err[0] instead of hanging.
+in gen[2], advances the epoch and rotates b. Three buffers suffice: a peer writes buffer b + 2 two
+calls later only after this rank pushed the next call, which it does after this kernel (and its
+reset) finished.
+Every spin is bounded (%globaltimer, `timeout_ns` = K3FUSE_AR_TIMEOUT_S): on timeout err[] names
+the source rank that never arrived, the output is NaN, and a workspace whose err is set (here or
+by a failing peer, which writes it remotely) never spins again; the host raises
+(symm_workspace.CollectiveTimeoutError).
 
 Flag variant (`flags_rank` set; K3FUSE_AR_PROTOCOL=flags): the same GEMM push (plain stores into
 buffer g % 3), then explicit acquire/release flags instead of sentinels. Epoch e = g + 1 (gen[0]
@@ -24,7 +30,7 @@ in device memory, advanced by the last CTA as above, so graph replays stay corre
 loads the static norm weight, then (thread r) `fence.acq_rel.sys` + `st.release.sys` of e into
 flag [rank, t] of rank r (the GEMM's stores precede this kernel in stream order, the fence makes
 them visible system-wide before the flag), then (thread s) spins with `ld.acquire.sys` on its own
-flag [s, t] until flag - e >= 0 (flags only grow; a peer at most one epoch ahead), a CTA barrier,
+flag [s, t] until flag - e >= 0 (int64 signed difference: wrap-safe; flags only grow), a CTA barrier,
 and only then reads the peer slots. No buffer reset is needed (no sentinel); the flags live after
 the data in the same symmetric allocation (symm_workspace.py). PDL is never used here: the flag
 store must follow the GEMM's completion.
@@ -47,12 +53,12 @@ if compat.HAVE_CUTE:
         """One CTA per token row; `threads` each own H / (4 * threads) float4 chunks of the row."""
 
         def __init__(self, world: int, hidden: int, max_tokens: int, threads: int,
-                     has_addend: bool, has_norm: bool, debug_timeout: bool, pdl: bool = False,
+                     has_addend: bool, has_norm: bool, pdl: bool = False,
                      flags_rank: int | None = None):
             assert 1 <= world <= MAX_WORLD and hidden % (VEC * threads) == 0
             self.world, self.H, self.max_t = world, hidden, max_tokens
             self.threads, self.vpt = threads, hidden // (VEC * threads)
-            self.has_addend, self.has_norm, self.debug = has_addend, has_norm, debug_timeout
+            self.has_addend, self.has_norm = has_addend, has_norm
             self.num_warps = threads // 32
             # pdl: launched as a programmatic dependent of the push GEMM, so the launch and the
             # buffer reset overlap the GEMM's tail; it only polls data, and waits for the GEMM grid
@@ -93,11 +99,24 @@ if compat.HAVE_CUTE:
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
 
+            # protocol state (int64 words, symm_workspace.py): gen[0] epoch (flags protocol; 64-bit,
+            # never wraps in practice, compared by signed difference so even the wrap is safe),
+            # gen[1] arrival counter, gen[2] rows written last call, gen[3] buffer index in
+            # {0, 1, 2}: rotated by the last CTA, never computed as a remainder of the epoch
             g = gen[0]
-            b = g % NBUF
-            bc = (g + 2) % NBUF
-            tprev = gen[2]
+            b = gen[3]
+            bc = b + 2                      # the buffer used two calls ago (= previous call's - 1)
+            if bc >= NBUF:
+                bc = bc - NBUF
+            tprev = Int32(gen[2])
             base = data.iterator
+            # bounded spin (always on): give up after timeout_ns; a workspace that already timed
+            # out (err[0] != 0) never spins again and its outputs are NaN
+            tmo = timeout_ns
+            failed = Int32(0)
+            if compat.ld_relaxed_gpu_s32(err.iterator) != 0:
+                tmo = Int64(0)
+                failed = Int32(1)
 
             # 0. static weights only, before any wait (never peer data)
             wpre = []
@@ -125,23 +144,28 @@ if compat.HAVE_CUTE:
                 for r in cutlass.range_constexpr(W):
                     if tidx == r:
                         compat.fence_acq_rel_sys()
-                        compat.st_release_sys_s32(flags[r].iterator + (RANK * MT + t), ep)
+                        compat.st_release_sys_s64(flags[r].iterator + (RANK * MT + t), ep)
                 if tidx < W:
                     fptr = flags[RANK].iterator + (tidx * MT + t)
-                    if const_expr(self.debug):
-                        fstart = compat.globaltimer_ns()
+                    fstart = compat.globaltimer_ns()
                     waiting = Int32(1)
                     while waiting != 0:
-                        if compat.ld_acquire_sys_s32(fptr) - ep >= 0:
+                        if compat.ld_acquire_sys_s64(fptr) - ep >= 0:
                             waiting = Int32(0)
                         else:
                             compat.nanosleep(Int32(64))
-                        if const_expr(self.debug):
-                            if waiting != 0:
-                                if compat.globaltimer_ns() - fstart > timeout_ns:
+                            if compat.globaltimer_ns() - fstart > tmo:
+                                if failed == 0:                # first failure: record it
+                                    err[1] = tidx              # the source rank that never arrived
+                                    err[2] = Int32(1 if self.has_norm else 0)
+                                    err[3] = t
                                     err[0] = Int32(1)
-                                    waiting = Int32(0)
+                                waiting = Int32(0)
+                            elif compat.ld_relaxed_gpu_s32(err.iterator) != 0:
+                                waiting = Int32(0)             # a rank reported a failure
                 cute.arch.sync_threads()
+                if compat.ld_relaxed_gpu_s32(err.iterator) != 0:
+                    failed = Int32(1)
 
             # 2. poll the W slots of row t (local memory, written by every rank's GEMM) and sum
             #    them in fixed rank order; then residual (+ addend) -> out
@@ -150,8 +174,7 @@ if compat.HAVE_CUTE:
             arow = cute.zipped_divide(addend[t, None], (VEC,))
             keep = []
             ss = Float32(0.0)
-            if const_expr(self.debug):
-                start = compat.globaltimer_ns()
+            start = compat.globaltimer_ns()
             # poll in batches of chunks: all 16-byte volatile loads of a batch are in flight
             # together (one memory round trip when the peers are done), re-polled until no word
             # is the sentinel; at most 16 loads (64 registers) per batch. Flags: the data is
@@ -179,11 +202,22 @@ if compat.HAVE_CUTE:
                     pending = p
                     if pending != 0:
                         compat.nanosleep(Int32(128))
-                    if const_expr(self.debug and not self.flags):
-                        if pending != 0:
-                            if compat.globaltimer_ns() - start > timeout_ns:
+                        if compat.globaltimer_ns() - start > tmo:
+                            if failed == 0:
+                                # first failure: name a source whose slot is still the sentinel
+                                for ci in cutlass.range_constexpr(len(chunks)):
+                                    for src in cutlass.range_constexpr(W):
+                                        q = (ci * W + src) * VEC
+                                        if compat.any_sentinel4(raw[q], raw[q + 1], raw[q + 2], raw[q + 3]) != 0:
+                                            err[1] = Int32(src)
+                                err[2] = Int32(1 if self.has_norm else 0)
+                                err[3] = t
                                 err[0] = Int32(1)
-                                pending = Int32(0)
+                            failed = Int32(1)
+                            pending = Int32(0)
+                        elif compat.ld_relaxed_gpu_s32(err.iterator) != 0:
+                            failed = Int32(1)                  # a rank reported a failure
+                            pending = Int32(0)
                 for ci in cutlass.range_constexpr(len(chunks)):
                     j = chunks[ci]
                     c = tidx + j * TH
@@ -195,6 +229,9 @@ if compat.HAVE_CUTE:
                                 acc[e] = f
                             else:
                                 acc[e] = acc[e] + f
+                    if failed != 0:          # timed out or poisoned: never a plausible value
+                        for e in cutlass.range_constexpr(VEC):
+                            acc[e] = compat.b32_as_f32(Int32(0x7FC00000))
                     s = acc.load()
                     res = cute.make_rmem_tensor((VEC,), residual.element_type)
                     cute.autovec_copy(rrow[None, c], res)
@@ -237,11 +274,15 @@ if compat.HAVE_CUTE:
                 compat.griddep_wait()
             cute.arch.sync_threads()
             if tidx == 0:
-                old = compat.atom_add_acq_rel_gpu_s32(gen.iterator + 1, Int32(1))
-                if old == nblk - 1:
-                    gen[1] = Int32(0)
-                    gen[2] = nblk
+                old = compat.atom_add_acq_rel_gpu_u64(gen.iterator + 1, Int64(1))
+                if old == Int64(nblk - 1):
+                    gen[1] = Int64(0)
+                    gen[2] = Int64(nblk)
                     gen[0] = g + 1
+                    nb = b + 1
+                    if nb >= NBUF:
+                        nb = nb - NBUF
+                    gen[3] = nb
 
 
 def pick_threads(hidden: int) -> int | None:
@@ -251,26 +292,27 @@ def pick_threads(hidden: int) -> int | None:
     return None
 
 
-def builder(world, hidden, max_tokens, has_addend, has_norm, debug, io_dtype, w_dtype, pdl=False,
+def builder(world, hidden, max_tokens, has_addend, has_norm, io_dtype, w_dtype, pdl=False,
             flags_rank=None):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu.
 
-    flags_rank=None: Lamport protocol; flags_rank=r: acquire/release flag protocol of rank r."""
+    flags_rank=None: Lamport protocol; flags_rank=r: acquire/release flag protocol of rank r.
+    Every build has the bounded spin (timeout_ns is a runtime argument, K3FUSE_AR_TIMEOUT_S)."""
     th = pick_threads(hidden)
-    key = ("lamport_ar" if flags_rank is None else "flag_ar", world, hidden, max_tokens, th,
-           has_addend, has_norm, debug, io_dtype, w_dtype, pdl, flags_rank)
+    key = ("lamport_ar" if flags_rank is None else "flag_ar", 2, world, hidden, max_tokens, th,
+           has_addend, has_norm, io_dtype, w_dtype, pdl, flags_rank)
 
     def build():
         C = compat.TORCH2CUTE
         H, MT = hidden, max_tokens
         ft = compat.fake_tensor
         data = ft(cutlass.Float32, (NBUF, world, MT, H), (world * MT * H, MT * H, H, 1))
-        gen = ft(cutlass.Int32, (4,), (1,), align=4)
+        gen = ft(cutlass.Int64, (4,), (1,), align=8)          # int64 protocol words
         row = lambda dt: ft(C[dt], (cute.sym_int(), H), (H, 1))
         nw = ft(C[w_dtype], (H,), (1,))
-        err = ft(cutlass.Int32, (1,), (1,), align=4)
-        flg = [ft(cutlass.Int32, (world, MT), (MT, 1)) for _ in range(MAX_WORLD)]  # every rank's flags
-        k = LamportArResidualNorm(world, hidden, max_tokens, th, has_addend, has_norm, debug, pdl,
+        err = ft(cutlass.Int32, (4,), (1,), align=4)          # code, missing peer, norm?, row
+        flg = [ft(cutlass.Int64, (world, MT), (MT, 1), align=8) for _ in range(MAX_WORLD)]  # int64 epochs
+        k = LamportArResidualNorm(world, hidden, max_tokens, th, has_addend, has_norm, pdl,
                                   flags_rank)
         return (k, data, *flg, gen, row(io_dtype), row(io_dtype), nw, row(io_dtype), row(io_dtype), err,
                 Float32(1e-5), Int64(0), compat.fake_stream())

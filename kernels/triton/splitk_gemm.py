@@ -48,9 +48,12 @@ if HAVE_TRITON:
         else:
             # Lamport push (kernels/cute/oneshot_ar.py): fp32 into slot [rank] of buffer gen%3
             # of every rank; -0.0 is the "not written" sentinel, so write +0.0 instead
-            buf = tl.load(gen_ptr) % 3
+            # gen_ptr: the workspace's int64 protocol words; [3] is the buffer index in {0, 1, 2},
+            # rotated by the epilogue (never a signed remainder of a wrapping counter); 64-bit offsets
+            buf = tl.load(gen_ptr + 3).to(tl.int64)
             val = tl.where(total == 0.0, 0.0, total)
-            off = ((buf * PUSH_WORLD + PUSH_RANK) * PUSH_MAXT + offs_m[None, :]) * N + offs_n[:, None]
+            off = (((buf * PUSH_WORLD + PUSH_RANK) * PUSH_MAXT + offs_m[None, :].to(tl.int64)) * N
+                   + offs_n[:, None].to(tl.int64))
             for r in tl.static_range(PUSH_WORLD):
                 base = tl.load(push_ptr + r).to(tl.pointer_type(tl.float32))
                 tl.store(base + off, val, mask=n_ok[:, None] & m_mask[None, :])
@@ -182,11 +185,9 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-        config: dict | None = None, push: tuple | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias); push=(ptr_table int64[W], gen int32, rank, max_tokens) writes
-    fp32 into every rank's Lamport buffer instead (see kernels/cute/oneshot_ar.py)."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out_dtype: torch.dtype | None, out: torch.Tensor | None, config: dict | None,
+            push: tuple | None, warmup: bool):
     M, K = x.shape
     N = weight.shape[0]
     cfg = config or pick_config(M, N, K, _num_sms(x.device.index or 0))
@@ -204,14 +205,32 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     else:
         ptrs, gen, pr, pm = push
         pw = ptrs.numel()
-    _splitk_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, ws, cnt, ptrs, gen,
-        M, N, x.stride(0), weight.stride(0), out.stride(0),
-        K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_K=bk, HAS_BIAS=bias is not None, PUSH_WORLD=pw, PUSH_RANK=pr, PUSH_MAXT=pm,
-        EVEN_N=N % cfg["BLOCK_N"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (x, weight, bias if bias is not None else weight, out, ws, cnt, ptrs, gen,
+            M, N, x.stride(0), weight.stride(0), out.stride(0))
+    kw = dict(K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
+              BLOCK_K=bk, HAS_BIAS=bias is not None, PUSH_WORLD=pw, PUSH_RANK=pr, PUSH_MAXT=pm,
+              EVEN_N=N % cfg["BLOCK_N"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if warmup:
+        _splitk_kernel.warmup(*args, grid=grid, **kw)
+    else:
+        _splitk_kernel[grid](*args, **kw)
     return out
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+        config: dict | None = None, push: tuple | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias); push=(ptr_table int64[W], gen int64[4], rank, max_tokens) writes
+    fp32 into every rank's Lamport buffer instead (see kernels/cute/oneshot_ar.py)."""
+    return _launch(x, weight, bias, out_dtype, out, config, push, warmup=False)
+
+
+def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, config: dict | None = None,
+               push: tuple | None = None) -> None:
+    """Compile (and cache) exactly the kernel `run` would launch with these arguments, without
+    launching it: the fused all-reduce compiles everything before its first remote store."""
+    _launch(x, weight, bias, out_dtype, None, config, push, warmup=True)
 
 
 # --- dispatcher registration ---------------------------------------------------------------------
