@@ -82,7 +82,7 @@ class DecodeGemm(Rule):
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         bias = static_weight(match["bias"], "bias") if "bias" in match.inputs else None
         return failures(static_weight(match["weight"], "weight"), bias, token_count(match["x"], ctx),
-                        trunk_dtype(match["x"], "x"))
+                        trunk_dtype(match["x"], "x", ctx.dtype))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         out_dtype = torch.float32 if base_variant(match.variant) == "fp32_out" else None
