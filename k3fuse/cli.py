@@ -266,7 +266,8 @@ def _cmd_log(args: argparse.Namespace) -> int:
                          f"ranks in the log: {', '.join(map(str, ranks))}")
     if args.run is not None and not 1 <= args.run <= len(all_runs):
         raise UsageError(f"{path} has no run {args.run}", f"runs in the log: 1..{len(all_runs)}")
-    runs = [r for r in all_runs if (args.rank is None or r.rank == args.rank) and (args.run is None or r.index == args.run)]
+    runs = [r for r in all_runs
+            if (args.rank is None or r.rank == args.rank) and (args.run is None or r.index == args.run)]
     if not runs:
         raise UsageError(f"run {args.run} of {path} is not on rank {args.rank}", "drop --rank or pick another --run")
     log = RewriteLog(path=None)

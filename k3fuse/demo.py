@@ -226,9 +226,12 @@ def _cmd_demo(args: Any) -> int:
     from .cli import wide_console
 
     console = wide_console(stderr=True)
-    with console.status(f"k3fuse demo: compiling a {cfg.preset} K3 stack on {cfg.tp} {cfg.device} rank(s) with "
-                        f"torch.compile(backend='k3fuse', compiler={cfg.compiler}) and decoding {cfg.steps} "
-                        f"steps next to stock eager (about a minute on CPU)..."):
+    doing = (f"k3fuse demo: compiling a {cfg.preset} K3 stack on {cfg.tp} {cfg.device} rank(s) with "
+             f"torch.compile(backend='k3fuse', compiler={cfg.compiler}) and decoding {cfg.steps} "
+             f"steps next to stock eager (about a minute on CPU)...")
+    if not console.is_terminal:  # a spinner shows nothing in a pipe or log: say it once
+        console.print(doing)
+    with console.status(doing):
         t0 = time.perf_counter()
         reports = run_demo(cfg)
     console.print(f"k3fuse demo: ran in {time.perf_counter() - t0:.0f} s")
