@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("log", help="JSONL rewrite log (K3FUSE_LOG=... or a door's log= argument)")
     p.add_argument("--rank", type=int, default=None)
     args = p.parse_args(argv)
-    log = RewriteLog.from_jsonl(args.log)
+    log = RewriteLog.from_jsonl(args.log, skip_malformed=True)  # `k3fuse log` also lists the skipped lines
     if args.rank is not None:
         log.events = [e for e in log.events if e.rank == args.rank]
     lines = describe(log)

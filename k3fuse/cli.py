@@ -1,65 +1,183 @@
 """`k3fuse` command line: `demo` (the main job), `apply` (rewrite a saved ExportedProgram) and
 `log` (read a rewrite log).
 
-Each subcommand is a `register_<name>(subparsers)` function that sets `func` on its parser, so
-further subcommands plug in by adding one function to `SUBCOMMANDS`.
+Each verb is a `register_<verb>(subparsers)` function that sets `func` on its parser; a new verb
+plugs in by adding one function to `SUBCOMMANDS`. A verb reports a user mistake by raising
+`k3fuse.usage.UsageError` (problem and fix): `main` prints it as one line and exits with status 2
+(argparse mistakes too); `--debug` shows the traceback. Verbs import torch inside their handler,
+so `k3fuse --help` answers without it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+from .usage import UsageError
+
+#: tokens per decode step the rewrites cover (k3fuse.guards.DECODE_TOKENS, which imports torch)
+DECODE_TOKENS = (1, 64)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a mistake answered in one line (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def parse_tokens(text: str) -> tuple[int, int]:
-    """"1-64" -> (1, 64); "8" -> (8, 8)."""
+    """"1-64" -> (1, 64); "8" -> (8, 8); inside the decode range 1-64, min <= max."""
     try:
         if "-" in text:
             lo, hi = text.split("-", 1)
-            return int(lo), int(hi)
-        return int(text), int(text)
+            rng = int(lo), int(hi)
+        else:
+            rng = int(text), int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"tokens must look like 1-64 or 8, got {text!r}") from None
+    if not DECODE_TOKENS[0] <= rng[0] <= rng[1] <= DECODE_TOKENS[1]:
+        raise argparse.ArgumentTypeError(f"bad token range {text}: decode rewrites cover "
+                                         f"{DECODE_TOKENS[0]}-{DECODE_TOKENS[1]} tokens per step, min <= max")
+    return rng
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 # --- apply ---------------------------------------------------------------------------------------
 
 
+def decide_tp(requested: int | None, groups: dict[str, int | None]) -> tuple[int, str]:
+    """The TP size to rewrite for, from --tp and the graph's collective groups (name -> size or
+    None when the graph does not record it), with a note saying where it came from."""
+    known = {size for size in groups.values() if size is not None}
+    shown = ", ".join(f"{name!r}" + (f" (size {size})" if size else "") for name, size in groups.items())
+    if len(known) > 1:
+        raise UsageError(f"the graph's collectives use groups of different sizes: {shown}",
+                         "k3fuse rewrites one tensor-parallel group; export the decode step of one group")
+    if requested is None:
+        if not groups:
+            return 1, "TP 1: the graph has no collectives"
+        if known:
+            size = known.pop()
+            return size, f"TP {size} read from the graph's collectives over group {shown}"
+        raise UsageError(f"the graph holds collectives over group {shown}, whose size it does not record",
+                         "pass --tp N, the tensor-parallel size it was captured with")
+    if not groups and requested > 1:
+        raise UsageError(f"--tp {requested} but the graph has no collectives (it was captured at TP 1)",
+                         "drop --tp, or export the TP program")
+    if groups and requested == 1:
+        raise UsageError(f"--tp 1 but the graph holds collectives over group {shown}",
+                         "pass --tp N, the tensor-parallel size it was captured with")
+    if known and requested not in known:
+        raise UsageError(f"--tp {requested} but the graph's collectives run over group {shown}",
+                         f"pass --tp {next(iter(known))}, or leave --tp out to read it from the graph")
+    return requested, f"TP {requested} from --tp" + (" (matches the graph)" if known else "")
+
+
+def _rules_context_fields(spec: str | None) -> dict[str, Any]:
+    """--rules "a,b" (only these) / "-a" (all but a) -> DecodeContext fields."""
+    if not spec:
+        return {}
+    from .pipeline import parse_rules_env
+
+    only, minus = parse_rules_env(spec)
+    return {"enabled_rules": only, "disabled_rules": minus}
+
+
 def _cmd_apply(args: argparse.Namespace) -> int:
-    import torch
+    from .fileio import check_append_file, check_input_file, check_output_file
+
+    # every path first: a mistake found after minutes of rewriting is a lost run
+    src = check_input_file(args.input, "input program")
+    if args.output is None and not args.in_place:
+        raise UsageError("no output given", "pass -o OUT.pt2, or --in-place to replace the input")
+    dst = check_output_file(args.output or args.input, option="-o", inputs=[args.input], in_place=args.in_place)
+    if args.log is not None:
+        check_append_file(args.log, option="--log")
+    if args.tp is not None and args.rank >= args.tp:
+        raise UsageError(f"--rank {args.rank} is outside --tp {args.tp}", f"pass a rank in 0..{args.tp - 1}")
 
     import k3fuse
-    from k3fuse.offline import collective_group_names
+    from k3fuse.context import DecodeContext
+    from k3fuse.offline import collective_group_sizes, load_program, save_program
+    from k3fuse.pipeline import default_registry
 
-    ep = torch.export.load(args.input)
+    rule_fields = _rules_context_fields(args.rules)
+    probe = DecodeContext(tokens=args.tokens, multicast=args.multicast, strict=args.strict, **rule_fields)
+    default_registry().select(probe)  # unknown names in --rules or K3FUSE_RULES: one line, before loading
+    try:
+        ep = load_program(src)
+    except Exception as exc:  # torch raises RuntimeError / zip / pickle errors for a non-program
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{src} is not a program saved with torch.export.save ({first})",
+                         "give the .pt2 file written by torch.export.save") from exc
+    groups = collective_group_sizes(ep.graph)
+    tp, tp_note = decide_tp(args.tp, groups)
+    if args.rank >= tp:
+        raise UsageError(f"--rank {args.rank} is outside TP {tp}", f"pass a rank in 0..{tp - 1}")
     group_name = args.group_name
-    if args.tp > 1 and group_name is None:
-        names = collective_group_names(ep.graph)
-        if len(names) != 1:
-            print(f"error: --tp {args.tp} needs --group-name: the graph uses collective groups {names}",
-                  file=sys.stderr)
-            return 2
-        group_name = names[0]
-    ctx = k3fuse.DecodeContext(tp_size=args.tp, rank=args.rank, group_name=group_name, tokens=args.tokens,
-                               multicast=args.multicast, strict=args.strict)
+    if tp > 1 and group_name is None:
+        if len(groups) != 1:
+            raise UsageError(f"the graph uses several collective groups {sorted(groups)}",
+                             "pass --group-name with the tensor-parallel one")
+        group_name = next(iter(groups))
+    ctx = DecodeContext(tp_size=tp, rank=args.rank, group_name=group_name, tokens=args.tokens,
+                        multicast=args.multicast, strict=args.strict, **rule_fields)
+    existed = dst.exists()
     new_ep, log = k3fuse.apply(ep, ctx, log=args.log)
-    torch.export.save(new_ep, args.output)
-    print_rewrite_summary(log.summary(), title=f"{args.input} -> {args.output}")
+    try:
+        save_program(new_ep, dst)
+    except OSError as exc:
+        kept = f"{dst} was left as it was" if existed else f"{dst} was not created"
+        raise UsageError(f"could not save {dst}: {exc.strerror or exc}", f"{kept}; free space or choose another -o") \
+            from exc
+    print_rewrite_summary(log.summary(), title=f"{src} -> {dst}")
+    print(tp_note)
+    if existed:
+        print(f"replaced {dst} atomically (written to a temporary file, then renamed)")
+    if log.applied() == 0:
+        print("no rewrite applied: the saved program is the decomposed input; `k3fuse log` with --log shows why",
+              file=sys.stderr)
     return 0
 
 
 def register_apply(sub: Any) -> None:
     p = sub.add_parser("apply", help="rewrite a saved ExportedProgram (.pt2) for decode")
     p.add_argument("input", help="program saved with torch.export.save")
-    p.add_argument("-o", "--output", required=True, help="where to save the rewritten program")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the program was captured with")
-    p.add_argument("--rank", type=int, default=0, help="rank the program was captured on")
+    p.add_argument("-o", "--output", default=None,
+                   help="where to save the rewritten program (written to a temporary file, then renamed)")
+    p.add_argument("--in-place", action="store_true", help="replace the input program (atomically)")
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="tensor-parallel size the program was captured with (default: read from the graph)")
+    p.add_argument("--rank", type=non_negative_int, default=0, help="rank the program was captured on")
     p.add_argument("--group-name", default=None, help="c10d group name (default: the one in the graph)")
-    p.add_argument("--tokens", type=parse_tokens, default=(1, 64), help="decode token range, e.g. 1-64")
+    p.add_argument("--tokens", type=parse_tokens, default=DECODE_TOKENS,
+                   help="token range the rewrites are guarded for, e.g. 1-64")
     p.add_argument("--multicast", choices=("auto", "off", "require"), default="auto")
     p.add_argument("--strict", action="store_true", help="bake strict mode into the fused ops")
+    p.add_argument("--rules", default=None, help='only these rules ("a,b") or all but these ("-a")')
     p.add_argument("--log", default=None, help="append the rewrite log (JSONL) here")
     p.set_defaults(func=_cmd_apply)
 
@@ -67,12 +185,12 @@ def register_apply(sub: Any) -> None:
 # --- log -----------------------------------------------------------------------------------------
 
 
-def wide_console() -> Any:
+def wide_console(stderr: bool = False) -> Any:
     """A rich Console; in logs and pipes 120 columns (rich's default 80 would squeeze the reasons)."""
     from rich.console import Console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=max(console.width, 120))
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=max(console.width, 120))
 
 
 def print_rewrite_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewrite log") -> None:
@@ -90,27 +208,101 @@ def print_rewrite_summary(summary: dict[str, dict[str, Any]], title: str = "k3fu
     wide_console().print(table)
 
 
-def _cmd_log(args: argparse.Namespace) -> int:
-    from k3fuse.log import RewriteLog
+def print_reasons(rows: list[dict[str, Any]], title: str = "why rules did not rewrite") -> None:
+    """One row per distinct reason (rejected and not matched), with the values the guard saw."""
+    from rich.table import Table
 
-    log = RewriteLog.from_jsonl(args.file)
-    if args.rank is not None:
-        log.events = [e for e in log.events if e.rank == args.rank]
+    table = Table(title=title)
+    table.add_column("rule", no_wrap=True)
+    for col in ("decision", "guard", "reason", "values seen"):
+        table.add_column(col, overflow="fold")
+    table.add_column("count", justify="right")
+    table.add_column("ranks")
+    for r in rows:
+        values = "; ".join(json.dumps(v, sort_keys=True) for v in r["values"])
+        if r["more_values"]:
+            values += f" (+{r['more_values']} more)"
+        table.add_row(r["rule"], r["decision"].replace("_", " "), r["guard"], r["reason"] or "-", values or "-",
+                      str(r["count"]), ",".join(map(str, r["ranks"])))
+    wide_console().print(table)
+
+
+def print_runs(runs: list[Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="pipeline runs (one per graph per rank)")
+    for col in ("run", "rank", "door", "graph", "events", "applied", "rejected", "not matched"):
+        table.add_column(col, justify="left" if col in ("door", "graph") else "right")
+    for run in runs:
+        counts = {d: sum(e.decision == d for e in run.events) for d in ("applied", "rejected", "not_matched")}
+        table.add_row(str(run.index), str(run.rank), run.door or "-", run.graph_id or "-", str(len(run.events)),
+                      str(counts["applied"]), str(counts["rejected"]), str(counts["not_matched"]))
+    wide_console().print(table)
+
+
+def _cmd_log(args: argparse.Namespace) -> int:
+    from .fileio import check_input_file
+    from .log import RewriteLog, fold_reasons, read_jsonl, split_runs
+
+    path = check_input_file(args.file, "log file")
+    reading = read_jsonl(path)
+    if reading.malformed:
+        shown = ", ".join(str(m.lineno) for m in reading.malformed[:10])
+        more = f" and {len(reading.malformed) - 10} more" if len(reading.malformed) > 10 else ""
+        first = reading.malformed[0]
+        print(f"{path}: skipped {len(reading.malformed)} malformed line(s): {shown}{more} "
+              f"(line {first.lineno}: {first.why})", file=sys.stderr)
+    events = reading.log.events
+    if not events:
+        if reading.malformed:
+            raise UsageError(f"{path} holds no rewrite events, only malformed lines",
+                             "give a JSONL log written by k3fuse (--log, K3FUSE_LOG)")
+        print(f"{path}: no rewrite events (the file is empty)", file=sys.stderr)
+        return 1
+    all_runs = split_runs(events)
+    ranks = sorted({e.rank for e in events})
+    if args.rank is not None and args.rank not in ranks:
+        raise UsageError(f"{path} has no events of rank {args.rank}",
+                         f"ranks in the log: {', '.join(map(str, ranks))}")
+    if args.run is not None and not 1 <= args.run <= len(all_runs):
+        raise UsageError(f"{path} has no run {args.run}", f"runs in the log: 1..{len(all_runs)}")
+    runs = [r for r in all_runs
+            if (args.rank is None or r.rank == args.rank) and (args.run is None or r.index == args.run)]
+    if not runs:
+        raise UsageError(f"run {args.run} of {path} is not on rank {args.rank}", "drop --rank or pick another --run")
+    log = RewriteLog(path=None)
+    log.path = None
+    log.events = [e for r in runs for e in r.events]
     summary = log.summary()
+    reasons = fold_reasons(log.events)
+    sel_ranks = sorted({r.rank for r in runs})
+    scope = (f"{len(log.events)} events, {len(runs)} run(s) on rank(s) {', '.join(map(str, sel_ranks))}")
     if args.json:
-        json.dump({"summary": summary, "active_rules": log.active_rules(), "events": len(log.events)},
+        json.dump({"summary": summary, "active_rules": log.active_rules(), "events": len(log.events),
+                   "ranks": sel_ranks,
+                   "runs": [{"run": r.index, "rank": r.rank, "door": r.door, "graph_id": r.graph_id,
+                             "events": len(r.events)} for r in runs],
+                   "reasons": reasons,
+                   "malformed_lines": [{"line": m.lineno, "why": m.why} for m in reading.malformed]},
                   sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
-    else:
-        print_rewrite_summary(summary, title=f"{args.file} ({len(log.events)} events)")
+        return 0
+    if len(runs) > 1:
+        print_runs(runs)
+    summed = " (summed over them; pick one with --rank R / --run N)" if len(runs) > 1 else ""
+    print_rewrite_summary(summary, title=f"{path}: {scope}{summed}")
+    if reasons:
+        print_reasons(reasons)
+    print("active rules: " + (", ".join(log.active_rules()) or "none"))
     return 0
 
 
 def register_log(sub: Any) -> None:
-    p = sub.add_parser("log", help="summarise a rewrite log (JSONL) per rule")
+    p = sub.add_parser("log", help="summarise a rewrite log (JSONL) per rule, with the reasons rules said no")
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--rank", type=int, default=None, help="only events of this rank")
+    p.add_argument("--rank", type=non_negative_int, default=None, help="only events of this rank")
+    p.add_argument("--run", type=positive_int, default=None, help="only this pipeline run (numbers as listed)")
     p.set_defaults(func=_cmd_log)
 
 
@@ -137,16 +329,34 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, regis
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k3fuse", description="compiler passes for Kimi K3 decode")
+    parser = OneLineParser(prog="k3fuse", description="compiler passes for Kimi K3 decode")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True)
     for register in SUBCOMMANDS:
         register(sub)
+    for verb in sub.choices.values():  # also after the verb: `k3fuse apply ... --debug`
+        if "--debug" not in verb._option_string_actions:
+            verb.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb; a user mistake becomes one line on stderr and exit status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("K3FUSE_DEBUG") == "1"
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        if debug:
+            raise
+        print(f"k3fuse {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"k3fuse {args.command}: interrupted; no output file was changed", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

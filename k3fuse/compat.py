@@ -6,9 +6,15 @@ k3fuse supports torch 2.11 through 2.13. Importing k3fuse on anything else raise
 from __future__ import annotations
 
 import re
+import warnings
 
-import torch
-import torch.distributed as dist
+# torch's CPU wheel does not depend on NumPy and warns "Failed to initialize NumPy" at import when it
+# is missing; k3fuse never needs NumPy, so that warning is noise for every k3fuse command. Only
+# this message is hidden, and only if k3fuse is what imports torch first.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 MIN_TORCH = (2, 11)
 MAX_TORCH_EXCLUSIVE = (2, 14)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .guards import DECODE_TOKENS
+from .usage import UsageError
 
 MulticastPolicy = Literal["auto", "off", "require"]
 _POLICIES = ("auto", "off", "require")
@@ -30,8 +31,30 @@ MULTICAST_SWITCHES: tuple[tuple[str, str], ...] = (
 CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132
 
 
-class ContextError(ValueError):
-    """A DecodeContext that cannot describe a real deployment (bad TP, tokens, group...)."""
+class ContextError(UsageError, ValueError):
+    """A DecodeContext that cannot describe a real deployment (bad TP, tokens, group, a field of
+    the wrong type). A UsageError, so the CLI reports it as one line (exit 2)."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rule_names(field_name: str, value: Any) -> frozenset[str]:
+    """A set of rule names from any iterable of str; a bare str is a mistake (it would become a
+    set of characters)."""
+    if isinstance(value, str):
+        raise ContextError(f"{field_name}={value!r} is a string, not a collection of rule names",
+                           f"pass {field_name}={{{value!r}}}")
+    try:
+        names = frozenset(value)
+    except TypeError:
+        raise ContextError(f"{field_name} must be a collection of rule names, got {value!r}",
+                           f"pass e.g. {field_name}={{'decode_gemm'}}") from None
+    bad = sorted(repr(n) for n in names if not isinstance(n, str))
+    if bad:
+        raise ContextError(f"{field_name} holds non-string rule names {', '.join(bad)}", "pass rule names as str")
+    return names
 
 
 @dataclass(frozen=True)
@@ -114,7 +137,8 @@ class DecodeContext:
 
     tp_size/rank/group_name: tensor parallelism (group_name is the c10d name in the graph's
     collectives; required when tp_size > 1). device_capability: (major, minor) or None on CPU.
-    dtype: model dtype, or None for any. tokens: inclusive token range per decode step
+    dtype: the trunk dtype the rules expect (site guard `dtype`: a site whose activation has another
+    dtype is rejected), or None for any dtype the fused ops support. tokens: inclusive token range per decode step
     (within 1..64). multicast: "auto" (probe and report it), "off" (report "policy off"), "require"
     (rules under the multicast policy, `Rule.uses_multicast`, fail their contract guard when it is
     unavailable; no k3fuse kernel uses multicast, the fused all-reduce is a unicast one-shot).
@@ -135,31 +159,50 @@ class DecodeContext:
     multicast_info: MulticastStatus | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.tokens, int):
-            object.__setattr__(self, "tokens", (self.tokens, self.tokens))
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        tokens = self.tokens
+        if _is_int(tokens):
+            tokens = (tokens, tokens)
+        if (not isinstance(tokens, (tuple, list)) or len(tokens) != 2
+                or not all(_is_int(t) for t in tokens)):
+            raise ContextError(f"tokens must be an int or (min, max) ints, got {self.tokens!r}",
+                               "pass e.g. tokens=(1, 64)")
+        object.__setattr__(self, "tokens", tuple(tokens))
         if self.enabled_rules is not None:
-            object.__setattr__(self, "enabled_rules", frozenset(self.enabled_rules))
-        object.__setattr__(self, "disabled_rules", frozenset(self.disabled_rules))
+            object.__setattr__(self, "enabled_rules", _rule_names("enabled_rules", self.enabled_rules))
+        object.__setattr__(self, "disabled_rules", _rule_names("disabled_rules", self.disabled_rules))
         if self.device_capability is not None:
-            object.__setattr__(self, "device_capability", tuple(self.device_capability))
+            cap = self.device_capability
+            if (not isinstance(cap, (tuple, list)) or len(cap) != 2 or not all(_is_int(c) for c in cap)
+                    or cap[0] < 1 or cap[1] < 0):
+                raise ContextError(f"device_capability must be (major, minor) ints or None, got {cap!r}",
+                                   "pass e.g. (9, 0) for sm90, or None on CPU")
+            object.__setattr__(self, "device_capability", tuple(cap))
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ContextError(f"tp_size must be a positive int, got {self.tp_size!r}")
-        if not 0 <= self.rank < self.tp_size:
-            raise ContextError(f"rank {self.rank} is outside tp_size {self.tp_size}")
-        if len(self.tokens) != 2:
-            raise ContextError(f"tokens must be (min, max), got {self.tokens!r}")
+        if not _is_int(self.tp_size) or self.tp_size < 1:
+            raise ContextError(f"tp_size must be a positive int, got {self.tp_size!r}", "pass e.g. tp_size=2")
+        if not _is_int(self.rank) or not 0 <= self.rank < self.tp_size:
+            raise ContextError(f"rank {self.rank!r} is outside tp_size {self.tp_size}",
+                               f"pass a rank in 0..{self.tp_size - 1}")
+        if self.group_name is not None and not isinstance(self.group_name, str):
+            raise ContextError(f"group_name must be the c10d group name (str), got {self.group_name!r}",
+                               "pass group.group_name, or use DecodeContext.from_process_group()")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ContextError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}",
+                               "pass e.g. dtype=torch.bfloat16")
         lo, hi = self.tokens
         if not DECODE_TOKENS[0] <= lo <= hi <= DECODE_TOKENS[1]:
             raise ContextError(
                 f"bad token range {lo}-{hi}: decode rewrites cover {DECODE_TOKENS[0]}..{DECODE_TOKENS[1]} "
-                f"tokens per step, min <= max"
+                f"tokens per step, min <= max", f"pass a range inside {DECODE_TOKENS[0]}-{DECODE_TOKENS[1]}"
             )
         if self.multicast not in _POLICIES:
             raise ContextError(f"multicast must be one of {_POLICIES}, got {self.multicast!r}")
+        if not isinstance(self.strict, bool):
+            raise ContextError(f"strict must be True or False, got {self.strict!r}", "pass a bool")
+        if self.multicast_info is not None and not isinstance(self.multicast_info, MulticastStatus):
+            raise ContextError(f"multicast_info must be a MulticastStatus or None, got {self.multicast_info!r}")
         if self.tp_size > 1 and not self.group_name:
             raise ContextError(
                 f"tp_size={self.tp_size} needs a process group: pass group_name=... or build the context with "
@@ -235,7 +278,7 @@ class DecodeContext:
         known = set(known)
         unknown = sorted(((self.enabled_rules or set()) | self.disabled_rules) - known)
         if unknown:
-            raise ContextError(f"unknown rule name(s) {unknown}; known rules: {sorted(known)}")
+            raise ContextError(f"unknown rule name(s) {unknown}", f"known rules: {', '.join(sorted(known))}")
 
     def with_(self, **changes: Any) -> DecodeContext:
         return replace(self, **changes)

@@ -7,13 +7,15 @@ passes did (the rewrite log summary) and what ran at run time (implementation co
 """
 from __future__ import annotations
 
-import json
+import argparse
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from .usage import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class DemoConfig:
     layers: int = 2
     residual: str = "plain"
     tp: int = 2
-    tokens: int = 4
+    batch: int = 4  # tokens per decode step (one per sequence); `tokens` is the guard's range elsewhere
     steps: int = 8
     compiler: str = "inductor"
     seed: int = 0
@@ -44,6 +46,8 @@ class RankReport:
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    import torch  # noqa: F401  (the module imports torch lazily: `k3fuse --help` must stay fast)
+
     a64, b64 = a.double(), b.double()
     return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))
 
@@ -54,6 +58,7 @@ def _copy_state(dst: Any, src: Any) -> None:
 
 
 def _run_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
 
     import k3fuse
@@ -73,14 +78,14 @@ def _run_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     # Persistent state buffers, as a serving engine keeps them: each step's new state is copied in,
     # so every step calls the compiled step with the same shapes and strides (no recompilation).
-    state_ref = model.init_state(cfg.tokens)
-    state_new = model.init_state(cfg.tokens)
+    state_ref = model.init_state(cfg.batch)
+    state_new = model.init_state(cfg.batch)
     k3fuse.reset_stats()
     err_out = err_state = 0.0
     compile_s = 0.0
     with torch.no_grad():
         for step in range(cfg.steps):
-            x = torch.randn(cfg.tokens, model_cfg.hidden, generator=gen).to(device=device, dtype=model_cfg.torch_dtype)
+            x = torch.randn(cfg.batch, model_cfg.hidden, generator=gen).to(device=device, dtype=model_cfg.torch_dtype)
             y_ref, next_ref = model(x, state_ref)
             t0 = time.perf_counter()
             with k3fuse.strict(cfg.strict):
@@ -98,10 +103,34 @@ def _run_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
     return asdict(report)
 
 
+def check_config(cfg: DemoConfig) -> None:
+    """Mistakes in the demo's settings, found before minutes of compiling (UsageError)."""
+    if cfg.tp < 1:
+        raise UsageError(f"--tp {cfg.tp}: the demo needs at least one rank", "pass --tp 1 or more")
+    if not 1 <= cfg.batch <= 64:
+        raise UsageError(f"--batch {cfg.batch}: the decode rewrites cover 1-64 tokens per step, so nothing "
+                         f"would be rewritten", "pass --batch between 1 and 64")
+    if cfg.steps < 1:
+        raise UsageError(f"--steps {cfg.steps}: nothing would be compiled or compared", "pass --steps 1 or more")
+    if cfg.layers < 1:
+        raise UsageError(f"--layers {cfg.layers}: the stack would be empty", "pass --layers 1 or more")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise UsageError(f"--device cuda but no CUDA GPU is visible (torch {torch.__version__}, {build})",
+                             "run on a GPU machine or use --device cpu")
+        if torch.cuda.device_count() < cfg.tp:
+            raise UsageError(f"--device cuda --tp {cfg.tp} needs {cfg.tp} GPUs, {torch.cuda.device_count()} visible",
+                             f"pass --tp {torch.cuda.device_count()} or fewer")
+
+
 def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
     """Run the demo on cfg.tp ranks and return one report per rank."""
     from k3fuse.dist import launch
 
+    check_config(cfg)
     if cfg.tp == 1:
         return [_run_rank(0, 1, cfg)]
     backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -109,6 +138,7 @@ def run_demo(cfg: DemoConfig) -> list[dict[str, Any]]:
 
 
 def print_demo(cfg: DemoConfig, reports: list[dict[str, Any]]) -> None:
+    import torch
     from rich.table import Table
 
     from .cli import print_rewrite_summary, wide_console
@@ -116,7 +146,7 @@ def print_demo(cfg: DemoConfig, reports: list[dict[str, Any]]) -> None:
     console = wide_console()
     r0 = reports[0]
     console.print(f"[bold]k3fuse demo[/bold]: preset={cfg.preset} layers={cfg.layers} residual={cfg.residual} "
-                  f"TP={cfg.tp} tokens={cfg.tokens} steps={cfg.steps} compiler={cfg.compiler} "
+                  f"TP={cfg.tp} batch={cfg.batch} steps={cfg.steps} compiler={cfg.compiler} "
                   f"strict={cfg.strict} torch={torch.__version__}")
     print_rewrite_summary(r0["rewrite_summary"],
                           title=f"rewrite log (rank 0, {r0['graphs']} compiled graph(s)): what the passes did")
@@ -139,18 +169,33 @@ def print_demo(cfg: DemoConfig, reports: list[dict[str, Any]]) -> None:
     console.print("stock path: K3FUSE_DISABLE=1   one rule off: K3FUSE_RULES=-<rule>   log: --log FILE, k3fuse log FILE")
 
 
+def demo_verdict(reports: list[dict[str, Any]], tol: float = 1e-4) -> str | None:
+    """None when every rank matched stock eager and rewrote something, else what went wrong."""
+    mismatch = [r["rank"] for r in reports if not (r["max_rel_err_out"] <= tol and r["max_rel_err_state"] <= tol)]
+    if mismatch:
+        return f"k3fuse output or state differs from stock eager on rank(s) {mismatch}, see the table"
+    idle = [r["rank"] for r in reports if not r["active_rules"]]
+    if idle:
+        return (f"no rewrite fired on rank(s) {idle}: the comparison proves nothing; "
+                f"see the rewrite log table for the guards that said no")
+    return None
+
+
 def demo_passed(reports: list[dict[str, Any]], tol: float = 1e-4) -> bool:
-    return all(r["max_rel_err_out"] <= tol and r["max_rel_err_state"] <= tol for r in reports)
+    """Outputs and state match stock eager on every rank, and every rank rewrote at least one site."""
+    return demo_verdict(reports, tol) is None
 
 
 def register_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="compile a small K3 stack with the k3fuse backend on TP ranks and check it")
     defaults = DemoConfig()
-    p.add_argument("--preset", default=defaults.preset, help="model preset (tiny, small)")
+    p.add_argument("--preset", default=defaults.preset, choices=("tiny", "small"), help="model preset")
     p.add_argument("--layers", type=int, default=defaults.layers)
     p.add_argument("--residual", choices=("plain", "attnres"), default=defaults.residual)
-    p.add_argument("--tp", type=int, default=defaults.tp)
-    p.add_argument("--tokens", type=int, default=defaults.tokens, help="sequences decoded per step")
+    p.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel ranks (as in `k3fuse apply`)")
+    p.add_argument("--batch", type=int, default=defaults.batch,
+                   help="tokens per decode step (one per sequence); `--tokens` is the guard's range in `apply`")
+    p.add_argument("--tokens", dest="old_tokens", default=None, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--compiler", choices=("inductor", "eager"), default=defaults.compiler)
     p.add_argument("--seed", type=int, default=defaults.seed)
@@ -162,13 +207,38 @@ def register_demo(sub: Any) -> None:
 
 
 def _cmd_demo(args: Any) -> int:
+    import json
+
+    from .fileio import check_append_file, check_output_file, write_text_atomic
+
+    if args.old_tokens is not None:
+        raise UsageError("demo --tokens is now --batch (tokens per decode step); --tokens names the guard's "
+                         "token range in `k3fuse apply`", f"pass --batch {args.old_tokens}")
     cfg = DemoConfig(preset=args.preset, layers=args.layers, residual=args.residual, tp=args.tp,
-                     tokens=args.tokens, steps=args.steps, compiler=args.compiler, seed=args.seed,
+                     batch=args.batch, steps=args.steps, compiler=args.compiler, seed=args.seed,
                      strict=args.strict, log=args.log, device=args.device)
-    reports = run_demo(cfg)
+    # every output path and setting first: finding a bad one after the run loses the run
+    if args.json:
+        check_output_file(args.json, option="--json")
+    if args.log:
+        check_append_file(args.log, option="--log")
+    check_config(cfg)
+    from .cli import wide_console
+
+    console = wide_console(stderr=True)
+    doing = (f"k3fuse demo: compiling a {cfg.preset} K3 stack on {cfg.tp} {cfg.device} rank(s) with "
+             f"torch.compile(backend='k3fuse', compiler={cfg.compiler}) and decoding {cfg.steps} "
+             f"steps next to stock eager (about a minute on CPU)...")
+    if not console.is_terminal:  # a spinner shows nothing in a pipe or log: say it once
+        console.print(doing)
+    with console.status(doing):
+        t0 = time.perf_counter()
+        reports = run_demo(cfg)
+    console.print(f"k3fuse demo: ran in {time.perf_counter() - t0:.0f} s")
     print_demo(cfg, reports)
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": asdict(cfg), "ranks": reports}, indent=2))
-    ok = demo_passed(reports)
-    print("demo: PASS (k3fuse output and state match stock)" if ok else "demo: FAIL (mismatch, see table)")
-    return 0 if ok else 1
+        write_text_atomic(args.json, json.dumps({"config": asdict(cfg), "ranks": reports}, indent=2))
+    problem = demo_verdict(reports)
+    print("demo: PASS (k3fuse rewrote the graph and its output and state match stock)" if problem is None
+          else f"demo: FAIL ({problem})")
+    return 0 if problem is None else 1

@@ -73,6 +73,136 @@ class RewriteEvent:
         return f"{self.rule}: not matched"
 
 
+#: JSON type(s) of each optional event field, checked when a log is read back
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "graph_id": (str,), "door": (str,), "variant": (str, type(None)), "nodes": (list,), "new_nodes": (list,),
+    "shapes": (dict,), "source": (str, type(None)), "guard": (str, type(None)), "level": (str, type(None)),
+    "reason": (str, type(None)), "values": (dict,), "time_ms": (int, float), "rank": (int,),
+    "timestamp": (int, float),
+}
+
+
+def event_schema_error(data: Any) -> str | None:
+    """Why `data` (one decoded JSONL line) is not a rewrite event, or None if it is one."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    if not isinstance(data.get("rule"), str) or not data["rule"]:
+        return "no rule name"
+    if data.get("decision") not in DECISIONS:
+        return f"decision {data.get('decision')!r} is not one of {', '.join(DECISIONS)}"
+    for name, types in _FIELD_TYPES.items():
+        value = data.get(name)
+        if name in data and (not isinstance(value, types) or isinstance(value, bool)):
+            return f"field {name} is {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class MalformedLine:
+    lineno: int
+    why: str
+
+
+@dataclass
+class LogReading:
+    """A log read leniently: the events of every good line, and the lines that were not events."""
+
+    log: RewriteLog
+    malformed: list[MalformedLine]
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> LogReading:
+    """Read a JSONL rewrite log line by line: a truncated last line (a process killed mid-write),
+    binary junk or a line of another schema is reported, never fatal to the rest."""
+    log = RewriteLog(path=None)
+    log.path = None
+    malformed: list[MalformedLine] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                malformed.append(MalformedLine(lineno, "not UTF-8 text"))
+                continue
+            except json.JSONDecodeError as exc:
+                malformed.append(MalformedLine(lineno, f"not JSON ({exc.msg})"))
+                continue
+            why = event_schema_error(data)
+            if why is not None:
+                malformed.append(MalformedLine(lineno, why))
+                continue
+            log.events.append(RewriteEvent.from_dict(data))
+    return LogReading(log, malformed)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One pass of the pipeline over one graph on one rank (what one compile/apply logs)."""
+
+    index: int
+    rank: int
+    door: str
+    graph_id: str
+    events: list[RewriteEvent]
+
+
+def split_runs(events: Iterable[RewriteEvent]) -> list[Run]:
+    """Cut the events of a log (several ranks, graphs and runs may share a file) into pipeline runs.
+
+    Per rank, a run ends when the graph or door changes, or when a rule that already spoke in the
+    run speaks again after another rule (the pipeline visits each rule once per graph).
+    """
+    open_runs: dict[int, tuple[list[RewriteEvent], list[str]]] = {}
+    ordered: list[tuple[int, list[RewriteEvent]]] = []  # (rank, events) in order of their first event
+    for e in events:
+        current = open_runs.get(e.rank)
+        if current is not None:
+            evs, rules = current
+            last = evs[-1]
+            new_run = (e.graph_id != last.graph_id or e.door != last.door
+                       or (e.rule != rules[-1] and e.rule in rules))
+            if not new_run:
+                evs.append(e)
+                if e.rule != rules[-1]:
+                    rules.append(e.rule)
+                continue
+        evs = [e]
+        open_runs[e.rank] = (evs, [e.rule])
+        ordered.append((e.rank, evs))
+    return [Run(i, rank, evs[0].door, evs[0].graph_id, evs) for i, (rank, evs) in enumerate(ordered, 1)]
+
+
+def fold_reasons(events: Iterable[RewriteEvent], max_values: int = 3) -> list[dict[str, Any]]:
+    """Rejected and not-matched events folded to one row per (rule, decision, guard, reason), with
+    how often, on which ranks, and up to `max_values` distinct sets of values it saw."""
+    rows: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for e in events:
+        if e.decision == "applied":
+            continue
+        guard = f"{e.level}:{e.guard}" if e.guard else ""
+        key = (e.rule, e.decision, guard, e.reason or "")
+        row = rows.setdefault(key, {"rule": e.rule, "decision": e.decision, "guard": guard,
+                                    "reason": e.reason or "", "count": 0, "ranks": set(), "values": [],
+                                    "more_values": 0})
+        row["count"] += 1
+        row["ranks"].add(e.rank)
+        if e.values:
+            values = _plain(e.values)
+            if values in row["values"]:
+                pass
+            elif len(row["values"]) < max_values:
+                row["values"].append(values)
+            else:
+                row["more_values"] += 1
+    out = []
+    for row in rows.values():
+        row["ranks"] = sorted(row["ranks"])
+        out.append(row)
+    return out
+
+
 class RewriteLog:
     """Events in decision order; optionally streamed to a JSONL file as they arrive."""
 
@@ -119,18 +249,14 @@ class RewriteLog:
         return p
 
     @classmethod
-    def from_jsonl(cls, path: str | os.PathLike[str]) -> RewriteLog:
-        log = cls(path=None)
-        log.path = None
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    log.events.append(RewriteEvent.from_dict(json.loads(line)))
-                except (json.JSONDecodeError, TypeError) as exc:
-                    raise ValueError(f"{path}:{lineno}: not a rewrite event: {exc}") from exc
-        return log
+    def from_jsonl(cls, path: str | os.PathLike[str], *, skip_malformed: bool = False) -> RewriteLog:
+        """The events of a JSONL log. A malformed line raises ValueError naming it, unless
+        `skip_malformed` (then see `read_jsonl`, which also says which lines were skipped)."""
+        reading = read_jsonl(path)
+        if reading.malformed and not skip_malformed:
+            bad = reading.malformed[0]
+            raise ValueError(f"{path}:{bad.lineno}: not a rewrite event: {bad.why}")
+        return reading.log
 
     # --- reading ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[RewriteEvent]:
@@ -181,4 +307,5 @@ class RewriteLog:
         return f"RewriteLog({len(self.events)} events, applied={self.applied()}, path={self.path})"
 
 
-__all__ = ["RewriteEvent", "RewriteLog", "Decision", "DECISIONS"]
+__all__ = ["RewriteEvent", "RewriteLog", "Decision", "DECISIONS", "read_jsonl", "LogReading", "MalformedLine",
+           "event_schema_error", "Run", "split_runs", "fold_reasons"]

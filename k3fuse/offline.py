@@ -8,7 +8,9 @@ torch.export.save/load (the k3fuse ops are registered by `import k3fuse`) and ca
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import zipfile
 from typing import Any
 
 import torch
@@ -78,6 +80,82 @@ def collective_group_names(graph: fx.Graph) -> list[str]:
     return seen
 
 
+#: functional collectives whose arguments carry the group size, and its position
+_GROUP_SIZE_ARG = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2, "all_gather_into_tensor_coalesced": 1,
+                   "reduce_scatter_tensor_coalesced": 2}
+
+
+def collective_group_sizes(graph: fx.Graph) -> dict[str, int | None]:
+    """Each group name the graph's collectives use -> its size, or None where nothing records it.
+
+    The size comes from the collective's own `group_size` argument (all-gather, reduce-scatter) or
+    from a live process group of that name in this process. A plain all-reduce names its group but
+    not its size, so a graph with only all-reduces gets None.
+    """
+    from .verify import is_collective
+
+    sizes: dict[str, int | None] = {name: None for name in collective_group_names(graph)}
+    for node in graph.nodes:
+        if not is_collective(node):
+            continue
+        packet = getattr(node.target, "_overloadpacket", None)
+        pos = _GROUP_SIZE_ARG.get(getattr(packet, "__name__", ""))
+        names = [a for a in node.args if isinstance(a, str) and a in sizes]
+        if pos is not None and len(node.args) > pos and isinstance(node.args[pos], int) and names:
+            sizes[names[-1]] = node.args[pos]
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .compat import resolve_group
+
+        for name, size in sizes.items():
+            if size is None:
+                try:
+                    sizes[name] = dist.get_world_size(resolve_group(name))
+                except RuntimeError:
+                    pass
+    return sizes
+
+
+class _DropLoaderNoise(logging.Filter):
+    """Two warnings torch.export.load logs on its way: "Fallback to weights_only=False" has a broken
+    format string (two %s, one argument), so logging prints a 50-line "--- Logging error ---" block;
+    "Ran into the following error when deserializing" is a traceback logged before the same error
+    is raised (the caller reports it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not msg.startswith(("Fallback to weights_only=False", "Ran into the following error"))
+
+
+def load_program(path: str | os.PathLike[str]) -> ExportedProgram:
+    """torch.export.load with the k3fuse ops and the reference model's types registered (see
+    `k3fuse.load`), without torch's logging-error block for example inputs of custom types."""
+    from . import load
+
+    load()
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path} is not a zip archive")
+    loggers = [logging.getLogger(name) for name in ("torch._export.serde.serialize", "torch.export")]
+    quiet = _DropLoaderNoise()
+    for lg in loggers:
+        lg.addFilter(quiet)
+    try:
+        return torch.export.load(path)
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
+
+
+def save_program(ep: ExportedProgram, path: str | os.PathLike[str]) -> None:
+    """torch.export.save to a temporary file next to `path`, renamed over it when complete: an
+    interrupted save (Ctrl-C, full disk) leaves whatever was at `path` before, never half a program."""
+    from .fileio import atomic_write
+
+    with atomic_write(path) as tmp:
+        torch.export.save(ep, tmp)
+
+
 def _lacks_val(node: fx.Node) -> bool:
     """A value-producing node without meta["val"] (ops returning nothing, like l2_prefetch, need none)."""
     if node.op == "output" or node.meta.get("val") is not None:
@@ -139,4 +217,4 @@ def apply(
     return ep._update(gm, sig), rlog
 
 
-__all__ = ["apply", "static_placeholder_names", "written_placeholders", "mark_static", "collective_group_names"]
+__all__ = ["apply", "load_program", "save_program", "collective_group_sizes", "static_placeholder_names", "written_placeholders", "mark_static", "collective_group_names"]

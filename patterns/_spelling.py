@@ -77,13 +77,17 @@ def dtype_of(node: Any) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def trunk_dtype(node: Any, what: str) -> GuardFailure | None:
-    """The activation feeding a fused op is in a dtype the ops support."""
+def trunk_dtype(node: Any, what: str, expected: torch.dtype | None = None) -> GuardFailure | None:
+    """The activation feeding a fused op is in a dtype the ops support and, when the context fixes
+    the trunk dtype (`DecodeContext.dtype`, passed as `expected`), in that one."""
     dtype = dtype_of(node)
-    if dtype in TRUNK_DTYPES:
-        return None
-    return GuardFailure("site", "dtype", f"{what} dtype not supported by the fused op",
-                        {what: str(dtype), "allowed": [str(d) for d in TRUNK_DTYPES]})
+    if dtype not in TRUNK_DTYPES:
+        return GuardFailure("site", "dtype", f"{what} dtype not supported by the fused op",
+                            {what: str(dtype), "allowed": [str(d) for d in TRUNK_DTYPES]})
+    if expected is not None and dtype != expected:
+        return GuardFailure("site", "dtype", f"{what} dtype is not the context's trunk dtype",
+                            {what: str(dtype), "expected": str(expected)})
+    return None
 
 
 def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:

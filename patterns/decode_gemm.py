@@ -83,7 +83,7 @@ class DecodeGemm(Rule):
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         bias = static_weight(match["bias"], "bias") if "bias" in match.inputs else None
         found = failures(static_weight(match["weight"], "weight"), bias, token_count(match["x"], ctx),
-                         trunk_dtype(match["x"], "x"))
+                         trunk_dtype(match["x"], "x", ctx.dtype))
         if found:
             return found
         x, w = match.val("x"), match.val("weight")

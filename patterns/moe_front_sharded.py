@@ -127,7 +127,7 @@ class MoEFrontSharded(Rule):
         l_ = (shape_of(match["down_w"]) or (None,))[0]
         return failures(static_weight(match["router_w"], "router_w"), static_weight(match["down_w"], "down_w"),
                         divisible(e, ctx.tp_size, "n_experts"), divisible(l_, ctx.tp_size, "latent"),
-                        token_count(match["x"], ctx), trunk_dtype(match["x"], "x"),
+                        token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
                         None if dtype_of(match["down_w"]) in TRUNK_DTYPES else
                         GuardFailure("site", "dtype", "weight dtype not supported", {"down_w": str(dtype_of(match["down_w"]))}))
 

@@ -88,7 +88,7 @@ class OProjAllReduceResidual(Rule):
         same_group = None if group == ctx.group_name else GuardFailure(
             "site", "group", "the all-reduce is not over the context's TP group",
             {"group_name": group, "tp_group": ctx.group_name})
-        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x"), same_group)
+        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype), same_group)
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         status = ctx.multicast_status()

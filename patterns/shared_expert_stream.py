@@ -146,7 +146,7 @@ class SharedExpertStream(Rule):
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         weights = [static_weight(match[w], w) for w in ("w_gate", "w_up", "w_down") if w in match.inputs]
-        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x"))
+        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         site_info = self._sites[id(match)]

@@ -9,7 +9,7 @@ EXPECTED_PER_LAYER = {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "sh
 
 
 def test_demo_two_ranks_eager_matches_stock_and_fires_every_rule():
-    cfg = DemoConfig(preset="tiny", layers=2, tp=2, tokens=3, steps=3, compiler="eager", strict=True)
+    cfg = DemoConfig(preset="tiny", layers=2, tp=2, batch=3, steps=3, compiler="eager", strict=True)
     reports = run_demo(cfg)
     assert len(reports) == 2
     assert demo_passed(reports), [(r["max_rel_err_out"], r["max_rel_err_state"]) for r in reports]

@@ -85,19 +85,25 @@ def test_cli_apply_and_log(exported, tmp_path, monkeypatch, capsys):
     assert "linear_residual" in capsys.readouterr().out
 
 
-def test_cli_rejects_bad_token_range(exported, tmp_path):
+def test_cli_rejects_bad_token_range(exported, tmp_path, capsys):
+    # issue 11: a bad range is one line and exit 2 (was a ContextError traceback after loading)
     from k3fuse.cli import main
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         main(["apply", "x.pt2", "-o", "y.pt2", "--tokens", "a-b"])
+    assert exc.value.code == 2
     _, _, ep = exported
     torch.export.save(ep, tmp_path / "in.pt2")
-    with pytest.raises(k3fuse.context.ContextError, match="bad token range 1-100"):
+    with pytest.raises(SystemExit) as exc:
         main(["apply", str(tmp_path / "in.pt2"), "-o", str(tmp_path / "o.pt2"), "--tokens", "1-100"])
+    assert exc.value.code == 2
+    assert "bad token range 1-100" in capsys.readouterr().err
+    assert not (tmp_path / "o.pt2").exists()
 
 
 def test_cli_tp2_without_collectives_in_graph_is_a_clear_error(exported, tmp_path, capsys):
+    # issue 11: --tp is checked against the graph (was: "--tp 2 needs --group-name: ... groups []")
     from k3fuse.cli import main
     _, _, ep = exported
     torch.export.save(ep, tmp_path / "in.pt2")
     assert main(["apply", str(tmp_path / "in.pt2"), "-o", str(tmp_path / "o.pt2"), "--tp", "2"]) == 2
-    assert "--tp 2 needs --group-name: the graph uses collective groups []" in capsys.readouterr().err
+    assert "--tp 2 but the graph has no collectives" in capsys.readouterr().err

@@ -12,15 +12,20 @@ time (and the passes' share), the rewrite counts and the runtime counters of str
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .arms import Arm, parse_arms
-from .runner import BenchConfig, bench_rank
+
+if TYPE_CHECKING:  # the runner imports torch: only when a benchmark runs (keeps `k3fuse --help` fast)
+    from .runner import BenchConfig
 
 
-def run_bench(cfg: BenchConfig) -> dict:
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run `cfg` on cfg.tp ranks (NCCL on GPUs, gloo on CPU) and merge the ranks' reports."""
     from k3fuse.dist import launch
 
     from .report import merge
+    from .runner import bench_rank
 
     if cfg.tp == 1:
         reports = [bench_rank(0, 1, cfg)]
@@ -30,4 +35,4 @@ def run_bench(cfg: BenchConfig) -> dict:
     return merge(cfg, reports)
 
 
-__all__ = ["BenchConfig", "run_bench", "bench_rank", "Arm", "parse_arms"]
+__all__ = ["run_bench", "Arm", "parse_arms"]

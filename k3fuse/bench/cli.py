@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..usage import UsageError
+
 CUDA_DEFAULTS = {"preset": "k3", "set": "moe_inter=128", "tp": 2}
 CPU_DEFAULTS = {"preset": "small", "set": "", "tp": 2}
 
@@ -72,13 +74,13 @@ def _check_output(path: str | None, what: str) -> None:
         return
     parent = Path(path).parent
     if not parent.is_dir():
-        raise SystemExit(f"k3fuse bench: {what} directory {str(parent)!r} does not exist; create it first")
+        raise UsageError(f"{what} directory {str(parent)!r} does not exist", "create it first")
     if not os.access(parent, os.W_OK):
-        raise SystemExit(f"k3fuse bench: {what} directory {str(parent)!r} is not writable")
+        raise UsageError(f"{what} directory {str(parent)!r} is not writable", "pick a writable directory")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """A checked BenchConfig; every mistake is one line (SystemExit) before any work starts."""
+    """A checked BenchConfig; every mistake is one line (UsageError) before any work starts."""
     import torch
 
     from .arms import parse_arms
@@ -86,13 +88,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("k3fuse bench: --device cuda but this torch sees no CUDA GPU; use --device cpu")
+        raise UsageError("--device cuda but this torch sees no CUDA GPU", "use --device cpu")
     defaults = CUDA_DEFAULTS if device == "cuda" else CPU_DEFAULTS
     tp = args.tp or defaults["tp"]
     if tp < 1 or (device == "cuda" and tp > torch.cuda.device_count()):
-        raise SystemExit(f"k3fuse bench: --tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+        raise UsageError(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible", "lower --tp")
     if any(not 1 <= t <= 64 for t in args.tokens):
-        raise SystemExit(f"k3fuse bench: --tokens {args.tokens} outside decode (1..64)")
+        raise UsageError(f"--tokens {args.tokens} outside decode (1..64)", "pass counts from 1 to 64")
     overrides = args.overrides if args.overrides is not None else _overrides(defaults["set"])
     try:
         parse_arms(args.arms.split(","))
@@ -103,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
                           profile=args.profile, compile_only=args.compile_only, seed=args.seed)
         cfg.model_config().validate_for_tp(tp)
     except ValueError as exc:
-        raise SystemExit(f"k3fuse bench: {exc}") from None
+        raise UsageError(str(exc), "see k3fuse bench --help") from None
     _check_output(args.json, "--json")
     _check_output(args.plots, "--plots")
     return cfg

@@ -1,0 +1,59 @@
+"""DecodeContext refuses wrong types instead of doing the wrong thing with them; dtype is guarded
+(issue 11)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3fuse
+from k3fuse.context import ContextError, DecodeContext
+from k3fuse.usage import UsageError
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"enabled_rules": "decode_gemm"}, "is a string, not a collection of rule names"),
+    ({"disabled_rules": "decode_gemm"}, "is a string"),
+    ({"enabled_rules": [1]}, "non-string rule names"),
+    ({"device_capability": "sm90"}, "device_capability must be (major, minor)"),
+    ({"device_capability": (9,)}, "device_capability must be (major, minor)"),
+    ({"tokens": (1.9, 8.7)}, "tokens must be an int or (min, max) ints"),
+    ({"tokens": "1-8"}, "tokens must be"),
+    ({"tp_size": True}, "tp_size must be a positive int"),
+    ({"tp_size": 2.0}, "tp_size must be a positive int"),
+    ({"rank": 1}, "rank 1 is outside tp_size 1"),
+    ({"rank": False}, "outside tp_size"),
+    ({"strict": "no"}, "strict must be True or False"),
+    ({"dtype": "bf16"}, "dtype must be a floating torch.dtype"),
+    ({"dtype": torch.int32}, "dtype must be a floating torch.dtype"),
+    ({"group_name": 0}, "group_name must be the c10d group name"),
+    ({"multicast_info": "yes"}, "multicast_info must be a MulticastStatus"),
+])
+def test_wrong_types_are_clear_errors(kwargs, fragment):
+    with pytest.raises(ContextError) as exc:
+        DecodeContext(**kwargs)
+    assert fragment in str(exc.value)
+    assert isinstance(exc.value, UsageError) and isinstance(exc.value, ValueError)
+
+
+def test_good_values_still_accepted():
+    ctx = DecodeContext(enabled_rules=["decode_gemm"], device_capability=[9, 0], tokens=8, dtype=torch.bfloat16)
+    assert ctx.enabled_rules == frozenset({"decode_gemm"}) and ctx.device_capability == (9, 0)
+    assert ctx.tokens == (8, 8)
+
+
+def test_dtype_takes_part_in_the_site_guard():
+    """A context fixing the trunk dtype rejects sites of another dtype, logging what it saw."""
+    from k3fuse.model import K3DecodeStack, get_config
+
+    model = K3DecodeStack(get_config("tiny", n_layers=1), seed=0).eval()
+    x = torch.randn(2, model.config.hidden, dtype=model.config.torch_dtype)
+    ep = torch.export.export(model, (x, model.init_state(2)))
+    trunk = model.config.torch_dtype
+    other = torch.bfloat16 if trunk == torch.float32 else torch.float32
+    _, same = k3fuse.apply(ep, DecodeContext(dtype=trunk))
+    _, wrong = k3fuse.apply(ep, DecodeContext(dtype=other))
+    assert same.applied("decode_gemm") > 0
+    assert wrong.applied("decode_gemm") == 0
+    rej = wrong.rejected("decode_gemm")
+    assert rej and all(e.guard == "dtype" for e in rej)
+    assert rej[0].values == {"x": str(trunk), "expected": str(other)}
