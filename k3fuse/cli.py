@@ -319,7 +319,7 @@ def register_bench(sub: Any) -> None:
 
 
 def register_validate(sub: Any) -> None:
-    from .validate import register_validate as _register
+    from .validate_cli import register_validate as _register
 
     _register(sub)
 

@@ -1,0 +1,74 @@
+"""`k3fuse validate` on the command line (the work is in k3fuse.validate, imported when it runs)."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from .fileio import check_output_file, write_text_atomic
+from .validate_config import ValidateConfig
+
+
+def register_validate(sub: Any) -> None:
+    d = ValidateConfig()
+    p = sub.add_parser("validate", help="decode N steps through stock and k3fuse and explain every difference "
+                                        "against a float64 copy of the model")
+    p.add_argument("--preset", default=d.preset, help="model preset (tiny, small, k3)")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--residual", choices=("plain", "attnres"), default=d.residual)
+    p.add_argument("--tp", type=int, default=d.tp)
+    p.add_argument("--tokens", type=int, default=d.tokens, help="sequences decoded per step")
+    p.add_argument("--steps", type=int, default=d.steps, help="decode steps")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="model dtype (default: the preset's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument("--compiler", choices=("inductor", "eager"), default=d.compiler, help="k3fuse's inner compiler")
+    p.add_argument("--stock", choices=("compile", "eager"), default=d.stock,
+                   help="stock path: torch.compile (Inductor) or eager")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--skew", type=float, default=d.skew, help="router bias skew towards low-index experts")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (0: argmax)")
+    p.add_argument("--tie-margin", type=float, default=None,
+                   help="selection-score gap under which a top-k flip counts as a near tie (default by dtype)")
+    p.add_argument("--no-strict", dest="strict", action="store_false", help="allow fused-op fallbacks")
+    p.add_argument("--no-layer-outputs", dest="layer_outputs", action="store_false",
+                   help="skip the per-layer output errors (truncated stacks, one compile per depth)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds before every rank is killed")
+    p.add_argument("--json", default=None, help="write the per-rank reports here")
+    p.set_defaults(func=_cmd_validate)
+
+
+def _cmd_validate(args: Any) -> int:
+    from .dist import LaunchTimeout, RankFailedError
+    from .validate import ValidateError, passed, print_validate, run_validate
+
+    if args.json:
+        check_output_file(args.json, option="--json")
+
+    cfg = ValidateConfig(preset=args.preset, layers=args.layers, residual=args.residual, tp=args.tp,
+                         tokens=args.tokens, steps=args.steps, dtype=args.dtype, device=args.device,
+                         compiler=args.compiler, stock=args.stock, seed=args.seed, skew=args.skew,
+                         temperature=args.temperature, tie_margin=args.tie_margin, strict=args.strict,
+                         layer_outputs=args.layer_outputs, timeout_s=args.timeout)
+    try:
+        reports = run_validate(cfg)
+    except (ValidateError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchTimeout as exc:
+        print(f"error: validate did not finish: {exc} (a dead or hung peer?)", file=sys.stderr)
+        return 2
+    except RankFailedError as exc:
+        print(f"error: rank {exc.rank} failed ({exc.exc_type}):\n{exc.remote_traceback}", file=sys.stderr)
+        return 2
+    print_validate(cfg, reports)
+    if args.json:
+        write_text_atomic(args.json, json.dumps({"config": asdict(cfg), "ranks": reports}, indent=2, default=str))
+    ok = passed(reports)
+    print("validate: PASS (every difference from the float64 copy is within stock's or explained by a "
+          "near-tie routing flip)" if ok else "validate: FAIL (unexplained error, see above)")
+    return 0 if ok else 1
+
+
+__all__ = ["register_validate"]
