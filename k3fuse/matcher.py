@@ -378,7 +378,7 @@ def op_name(node: Any) -> str:
     target = node.target
     name = getattr(target, "__name__", str(target))
     if isinstance(target, torch._ops.OpOverload):
-        name = str(target).removesuffix(".default")
+        name = str(target.overloadpacket)
     return name
 
 
@@ -430,6 +430,8 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], anchor: Any 
     `plain+norm: the residual add reads aten.mul (mul_3), not _c10d_functional.wait_tensor`.
     Returns None when a pattern does match (nothing to explain).
     """
+    if not patterns:
+        return None  # a structural rule without patterns: nothing to compare against
     by_key: dict[Any, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op == "call_function":
@@ -478,7 +480,7 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], anchor: Any 
             if best is None or depth > best[0]:
                 best = (depth, *miss)
     if best is None:
-        what = str(anchor).removesuffix(".default") if anchor is not None else anchor_name
+        what = str(getattr(anchor, "overloadpacket", anchor)) if anchor is not None else anchor_name
         return f"no {what} in the graph", {}
     return best[1], best[2]
 

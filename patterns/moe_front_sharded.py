@@ -269,7 +269,8 @@ class MoEFrontSharded(Rule):
         values = {"topk": t.topk.name, "diverged_at": t.stop.name, "op": op_name(t.stop),
                   "reader": t.reader.name if t.reader is not None else None}
         if t.scored:
-            return (f"router: the score {op_name(t.reader)} ({t.reader.name}) reads {op_name(t.stop)} ({t.stop.name}), "
+            score = "softmax" if t.reader is not None and t.reader.target is aten.div.Tensor else op_name(t.reader)
+            return (f"router: the score function {score} ({t.reader.name}) reads {op_name(t.stop)} ({t.stop.name}), "
                     "not a router linear", values)
         return (f"router: top-k {t.topk.name} reached through {op_name(t.stop)} ({t.stop.name}), not a score function "
                 "(sigmoid, softmax), add, masked_fill or a view", values)
