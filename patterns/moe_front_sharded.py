@@ -250,7 +250,8 @@ class MoEFrontSharded(Rule):
             if len(winners) == 1:
                 return next(iter(winners.values()))[2], None
             return None, GuardFailure("site", "ambiguous_latent", "several readers of the router input meet the "
-                                      "routing decision first", {"meet": nodes[first].name, "readers": sorted(m[3].name for m in winners.values())})
+                                      "routing decision first",
+                                      {"meet": nodes[first].name, "readers": sorted(m[3].name for m in winners.values())})
         latents = [m for m in latents if m.outputs[0] not in shared]
         if len(latents) > 1:
             return latents[0], GuardFailure("site", "ambiguous_latent", "the router input feeds several candidate "
