@@ -162,12 +162,19 @@ class _State:
 
 
 class _Matcher:
-    def __init__(self, pattern: CompiledPattern):
+    def __init__(self, pattern: CompiledPattern, trace: list[tuple[int, fx.Node, Any]] | None = None):
         self.p = pattern
         self.keys = {n: normalize.canonical(n)[0] for n in pattern.graph.nodes if n.op == "call_function"}
+        #: near-miss search: (pattern nodes matched so far, pattern node, graph value it failed on)
+        self.trace = trace
+
+    def _fail(self, st: _State, pn: fx.Node, gn: Any) -> None:
+        if self.trace is not None:
+            self.trace.append((len(st.nodes), pn, gn))
 
     def match_node(self, pn: fx.Node, gn: Any, st: _State) -> Iterator[_State]:
         if not isinstance(gn, fx.Node):
+            self._fail(st, pn, gn)
             return
         if pn.op == "placeholder":
             name = self.p.placeholder_names[pn]
@@ -194,6 +201,7 @@ class _Matcher:
         gkey, gargs = normalize.canonical(gn)
         pkey, pargs = normalize.canonical(pn)
         if gkey != pkey or len(gargs) != len(pargs):
+            self._fail(st, pn, gn)
             return
         st = st.copy()
         st.nodes[pn] = gn
@@ -355,6 +363,128 @@ def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overla
     return found
 
 
+# --- near misses ---------------------------------------------------------------------------------
+
+
+def op_name(node: Any) -> str:
+    """Short name of what a node computes, for reasons: `aten.view`, `_c10d_functional.wait_tensor`."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if node.op != "call_function":
+        return node.op
+    key = normalize.canonical(node)[0]
+    if key in (("transpose_last2",), ("cast",)):
+        return key[0]
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    if isinstance(target, torch._ops.OpOverload):
+        name = str(target.overloadpacket)
+    return name
+
+
+def forward_users(node: fx.Node) -> list[fx.Node]:
+    """The non-transparent readers of `node`'s value: views, casts and in-place copies of it are
+    walked through (the matcher's view of who consumes a value), metadata checks dropped."""
+    out: list[fx.Node] = []
+    todo = [(user, node) for user in node.users]
+    seen: set[fx.Node] = set()
+    while todo:
+        user, parent = todo.pop(0)
+        if user in seen or normalize.is_metadata_check(user):
+            continue
+        seen.add(user)
+        if normalize.is_transparent(user) or normalize.copied_value(user) is parent:
+            todo += [(u, user) for u in user.users]
+        else:
+            out.append(user)
+    return out
+
+
+def _pattern_path(pattern: CompiledPattern, start: fx.Node) -> list[fx.Node]:
+    """Pattern nodes from `start` forward to the first pattern output it reaches (BFS)."""
+    outputs = set(pattern.outputs)
+    prev: dict[fx.Node, fx.Node | None] = {start: None}
+    todo = [start]
+    while todo:
+        node = todo.pop(0)
+        if node in outputs:
+            path = [node]
+            while prev[path[-1]] is not None:
+                path.append(prev[path[-1]])  # type: ignore[arg-type]
+            return path[::-1]
+        for user in node.users:
+            if user.op == "call_function" and user not in prev:
+                prev[user] = node
+                todo.append(user)
+    return [start]
+
+
+def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], anchor: Any = None
+              ) -> tuple[str, dict[str, Any]] | None:
+    """Why none of `patterns` matched: the closest candidate and where it diverged.
+
+    Every graph node computing the anchor op (default: each pattern's first output op) is a
+    candidate. From it the pattern's path to its output is followed forward through the graph's
+    readers; where that reaches the output, the pattern is matched backwards from there. The
+    candidate that got furthest wins; the reason names the first graph node that differs, e.g.
+    `plain+norm: the residual add reads aten.mul (mul_3), not _c10d_functional.wait_tensor`.
+    Returns None when a pattern does match (nothing to explain).
+    """
+    if not patterns:
+        return None  # a structural rule without patterns: nothing to compare against
+    by_key: dict[Any, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function":
+            by_key.setdefault(normalize.canonical(n)[0], []).append(n)
+    best: tuple[int, str, dict[str, Any]] | None = None
+    anchor_name = ""
+    for pattern in patterns:
+        m = _Matcher(pattern)
+        start = pattern.outputs[0]
+        if anchor is not None:
+            start = next((n for n in pattern.graph.nodes if n.op == "call_function" and n.target == anchor), None)
+            if start is None:
+                continue
+        anchor_name = op_name(start)
+        path = _pattern_path(pattern, start)
+        for ga in by_key.get(m.keys[start], ()):
+            g, depth, miss = ga, 1, None
+            for prev_p, pn in zip(path, path[1:]):
+                nxt = [u for u in forward_users(g) if normalize.canonical(u)[0] == m.keys[pn]]
+                if not nxt:
+                    found = forward_users(g)
+                    miss = (f"{pattern.variant}: {op_name(g)} ({g.name}) feeds "
+                            f"{', '.join(f'{op_name(u)} ({u.name})' for u in found) or 'nothing'}, not {op_name(pn)}",
+                            {"candidate": ga.name, "diverged_at": g.name, "expected": op_name(pn),
+                             "found": [op_name(u) for u in found]})
+                    break
+                g, depth = nxt[0], depth + 1
+            if miss is None:
+                trace: list[tuple[int, fx.Node, Any]] = []
+                m.trace = trace
+                try:
+                    if any(True for _ in m.match_at(g, by_key)):
+                        return None
+                finally:
+                    m.trace = None
+                if not trace:
+                    continue
+                got, pn, gn = max(trace, key=lambda t: t[0])
+                depth += got
+                reader = next((u for u in pn.users if u.op == "call_function"), None)
+                where = f"the {op_name(reader)} input" if reader is not None else "the output"
+                found = f"{op_name(gn)} ({gn.name})" if isinstance(gn, fx.Node) else repr(gn)
+                miss = (f"{pattern.variant}: {where} is {found}, not {op_name(pn)}",
+                        {"candidate": ga.name, "diverged_at": gn.name if isinstance(gn, fx.Node) else repr(gn),
+                         "expected": op_name(pn), "found": op_name(gn), "output": g.name})
+            if best is None or depth > best[0]:
+                best = (depth, *miss)
+    if best is None:
+        what = str(getattr(anchor, "overloadpacket", anchor)) if anchor is not None else anchor_name
+        return f"no {what} in the graph", {}
+    return best[1], best[2]
+
+
 def _to_match(graph: fx.Graph, pattern: CompiledPattern, st: _State, order: dict[fx.Node, int],
               refused: GuardFailure | None = None) -> Match:
     nodes = sorted(set(st.claimed) | set(st.passed), key=order.__getitem__)
@@ -369,4 +499,5 @@ def _to_match(graph: fx.Graph, pattern: CompiledPattern, st: _State, order: dict
     )
 
 
-__all__ = ["CompiledPattern", "compile_pattern", "compiled_patterns", "find_matches", "decomposition_table"]
+__all__ = ["CompiledPattern", "compile_pattern", "compiled_patterns", "find_matches", "decomposition_table",
+           "near_miss", "forward_users", "op_name"]

@@ -7,6 +7,10 @@ Two kinds of normalisation live here:
   `convert_element_type` are one cast; `add(x, y, alpha=1)` drops its default. View-like ops
   (`view`, `reshape`, `_unsafe_view`, `clone`, `alias`, dtype-preserving casts) are *transparent*:
   the matcher walks through them.
+* *In-place copies*: `copy(dst, src)` (functionalised `dist.all_reduce(t)`: all_reduce -> wait ->
+  `copy(t, reduced)`) and `copy_` in graphs that are not functionalised stand for the copied value
+  `src` when nothing reads `dst` after the copy and the copy neither casts nor broadcasts.
+  `skip_transparent` / `value_root` walk through them to `src` (never to `dst`, unlike a view).
 * *Reversible graph rewrites*: `split_addmm` turns `addmm(b, x, w)` into `mm(x, w) + b` so the
   bias spelling of a linear matches the `mm`+`add` spelling; `restore_addmm` folds back every
   pair no rule consumed, so the unrewritten part of a graph reaches the compiler as it came.
@@ -32,6 +36,8 @@ VIEW_LIKE = frozenset(
         aten.contiguous.default,
     }
 )
+#: in-place and functionalised copies: their result is the copied value (args[1]), see `copied_value`
+COPY_OPS = frozenset({aten.copy.default, aten.copy_.default})
 CAST_OPS = frozenset({prims.convert_element_type.default, aten._to_copy.default, aten.to.dtype})
 #: two-tensor ops whose operand order does not matter (only with their default scaling)
 COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor})
@@ -86,13 +92,43 @@ def is_transparent(node: Any) -> bool:
     return dtype is not None and isinstance(src, torch.Tensor) and src.dtype == dtype
 
 
+def copied_value(node: Any) -> fx.Node | None:
+    """`src` when `node` is `copy(dst, src)` / `copy_(dst, src)` whose result is just `src`, else None.
+
+    The result stands for `src` only if the copy neither casts nor broadcasts (same shape and
+    dtype) and nothing reads `dst` after the copy: a later reader of `dst` sees the copied value
+    through the mutation (copy_) or keeps the old one alive (copy), so a rewrite that drops the
+    copy would change what it reads.
+    """
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in COPY_OPS:
+        return None
+    if len(node.args) < 2 or not isinstance(node.args[0], fx.Node) or not isinstance(node.args[1], fx.Node):
+        return None
+    dst, src = node.args[0], node.args[1]
+    dv, sv = _val(dst), _val(src)
+    if not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)):
+        return None
+    if dv.dtype != sv.dtype or tuple(dv.shape) != tuple(sv.shape):
+        return None
+    if any(u is not node and not is_metadata_check(u) and node < u for u in dst.users):
+        return None
+    return src
+
+
 def skip_transparent(node: Any) -> tuple[Any, list[fx.Node]]:
-    """The first non-transparent producer of `node`, and the transparent nodes passed on the way."""
+    """The first non-transparent producer of `node`, and the transparent nodes passed on the way
+    (views and casts to their input, in-place copies to the copied value)."""
     passed: list[fx.Node] = []
-    while is_transparent(node):
+    while True:
+        if is_transparent(node):
+            passed.append(node)
+            node = node.args[0]
+            continue
+        src = copied_value(node)
+        if src is None:
+            return node, passed
         passed.append(node)
-        node = node.args[0]
-    return node, passed
+        node = src
 
 
 def value_root(node: Any) -> Any:
@@ -228,7 +264,9 @@ def _fake_mm(x: Any, w: Any) -> torch.Tensor | None:
 
 __all__ = [
     "VIEW_LIKE",
+    "COPY_OPS",
     "CAST_OPS",
+    "copied_value",
     "COMMUTATIVE",
     "canonical",
     "cast_dtype",

@@ -259,8 +259,19 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
     else:
         raise RuleFailure(f"rule {rule.name}: find() keeps returning stale matches")
     if counts["matches"] == 0:
-        event(rule, "not_matched", time_ms=(time.perf_counter() - t_find) * 1e3)
+        reason, values = _explain_miss(rule, graph, ctx)
+        event(rule, "not_matched", reason=reason, values=values, time_ms=(time.perf_counter() - t_find) * 1e3)
     return counts
+
+
+def _explain_miss(rule: Rule, graph: fx.Graph, ctx: DecodeContext) -> tuple[str | None, dict[str, object]]:
+    """The rule's near-miss report; a failing explanation never fails the rewrite (it is logged)."""
+    try:
+        miss = rule.explain_miss(graph, ctx)
+    except Exception as exc:  # diagnostics only
+        logger.warning("k3fuse: %s: near-miss explanation failed: %s", rule.name, exc)
+        return None, {}
+    return (None, {}) if miss is None else (miss[0], dict(miss[1]))
 
 
 __all__ = ["RuleRegistry", "run_pipeline", "default_rules", "default_registry", "parse_rules_env",

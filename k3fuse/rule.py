@@ -242,6 +242,9 @@ class Rule:
     #: names of the torch.ops.k3fuse ops the rewrite inserts (contract guard: a kernel exists for
     #: the context's device)
     emits: ClassVar[tuple[str, ...]] = ()
+    #: the op a site of this rule is built around (e.g. the all_reduce); near-miss reports start
+    #: from it. None: the op of each pattern's first output
+    anchor: ClassVar[Any] = None
 
     def patterns(self) -> Sequence[PatternSpec]:
         """Spelling variants of this rule's pattern (genuinely different computations only)."""
@@ -267,6 +270,17 @@ class Rule:
         from .matcher import compiled_patterns, find_matches
 
         return find_matches(graph, compiled_patterns(self))
+
+    def explain_miss(self, graph: fx.Graph, ctx: DecodeContext) -> tuple[str, dict[str, Any]] | None:
+        """Why `find` returned nothing: (reason, values) naming the closest candidate and the first
+        node where it diverged from the pattern, or why there was no candidate at all.
+
+        Default: the matcher's near-miss search from the rule's `anchor` op. Structural rules
+        override it. The pipeline puts the answer on the rule's `not_matched` event.
+        """
+        from .matcher import compiled_patterns, near_miss
+
+        return near_miss(graph, compiled_patterns(self), anchor=self.anchor)
 
     def fingerprint(self) -> str:
         """Hash of this rule's source, for compile-cache keys."""

@@ -16,7 +16,8 @@ arguments in schema order without `strict` (supports and run get the same), and 
                              max_tokens=) -> (out, normed)
   moe_front_sharded         (x, router_w, down_w, group_name, world_size, max_tokens=)  (full
                              replicated weights; an impl slices this rank's rows itself)
-                             -> (logits fp32 [T, E], latent [T, L] x.dtype)
+                             -> (logits fp32 [T, E], latent [T, L] x.dtype); down_w None is the
+                             router-only form (no latent projection): latent is empty [T, 0]
   shared_expert_fork        (x, w_gate, w_up, w_down, site, beta, linear_beta) -> None; it must post
                              its output with streams.launch(site, inputs, compute, producer=name)
   l2_prefetch               (anchor, weights, budget_bytes) -> None (never read `anchor`: its
@@ -47,7 +48,7 @@ SCHEMAS: dict[str, str] = {
         "(Tensor x, Tensor weight, Tensor residual, Tensor? addend, Tensor norm_weight, float eps, "
         "str group_name, int world_size, int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
     "moe_front_sharded":
-        "(Tensor x, Tensor router_w, Tensor down_w, str group_name, int world_size, "
+        "(Tensor x, Tensor router_w, Tensor? down_w, str group_name, int world_size, "
         "int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
     "shared_expert_fork":
         "(Tensor x, Tensor w_gate, Tensor w_up, Tensor? w_down, int site, bool strict=False, "
@@ -122,14 +123,14 @@ def _moe_front_sharded(x, router_w, down_w, group_name, world_size, max_tokens=6
 
 def _moe_front_sharded_fake(x, router_w, down_w, group_name, world_size, max_tokens=64,
                             strict=False):
-    _check_gemm(x, router_w, "moe_front_sharded")
-    _check_gemm(x, down_w, "moe_front_sharded")
-    for what, w in (("router_w", router_w), ("down_w", down_w)):
+    weights = (("router_w", router_w),) if down_w is None else (("router_w", router_w), ("down_w", down_w))
+    for what, w in weights:
+        _check_gemm(x, w, "moe_front_sharded")
         torch._check(w.shape[0] % world_size == 0,
                      lambda: f"k3fuse.moe_front_sharded: {what} rows {w.shape[0]} not divisible "
                              f"by world_size {world_size}")
     logits = x.new_empty(_rows(x, router_w.shape[0]), dtype=torch.float32)
-    latent = x.new_empty(_rows(x, down_w.shape[0]))
+    latent = x.new_empty(_rows(x, 0 if down_w is None else down_w.shape[0]))  # router-only: [T, 0]
     return logits, latent
 
 

@@ -7,16 +7,26 @@ and all-gathers the [T, (E+L)/TP] results; the logits stay fp32, so top-k picks 
 on every rank. The op takes the FULL weights and slices its rows by the group rank at run time, so
 the rewritten graph is rank-agnostic (one exported artifact serves every rank).
 
-Pattern: the router spelling F.linear(x.float(), W_r.float()) (fp32 logits that feed the sigmoid
-scores) and the latent F.linear(x, W_down) of the same x. The latent is the router input's other
-linear that is not part of the shared-expert SiTU-GLU MLP (whose gate/up read the same x).
-Needs from the weights: W_r [E, H] and W_down [L, H] static and replicated (the K3 contract),
+Router: any fp32 router linear F.linear(x.float(), W_r.float()) whose logits reach the expert
+top-k (top-k over all E experts) through a score function (sigmoid or softmax) and selection-only
+ops: views, the correction bias add, masked_fill / where (DeepSeek's group-limited top-k masks the
+scores of the dropped groups), as HF transformers and the engines write it. The weights gathered
+after top-k and their routed scaling are not part of the rewrite (only the logits are replaced).
+Latent: the router input's other linear that the routed experts consume: among the readers of the
+router input, the one whose value meets the routing decision first (Nemotron-H: the router input
+also feeds the shared expert, which only meets the routing at the final sum). When the experts read
+the router input itself (DeepSeek-V3, Kimi), the rewrite is the router-only form (down_w None).
+Without any meeting point (front-only graphs) the one non-shared-expert linear of the input is the
+latent.
+Needs from the weights: W_r [E, H] (and W_down [L, H]) static and replicated (the K3 contract),
 E and L divisible by TP.
 """
 from __future__ import annotations
 
 import functools
 import operator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,7 +36,7 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures, shape_of, static_weight,
                            token_count, tp_at_least)
-from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches
+from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forward_users, op_name
 from k3fuse.normalize import skip_transparent, value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
@@ -52,21 +62,109 @@ def _linear_patterns() -> tuple[CompiledPattern, ...]:
                                                                                    randn(L, H, dtype=d))))
 
 
-def _scores_pick_experts(logits: fx.Node) -> bool:
-    """Router logits: their sigmoid (plus the correction bias) is what top-k selects experts from."""
-    frontier, seen = [(u, False) for u in logits.users], set()
-    while frontier:
-        node, scored = frontier.pop()
-        if node in seen:
+aten = torch.ops.aten
+_SCORE_FNS = (aten.sigmoid.default, aten._softmax.default, aten.softmax.int)
+#: ops that may sit between the scores and the expert top-k, and which of their arguments carry the scores
+_SELECTION = {aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.mul.Tensor: (0, 1),
+              aten.masked_fill.Scalar: (0,), aten.masked_fill.Tensor: (0,), aten.where.self: (1, 2),
+              aten.unsqueeze.default: (0,), aten.squeeze.dim: (0,), aten.expand.default: (0,)}
+_LEAVES = ("placeholder", "get_attr")
+
+
+def _score_input(node: fx.Node) -> fx.Node | None:
+    """The logits a score function reads: sigmoid(l), softmax(l), or the decomposed softmax
+    exp(l - amax(l)) / sum(exp(...))."""
+    if node.target in _SCORE_FNS:
+        return node.args[0]
+    if node.target is aten.div.Tensor and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.exp.default:
+        sub = node.args[0].args[0]
+        if isinstance(sub, fx.Node) and sub.target is aten.sub.Tensor and getattr(sub.args[1], "target", None) \
+                is aten.amax.default:
+            return sub.args[0]
+    return None
+
+
+@dataclass
+class _Trace:
+    """Where the walk back from a top-k got to: the router logits, or the node it could not pass."""
+
+    topk: fx.Node
+    logits: fx.Node | None = None
+    depth: int = -1
+    stop: fx.Node | None = None
+    reader: fx.Node | None = None
+    scored: bool = False
+
+
+def _trace_router(topk: fx.Node) -> _Trace:
+    """Walk back from an expert top-k through selection ops and a score function to the logits."""
+    out = _Trace(topk)
+    stack: list[tuple[Any, fx.Node, int, bool]] = [(topk.args[0], topk, 0, False)]
+    seen: set[fx.Node] = set()
+    while stack:
+        node, reader, depth, scored = stack.pop()
+        if not isinstance(node, fx.Node) or node in seen or node.op in _LEAVES:
             continue
         seen.add(node)
-        if scored and node.target is torch.ops.aten.topk.default:
-            return True
-        if node.target is torch.ops.aten.sigmoid.default and not scored:
-            frontier += [(u, True) for u in node.users]
-        elif skip_transparent(node)[0] in (logits,) or (scored and node.target is torch.ops.aten.add.Tensor):
-            frontier += [(u, scored) for u in node.users]
-    return False
+        node, _ = skip_transparent(node)
+        if not isinstance(node, fx.Node) or node.op in _LEAVES:
+            continue
+        if scored:
+            if node.target is aten.mm.default:
+                out.logits = node
+                return out
+            if depth > out.depth:
+                out.depth, out.stop, out.reader, out.scored = depth, node, reader, True
+            continue
+        score_in = _score_input(node)
+        if score_in is not None:
+            stack.append((score_in, node, depth + 1, True))
+            continue
+        positions = _SELECTION.get(node.target)
+        if positions is None:
+            if depth > out.depth and node.target not in (aten.full.default, aten.scalar_tensor.default):
+                out.depth, out.stop, out.reader, out.scored = depth, node, reader, False
+            continue
+        stack += [(node.args[i], node, depth + 1, False) for i in positions if i < len(node.args)]
+    return out
+
+
+def _last_dim(node: Any) -> Any:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else None
+
+
+def _expert_topks(graph: fx.Graph) -> tuple[list[_Trace], list[_Trace]]:
+    """(top-ks over all experts traced to router logits, the top-ks that did not get there)."""
+    found, missed = [], []
+    for node in graph.nodes:
+        if node.target is not aten.topk.default:
+            continue
+        t = _trace_router(node)
+        if t.logits is not None and _last_dim(node.args[0]) == _last_dim(t.logits):
+            found.append(t)
+        elif t.logits is None:
+            missed.append(t)
+    return found, missed
+
+
+def _meet(nodes: list[fx.Node], index: dict[fx.Node, int], seed: fx.Node, target: set[fx.Node]) -> fx.Node | None:
+    """The first node (graph order) that depends on `seed` and is in `target`."""
+    reach = {seed}
+    for node in nodes[index[seed] + 1:]:
+        if any(i in reach for i in node.all_input_nodes):
+            reach.add(node)
+            if node in target:
+                return node
+    return None
+
+
+def _cone(nodes: list[fx.Node], index: dict[fx.Node, int], seeds: list[fx.Node]) -> set[fx.Node]:
+    reach = set(seeds)
+    for node in nodes[min(index[s] for s in seeds) + 1:]:
+        if any(i in reach for i in node.all_input_nodes):
+            reach.add(node)
+    return reach
 
 
 def _unique(matches: list[Match]) -> list[Match]:
@@ -84,62 +182,131 @@ class MoEFrontSharded(Rule):
     name = "moe_front_sharded"
     emits = ("moe_front_sharded",)
     description = ("replicated router GEMM (fp32 logits) + replicated latent down-projection of the same "
-                   "input -> k3fuse.moe_front_sharded (each rank reads 1/TP of the rows, one all-gather)")
+                   "input (or the router alone) -> k3fuse.moe_front_sharded (each rank reads 1/TP of the rows, "
+                   "one all-gather)")
 
     def patterns(self) -> list[PatternSpec]:
         """The two pieces the rule pairs (see `find`): router spelling and latent linear."""
         return [p.spec for p in (*_router_patterns(), *_linear_patterns())]
 
     def find(self, graph: fx.Graph, ctx: DecodeContext) -> list[Match]:
+        return self._locate(graph)[0]
+
+    def explain_miss(self, graph: fx.Graph, ctx: DecodeContext) -> tuple[str, dict[str, Any]] | None:
+        return self._locate(graph)[1]
+
+    def _locate(self, graph: fx.Graph) -> tuple[list[Match], tuple[str, dict[str, Any]] | None]:
+        """The sites, or why there is none (the closest top-k and where its walk to a router stopped)."""
+        traced, missed = _expert_topks(graph)
+        if not traced and not missed:
+            return [], ("router: no aten.topk in the graph (no router)", {})
+        by_logits: dict[fx.Node, list[fx.Node]] = {}
+        for t in traced:
+            by_logits.setdefault(t.logits, []).append(t.topk)  # type: ignore[arg-type]
         routers = [m for m in _unique(find_matches(graph, _router_patterns(), overlap=True))
-                   if dtype_of(m.outputs[0]) == torch.float32 and _scores_pick_experts(m.outputs[0])]
+                   if dtype_of(m.outputs[0]) == torch.float32 and m.outputs[0] in by_logits]
         if not routers:
-            return []
+            return [], self._why_no_router(by_logits, missed)
         linears = _unique(find_matches(graph, _linear_patterns(), overlap=True))
         shared = shared_mlp_linears(graph)
         router_outs = {m.outputs[0] for m in routers}
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        nodes = list(graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
         found = []
         for r in routers:
-            x = value_root(r["x"])
-            latents = [m for m in linears if value_root(m["x"]) is x and m.outputs[0] not in router_outs
-                       and m.outputs[0] not in shared]
-            if not latents:
-                continue
-            refused = None
-            if len(latents) > 1:
-                refused = GuardFailure("site", "ambiguous_latent", "the router input feeds several candidate "
-                                       "latent projections", {"candidates": [m.outputs[0].name for m in latents]})
-            lat = latents[0]
+            lat, refused = self._latent(r, by_logits[r.outputs[0]], linears, shared, router_outs, nodes, index)
             suffix = r.variant.removeprefix("router")
+            inputs = {"x": r["x"], "router_w": r["router_w"]}
+            outputs, matched = [r.outputs[0]], set(r.nodes)
+            if lat is not None:
+                inputs["down_w"] = lat["w"]
+                outputs.append(lat.outputs[0])
+                matched |= set(lat.nodes)
             found.append(Match(
-                variant="router+latent" + suffix, graph=graph,
-                inputs={"x": r["x"], "router_w": r["router_w"], "down_w": lat["w"]}, scalars={},
-                outputs=[r.outputs[0], lat.outputs[0]],
-                nodes=sorted(set(r.nodes) | set(lat.nodes), key=order.__getitem__), refused=refused))
-        return found
+                variant=("router+latent" if lat is not None else "router") + suffix, graph=graph, inputs=inputs,
+                scalars={}, outputs=outputs, nodes=sorted(matched, key=index.__getitem__), refused=refused))
+        return found, None
+
+    @staticmethod
+    def _latent(r: Match, topks: list[fx.Node], linears: list[Match], shared: set[fx.Node], router_outs: set[fx.Node],
+                nodes: list[fx.Node], index: dict[fx.Node, int]) -> tuple[Match | None, GuardFailure | None]:
+        """The latent projection the routed experts consume (None: they read the router input itself)."""
+        x = value_root(r["x"])
+        latents = [m for m in linears if value_root(m["x"]) is x and m.outputs[0] not in router_outs]
+        owner = {n: m for m in latents for n in m.nodes}
+        routing = _cone(nodes, index, topks)
+        meets: list[tuple[int, str, Match | None, fx.Node]] = []
+        for reader in forward_users(x):
+            if reader in r.nodes:
+                continue
+            lat = owner.get(reader)
+            seed = lat.outputs[0] if lat is not None else reader
+            meet = _meet(nodes, index, seed, routing)
+            if meet is not None:
+                meets.append((index[meet], meet.name, lat, reader))
+        if meets:
+            first = min(m[0] for m in meets)
+            winners = {id(m[2]): m for m in meets if m[0] == first}
+            if len(winners) == 1:
+                return next(iter(winners.values()))[2], None
+            return None, GuardFailure("site", "ambiguous_latent", "several readers of the router input meet the "
+                                      "routing decision first",
+                                      {"meet": nodes[first].name, "readers": sorted(m[3].name for m in winners.values())})
+        latents = [m for m in latents if m.outputs[0] not in shared]
+        if len(latents) > 1:
+            return latents[0], GuardFailure("site", "ambiguous_latent", "the router input feeds several candidate "
+                                            "latent projections", {"candidates": [m.outputs[0].name for m in latents]})
+        return (latents[0] if latents else None), None
+
+    @staticmethod
+    def _why_no_router(by_logits: dict[fx.Node, list[fx.Node]], missed: list[_Trace]) -> tuple[str, dict[str, Any]]:
+        for logits, topks in by_logits.items():  # scores reach top-k, but the logits are not the fp32 router
+            return (f"router: top-k {topks[0].name} selects from {logits.name}, not an fp32 router linear "
+                    f"F.linear(x.float(), W.float()) ({dtype_of(logits)})",
+                    {"topk": topks[0].name, "logits": logits.name, "dtype": str(dtype_of(logits))})
+        t = max(missed, key=lambda t: t.depth)
+        if t.stop is None:
+            return f"router: top-k {t.topk.name} does not read a score of any logits", {"topk": t.topk.name}
+        values = {"topk": t.topk.name, "diverged_at": t.stop.name, "op": op_name(t.stop),
+                  "reader": t.reader.name if t.reader is not None else None}
+        if t.scored:
+            score = "softmax" if t.reader is not None and t.reader.target is aten.div.Tensor else op_name(t.reader)
+            return (f"router: the score function {score} ({t.reader.name}) reads {op_name(t.stop)} ({t.stop.name}), "
+                    "not a router linear", values)
+        return (f"router: top-k {t.topk.name} reached through {op_name(t.stop)} ({t.stop.name}), not a score function "
+                "(sigmoid, softmax), add, masked_fill or a view", values)
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
         return failures(tp_at_least(ctx, 2), decode_token_range(ctx))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         e = (shape_of(match["router_w"]) or (None,))[0]
-        l_ = (shape_of(match["down_w"]) or (None,))[0]
-        return failures(static_weight(match["router_w"], "router_w"), static_weight(match["down_w"], "down_w"),
-                        divisible(e, ctx.tp_size, "n_experts"), divisible(l_, ctx.tp_size, "latent"),
-                        token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
-                        None if dtype_of(match["down_w"]) in TRUNK_DTYPES else
-                        GuardFailure("site", "dtype", "weight dtype not supported", {"down_w": str(dtype_of(match["down_w"]))}))
+        checks = [static_weight(match["router_w"], "router_w"), divisible(e, ctx.tp_size, "n_experts"),
+                  token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype)]
+        if "down_w" in match.inputs:
+            l_ = (shape_of(match["down_w"]) or (None,))[0]
+            checks += [static_weight(match["down_w"], "down_w"), divisible(l_, ctx.tp_size, "latent"),
+                       None if dtype_of(match["down_w"]) in TRUNK_DTYPES else
+                       GuardFailure("site", "dtype", "weight dtype not supported",
+                                    {"down_w": str(dtype_of(match["down_w"]))})]
+        return failures(*checks)
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
+        down_w = match.inputs.get("down_w")
         fused = match.insert(torch.ops.k3fuse.moe_front_sharded.default,
-                             (match["x"], match["router_w"], match["down_w"], ctx.group_name, ctx.tp_size,
+                             (match["x"], match["router_w"], down_w, ctx.group_name, ctx.tp_size,
                               ctx.tokens[1], ctx.strict))
         logits = match.insert(operator.getitem, (fused, 0))
+        rows = {"router": shape_of(match["router_w"])[0] // ctx.tp_size}
+        if down_w is None:
+            match.replace([logits])
+            match.note("router-only form: the experts read the router input itself (no latent projection)",
+                       rows_per_rank=rows)
+            return [fused, logits]
         latent = match.insert(operator.getitem, (fused, 1))
         match.replace([logits, latent])
-        match.note(rows_per_rank={"router": shape_of(match["router_w"])[0] // ctx.tp_size,
-                                  "latent": shape_of(match["down_w"])[0] // ctx.tp_size})
+        rows["latent"] = shape_of(match["down_w"])[0] // ctx.tp_size
+        match.note(rows_per_rank=rows)
         return [fused, logits, latent]
 
 

@@ -9,6 +9,9 @@ Sites in a K3 layer:
   KDA out-projection   plain:   r = r + AR(o @ W_o.T); h = rmsnorm(r)       -> gemm_ar_residual_rmsnorm
                        AttnRes: p = p + AR(o @ W_o.T)  (prefix-sum add)      -> gemm_ar_residual
   MoE final reduction  y = y_routed + AR(h_sh @ W_d.T); r = r + y [-> rmsnorm] -> addend = y_routed
+In-place reductions (`dist.all_reduce(t)`, as HF / third-party model code writes them) functionalise
+to all_reduce -> wait -> `copy(t, reduced)`; the matcher reads the copy as the reduced value
+(normalize.copied_value), so they match in every door without Inductor's remove_noop_ops.
 Needs from the weights: the projection weight (and the norm weight) are static parameters.
 """
 from __future__ import annotations
@@ -60,6 +63,8 @@ class OProjAllReduceResidual(Rule):
     # the exchange is an NVLink collective: policy "require" rejects it where multicast is unavailable
     # (the kernel itself is the unicast one-shot; a multicast variant is out of scope)
     uses_multicast = True
+    # near misses are reported from each all_reduce: the closest one and where it left the pattern
+    anchor = torch.ops._c10d_functional.all_reduce.default
 
     def patterns(self) -> list[PatternSpec]:
         def ex(dtype: torch.dtype, addend: bool, norm: bool) -> tuple:

@@ -5,6 +5,8 @@ read at run time, so one rewritten graph serves every rank) takes rows [r*E/tp, 
 and [r*L/tp, (r+1)*L/tp) of W_down as views (no copy), computes x @ [W_r_shard; W_down_shard].T in
 fp32, the ranks gather their [T, E/tp + L/tp] blocks in rank order, and the blocks are split back
 into router logits (fp32 [T, E]) and latent ([T, L], x.dtype).
+Router-only form (down_w None, models without a latent projection): the same with no latent rows;
+the latent output is an empty [T, 0] tensor.
 """
 from __future__ import annotations
 
@@ -22,13 +24,13 @@ def rank_rows(w: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return w.narrow(0, rank * rows, rows)
 
 
-def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor,
+def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor | None,
                       group_name: str, world_size: int, max_tokens: int = 64
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     group = process_group(group_name, world_size)
     rank = dist.get_rank(group) if group is not None else 0
     router_w_shard = rank_rows(router_w, rank, world_size)
-    down_w_shard = rank_rows(down_w, rank, world_size)
+    down_w_shard = rank_rows(down_w, rank, world_size) if down_w is not None else router_w_shard[:0]
     acc = accumulation_dtype(x, router_w_shard, down_w_shard)
     e_shard = router_w_shard.shape[0]
     fused_w = torch.cat([router_w_shard.to(acc), down_w_shard.to(acc)], dim=0)

@@ -58,11 +58,13 @@ def gemm_ar_residual_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: to
     return out, rms_norm(out, norm_weight, eps)
 
 
-def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor,
+def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor | None,
                       group_name: str, world_size: int, max_tokens: int = 64
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stock: the replicated router and latent projections every rank computed before the rewrite."""
-    return F.linear(x.float(), router_w.float()), F.linear(x, down_w)
+    """Stock: the replicated router and latent projections every rank computed before the rewrite
+    (router-only form: no latent projection, an empty [T, 0] latent)."""
+    latent = F.linear(x, down_w) if down_w is not None else x.new_empty((*x.shape[:-1], 0))
+    return F.linear(x.float(), router_w.float()), latent
 
 
 def shared_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
