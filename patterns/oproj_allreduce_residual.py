@@ -16,6 +16,7 @@ Needs from the weights: the projection weight (and the norm weight) are static p
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -23,7 +24,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, static_weight, token_count,
+from k3fuse.guards import (GuardFailure, decode_token_range, failures, shape_of, static_weight, token_count,
                            tp_at_least)
 from k3fuse.rule import Match, PatternSpec, Rule
 
@@ -50,6 +51,19 @@ def _moe_norm(x: Tensor, weight: Tensor, residual: Tensor, addend: Tensor, norm_
               group_name: str) -> tuple[Tensor, Tensor]:
     out = residual + (addend + all_reduce_sum(linear(x, weight), group_name))
     return out, rms_norm(out, norm_weight, eps)
+
+
+def _rows_agree(match: Match) -> GuardFailure | None:
+    """x's rows are the residual's rows ([T, K] against [T, H], or HF's [B, 1, H] with B*1 = T): the
+    fused op computes in rows and returns the residual's shape."""
+    x, res = shape_of(match["x"]), shape_of(match["residual"])
+    if x is None or res is None:
+        return GuardFailure("site", "shape", "no shape known for x or the residual", {})
+    rows_x, rows_r = math.prod(x[:-1]), math.prod(res[:-1])
+    if isinstance(rows_x, int) and isinstance(rows_r, int) and rows_x != rows_r:
+        return GuardFailure("site", "shape", "x and the residual have different numbers of rows",
+                            {"x": list(x), "residual": list(res)})
+    return None
 
 
 class OProjAllReduceResidual(Rule):
@@ -93,7 +107,8 @@ class OProjAllReduceResidual(Rule):
         same_group = None if group == ctx.group_name else GuardFailure(
             "site", "group", "the all-reduce is not over the context's TP group",
             {"group_name": group, "tp_group": ctx.group_name})
-        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype), same_group)
+        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype), same_group,
+                        _rows_agree(match))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         status = ctx.multicast_status()

@@ -539,3 +539,24 @@ def test_fork_join_under_torch_compile():
         got = torch.compile(moe, backend="inductor", fullgraph=True)(x)
     torch.testing.assert_close(got, expected)
     assert runtime.stats() == {"shared_expert_fork": {"reference": 1}, "shared_expert_join": {"reference": 1}}
+
+
+@pytest.mark.parametrize("impl", ["reference", "stock"])
+def test_gemm_ar_residual_keeps_an_hf_style_3d_residual_shape(impl):
+    """HF decode code holds the residual as [B, 1, H] while the projection runs on [B, K] rows: the
+    op adds row by row and returns the residual's shape (broadcasting [B, H] against [B, 1, H] would
+    silently give [B, B, H])."""
+    x, w = rand(3, 16, seed=1), rand(8, 16, seed=2)
+    residual, addend, norm_w = rand(3, 1, 8, seed=3), rand(3, 1, 8, seed=4), rand(8, seed=5)
+    y = (x.float() @ w.float().T).view(3, 1, 8)
+    want = (residual.float() + y + addend.float()).to(BF16)  # the reference rounds once
+    if impl == "stock":  # the model's rounding points: y, then addend + y, then residual + that
+        want = residual + (addend + y.to(BF16))
+        got = stock.gemm_ar_residual(x, w, residual, addend, "unused", 1)
+        got_n, _ = stock.gemm_ar_residual_rmsnorm(x, w, residual, addend, norm_w, 1e-5, "unused", 1)
+    else:
+        got = ops.gemm_ar_residual(x, w, residual, addend, "unused", 1)
+        got_n, _ = ops.gemm_ar_residual_rmsnorm(x, w, residual, addend, norm_w, 1e-5, "unused", 1)
+    assert got.shape == got_n.shape == (3, 1, 8)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_n, want)

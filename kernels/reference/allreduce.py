@@ -14,7 +14,8 @@ from .collectives import accumulation_dtype, all_reduce_sum
 def _residual_sum(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                   addend: torch.Tensor | None, group_name: str, world_size: int) -> torch.Tensor:
     acc = accumulation_dtype(x, weight, residual, addend)
-    partial = x.to(acc) @ weight.to(acc).T
+    # the op's output has the residual's shape ([T, H] or an HF-style [B, 1, H]); x's rows are its rows
+    partial = (x.to(acc) @ weight.to(acc).T).reshape(residual.shape)
     total = all_reduce_sum(partial, group_name, world_size)
     total = total + residual.to(acc)
     if addend is not None:

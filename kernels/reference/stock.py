@@ -44,7 +44,7 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
 def gemm_ar_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                      addend: torch.Tensor | None, group_name: str, world_size: int,
                      max_tokens: int = 64) -> torch.Tensor:
-    y = all_reduce(F.linear(x, weight), group_name, world_size)
+    y = all_reduce(F.linear(x, weight), group_name, world_size).reshape(residual.shape)
     if addend is not None:
         y = addend + y  # MoE: moe = y_routed + y_shared, then r = r + moe
     return residual + y
