@@ -276,8 +276,9 @@ def _check_structure(b: _Branch) -> None:
         raise _NearMiss("activation_reads_static", "the activation reads a static tensor besides the "
                         "projections' weights and biases", {"static": [s.name for s in b.static_operands]})
     region = set(b.region())
+    inside = region | set(b.layout())
     for n in region - {b.out}:
-        outside = [u.name for u in _real_users(n) if u not in region]
+        outside = [u.name for u in _real_users(n) if u not in inside]
         if outside:
             raise _NearMiss("interior_use", "a value inside the branch is also read outside it",
                             {"node": n.name, "users": outside})
@@ -316,7 +317,7 @@ def _candidates(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, Any, list[fx.No
         if op_qualname(node) in _FUSED_REDUCTION and len(node.args) > 3 and node.args[3] is not None:
             out.append((node.args[0], node, node.args[3], [], node))
         elif (node.target is aten.add.Tensor and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1
-              and all(isinstance(a, fx.Node) for a in node.args)):
+              and all(isinstance(a, fx.Node) and not is_static(a) for a in node.args)):
             for side, other in (node.args, node.args[::-1]):
                 branch_out, consumer, chain = _through_reduction(side)
                 out.append((branch_out, node if consumer is side else consumer, other, chain, node))
