@@ -43,7 +43,7 @@ from torch._ops import OpOverload
 from k3fuse import compat
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, static_weight
-from k3fuse.normalize import CAST_OPS, VIEW_LIKE, canonical, cast_dtype, is_metadata_check, skip_transparent, value_root
+from k3fuse.normalize import CAST_OPS, VIEW_LIKE, canonical, cast_dtype, is_metadata_check, skip_transparent
 from k3fuse.rule import Match, Rule, fake_call
 from k3fuse.verify import op_qualname
 

