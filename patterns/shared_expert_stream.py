@@ -293,6 +293,7 @@ class _Site:
     consumer: fx.Node  # the node the join goes right before
     anchor: fx.Node  # the routed output
     program: str = ""
+    chain: list[fx.Node] = field(default_factory=list)  # all_reduce, wait [, copy, views] to the add
 
 
 def _through_reduction(side: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
@@ -401,7 +402,7 @@ class SharedExpertStream(Rule):
             except _NearMiss as miss:
                 m.refused = miss.failure
             else:
-                self._sites[id(m)] = _Site(b, consumer, anchor, program)
+                self._sites[id(m)] = _Site(b, consumer, anchor, program, chain)
             found.append(m)
         return found
 
@@ -441,8 +442,12 @@ class SharedExpertStream(Rule):
             refuse("the shared-expert output has other consumers than the sum with the routed output")
         if op_qualname(consumer) in _FUSED_REDUCTION and b.down is not None:
             refuse("the fused MoE reduction already takes a down projection: the branch must end at the activation")
-        if not isinstance(anchor, fx.Node) or order[anchor] > order[consumer]:
+        if not isinstance(anchor, fx.Node) or order[anchor] > order[join_node]:
             refuse("the routed output is computed after the shared output's consumer")
+        if order[anchor] > order[consumer] and not chain:
+            refuse("the routed output is computed after the shared output's consumer")
+        # (with a chain, a scheduler issued the shared all-reduce before the routed output exists, e.g.
+        # Inductor's post-grad graph: the rewrite moves the chain after the routed output, see rewrite)
         if not _ancestors_include(anchor, b.x):
             raise _NearMiss("moe_join", "the other addend is not computed from the branch input (not a routed "
                             "output: a residual add of a dense MLP?)", {"addend": anchor.name, "input": b.x.name})
@@ -461,6 +466,13 @@ class SharedExpertStream(Rule):
         site = sum(1 for n in graph.nodes if op_qualname(n) == "k3fuse::shared_expert_fork")
         region = set(match.nodes) | set(b.layout())
         order = {n: i for i, n in enumerate(graph.nodes)}
+        if order[s.anchor] > order[s.consumer]:  # all_reduce -> wait [-> copy] issued early: after the anchor
+            prev = s.anchor
+            for n in sorted(s.chain, key=order.__getitem__):
+                if order[n] < order[s.anchor]:
+                    prev.append(n)
+                    prev = n
+            order = {n: i for i, n in enumerate(graph.nodes)}
         first_reader = min((u for u in x.users if not is_metadata_check(u)), key=order.__getitem__)
         proj = [p.weight for p in b.projs]
         proj_bias = [p.bias for p in b.projs if p.bias is not None]
