@@ -18,8 +18,9 @@ arguments in schema order without `strict` (supports and run get the same), and 
                              replicated weights; an impl slices this rank's rows itself)
                              -> (logits fp32 [T, E], latent [T, L] x.dtype); down_w None is the
                              router-only form (no latent projection): latent is empty [T, 0]
-  shared_expert_fork        (x, w_gate, w_up, w_down, site, beta, linear_beta) -> None; it must post
+  shared_expert_fork        (x, proj, proj_bias, w_down, b_down, act, site) -> None; it must post
                              its output with streams.launch(site, inputs, compute, producer=name)
+                             (kernels/reference/shared_expert.py: what the branch is, `act` strings)
   l2_prefetch               (anchor, weights, budget_bytes) -> None (never read `anchor`: its
                              collective may still be in flight)
   decode_gemm               (x, weight, bias, out_dtype) -> y
@@ -51,10 +52,10 @@ SCHEMAS: dict[str, str] = {
         "(Tensor x, Tensor router_w, Tensor? down_w, str group_name, int world_size, "
         "int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
     "shared_expert_fork":
-        "(Tensor x, Tensor w_gate, Tensor w_up, Tensor? w_down, int site, bool strict=False, "
-        "float beta=4.0, float linear_beta=25.0) -> Tensor",
+        "(Tensor x, Tensor[] proj, Tensor[] proj_bias, Tensor? w_down, Tensor? b_down, str act, int site, "
+        "bool strict=False) -> Tensor",
     "shared_expert_join":
-        "(Tensor x_pass, Tensor anchor, int site, int out_features=-1) -> Tensor",
+        "(Tensor x_pass, Tensor anchor, Tensor[] reads, int site, int out_features=-1) -> Tensor",
     "l2_prefetch":
         "(Tensor anchor, Tensor[] weights, int budget_bytes) -> ()",
     "decode_gemm":
@@ -135,16 +136,19 @@ def _moe_front_sharded_fake(x, router_w, down_w, group_name, world_size, max_tok
 
 
 # --- shared_expert_fork / join ------------------------------------------------------------------
-def _shared_expert_fork(x, w_gate, w_up, w_down, site, strict=False, beta=4.0, linear_beta=25.0):
-    """Launch the shared MLP for `site` (side stream on CUDA); return x_pass, a copy of x."""
-    dispatch("shared_expert_fork", x, w_gate, w_up, w_down, site, beta, linear_beta, strict=strict)
+def _shared_expert_fork(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
+    """Launch the shared-expert branch for `site` (side stream on CUDA); return x_pass, a copy of x."""
+    dispatch("shared_expert_fork", x, proj, proj_bias, w_down, b_down, act, site, strict=strict)
     with torch.no_grad():
         return x.clone()
 
 
-def _shared_expert_fork_fake(x, w_gate, w_up, w_down, site, strict=False, beta=4.0,
-                             linear_beta=25.0):
-    _check_gemm(x, w_gate, "shared_expert_fork")
+def _shared_expert_fork_fake(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
+    torch._check(len(proj) >= 1, lambda: "k3fuse.shared_expert_fork: no projection")
+    torch._check(not proj_bias or len(proj_bias) == len(proj),
+                 lambda: f"k3fuse.shared_expert_fork: {len(proj_bias)} biases for {len(proj)} projections")
+    for w in proj:
+        _check_gemm(x, w, "shared_expert_fork")
     return torch.empty_like(x)
 
 
@@ -152,8 +156,11 @@ def _join_features(anchor: torch.Tensor, out_features: int):
     return anchor.shape[-1] if out_features < 0 else out_features
 
 
-def _shared_expert_join(x_pass, anchor, site, out_features=-1):
-    """Wait (event) for `site`'s side output and return it; counts under the fork's producer."""
+def _shared_expert_join(x_pass, anchor, reads, site, out_features=-1):
+    """Wait (event) for `site`'s side output and return it; counts under the fork's producer.
+
+    `reads` (x and the weights the fork read) are not used here: taking them keeps them alive, in
+    every scheduler and buffer planner, until the side stream is done with them."""
     output, producer = streams.join(site, x_pass.device)
     expected = _join_features(anchor, out_features)
     if output.shape[-1] != expected or output.dtype != x_pass.dtype:
@@ -165,7 +172,7 @@ def _shared_expert_join(x_pass, anchor, site, out_features=-1):
     return output
 
 
-def _shared_expert_join_fake(x_pass, anchor, site, out_features=-1):
+def _shared_expert_join_fake(x_pass, anchor, reads, site, out_features=-1):
     return x_pass.new_empty(_rows(x_pass, _join_features(anchor, out_features)))
 
 

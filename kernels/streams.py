@@ -6,6 +6,8 @@ end. `join(site)` makes the current stream wait on that end event and hands back
 Only events are used, never host synchronisation, so a capture records the fork/join edges as graph
 dependencies. Cross-stream lifetimes use `record_stream`: inputs (allocated on main, read on the
 side) are recorded on the side stream, the output (allocated on the side, used on main) on main.
+In a compiled graph the join also takes what the fork read (shared_expert_join's `reads`), so the
+graph's own buffer planning (Inductor's reuse) keeps them alive until the join as well.
 
 Slots are keyed by (device, site): one in-flight shared-expert computation per site. A fork
 replaces its site's slot; a join reads it (and may read it again until the next fork). On CPU

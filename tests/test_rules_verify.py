@@ -155,8 +155,10 @@ def test_side_stream_never_carries_a_collective(k3_program, k3_graph):
         assert not any(op_qualname(a) and op_qualname(a).startswith("_c10d_functional") for a in fork.all_input_nodes)
         # every other reader of the MoE input reads the fork's x_pass, so the fork comes first
         x = fork.args[0]
-        assert [op_qualname(u) for u in x.users if u is not fork
+        # (the join reads x too: it keeps x alive until the side stream is done with it)
+        assert [op_qualname(u) for u in x.users if u is not fork and u is not join
                 and u.target is not torch.ops.aten._assert_tensor_metadata.default] == []
+        assert x in join.args[2]
 
 
 def test_default_rules_are_the_contract_order():

@@ -2,8 +2,9 @@
 
 Importing this package registers, for every op, the "reference" Impl (priority -100, any device)
 and the stock sequence (kernels/reference/stock.py) with kernels.dispatch. The shared-expert fork
-also gets "torch.side_stream" on CUDA: the same torch math launched on the side stream, which is a
-real implementation (the op exists for the overlap), not a fallback.
+also gets "torch.side_stream" on CUDA (kernels/cuda_shared_expert.py): the model's own sequence in the
+model dtype launched on the side stream, projections by the decode-GEMM kernels (cuBLAS where none
+supports the shape); a real implementation (the op exists for the overlap), not a fallback.
 """
 from __future__ import annotations
 
@@ -29,19 +30,11 @@ def _register() -> None:
     for op, run in runs.items():
         register_impl(op, Impl(REFERENCE, _always, run, REFERENCE_PRIORITY, ALL_DEVICES))
         register_stock(op, getattr(stock, op))
+    from .. import cuda_shared_expert
+
     register_impl("shared_expert_fork",
-                  Impl("torch.side_stream", _always, shared_expert.make_fork_run("torch.side_stream"),
-                       priority=0, device_types=("cuda",), warmup=_prepare_side_stream))
-
-
-def _prepare_side_stream(shapes: object) -> None:
-    """Create the current device's side stream before CUDA-graph capture."""
-    import torch
-
-    from .. import streams
-
-    if torch.cuda.is_available():
-        streams.prepare()
+                  Impl("torch.side_stream", _always, cuda_shared_expert.run, priority=0,
+                       device_types=("cuda",), warmup=cuda_shared_expert.warmup))
 
 
 _register()

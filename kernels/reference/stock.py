@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from k3fuse import compat
 
 from .. import streams
-from .shared_expert import K3_SITU_BETA, K3_SITU_LINEAR_BETA
+from . import shared_expert
 
 
 def all_reduce(t: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
@@ -33,12 +33,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * weight.float()).to(x.dtype)
-
-
-def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    gf, uf = g.float(), u.float()
-    act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
-    return act.to(g.dtype)
 
 
 def gemm_ar_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
@@ -67,18 +61,11 @@ def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Ten
     return F.linear(x.float(), router_w.float()), latent
 
 
-def shared_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               w_down: torch.Tensor | None, beta: float = K3_SITU_BETA,
-               linear_beta: float = K3_SITU_LINEAR_BETA) -> torch.Tensor:
-    h = situ_glu(F.linear(x, w_gate), F.linear(x, w_up), beta, linear_beta)
-    return F.linear(h, w_down) if w_down is not None else h
-
-
-def shared_expert_fork(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                       w_down: torch.Tensor | None, site: int, beta: float = K3_SITU_BETA,
-                       linear_beta: float = K3_SITU_LINEAR_BETA) -> None:
-    """Stock: the shared MLP synchronously on the current stream (no side stream)."""
-    streams.store(site, x.device, shared_mlp(x, w_gate, w_up, w_down, beta, linear_beta), "stock")
+def shared_expert_fork(x: torch.Tensor, proj: list[torch.Tensor], proj_bias: list[torch.Tensor],
+                       w_down: torch.Tensor | None, b_down: torch.Tensor | None, act: str, site: int) -> None:
+    """Stock: the shared-expert branch as the model wrote it (F.linear, the activation's own ops),
+    synchronously on the current stream (no side stream)."""
+    streams.store(site, x.device, shared_expert.branch(x, proj, proj_bias, w_down, b_down, act), "stock")
 
 
 def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
