@@ -122,11 +122,16 @@ def supports(recurrent, g, beta, k, v, q) -> str | None:
     return _shape_limit(T, dk, dv, recurrent.dtype)
 
 
-def run(recurrent, g, beta, k, v, q, config: dict | None = None):
+def run(recurrent, g, beta, k, v, q, config: dict | None = None, out: tuple | None = None):
+    """(S_new, o); `out` = (S_new, o) contiguous fp32 buffers to write instead of new ones."""
     T, H, dk, dv = recurrent.shape
     cfg = config or pick_config(T, H, dk, dv)
-    S_new = torch.empty((T, H, dk, dv), dtype=torch.float32, device=recurrent.device)
-    o = torch.empty((T, H, dv), dtype=torch.float32, device=recurrent.device)
+    if out is None:
+        S_new = torch.empty((T, H, dk, dv), dtype=torch.float32, device=recurrent.device)
+        o = torch.empty((T, H, dv), dtype=torch.float32, device=recurrent.device)
+    else:
+        S_new, o = out
+        assert S_new.is_contiguous() and o.is_contiguous() and S_new.shape == recurrent.shape
     if T == 0 or H == 0:
         return S_new, o
     grid = (T * H, -(-dv // cfg["BLOCK_V"]))
