@@ -19,8 +19,9 @@ permute pairs and composes others), so sites the traced forms miss are found str
 (variant "layout"): the same pointwise ops, and each contraction's bmm is accepted only when its
 operands and result are, view for view, the einsum's (the chain of layout ops is replayed on fake
 tensors of the site's shapes and its strides compared with the einsum's operand views).
-Needs: every operand fp32, shapes
-[T, h, dk, dv] / [T, h, dk] / [T, h] / [T, h, dv] / [T, h, dk] (no broadcasting), decode tokens.
+
+Needs: every operand fp32, shapes [T, h, dk, dv] / [T, h, dk] / [T, h] / [T, h, dv] / [T, h, dk]
+(no broadcasting), decode tokens; on a GPU, a kernel that covers (heads, dk, dv) at those tokens.
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ class KDADeltaRule(Rule):
         out = match.insert(operator.getitem, (fused, 1))
         match.replace([state, out])
         return [fused, state, out]
+
 
 # --- the structural form: same pointwise ops, bmm operands checked view for view ------------------
 aten = torch.ops.aten
