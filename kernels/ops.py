@@ -225,3 +225,36 @@ def _keep_l2_prefetch_alive() -> None:
 _keep_l2_prefetch_alive()
 
 OPS: tuple[str, ...] = tuple(SCHEMAS)
+
+
+# --- kda_delta_rule -----------------------------------------------------------------------------
+# One KDA delta-rule step (k3fuse/model/layers.py `delta_rule`), fp32 in and out:
+#   S = recurrent * exp(g)[..., None];  e = beta[..., None] * (v - S^T k)
+#   S_new = S + k e^T;                  o = S_new^T q
+# recurrent [T, h, dk, dv], g/k/q [T, h, dk], beta [T, h], v [T, h, dv] -> (S_new, o [T, h, dv]).
+# Implementations get (recurrent, g, beta, k, v, q) and return (S_new, o), both new tensors.
+KDA_DELTA_RULE_SCHEMA = ("(Tensor recurrent, Tensor g, Tensor beta, Tensor k, Tensor v, Tensor q, "
+                         "bool strict=False) -> (Tensor, Tensor)")
+_lib.define("kda_delta_rule" + KDA_DELTA_RULE_SCHEMA)
+SCHEMAS["kda_delta_rule"] = KDA_DELTA_RULE_SCHEMA
+
+
+def _kda_delta_rule(recurrent, g, beta, k, v, q, strict=False):
+    return dispatch("kda_delta_rule", recurrent, g, beta, k, v, q, strict=strict)
+
+
+def _kda_delta_rule_fake(recurrent, g, beta, k, v, q, strict=False):
+    torch._check(recurrent.dim() == 4, lambda: f"k3fuse.kda_delta_rule: recurrent must be [T, h, dk, dv], "
+                                               f"got {tuple(recurrent.shape)}")
+    T, h, dk, dv = recurrent.shape
+    for what, t, shape in (("g", g, (T, h, dk)), ("beta", beta, (T, h)), ("k", k, (T, h, dk)),
+                           ("v", v, (T, h, dv)), ("q", q, (T, h, dk))):
+        torch._check(tuple(t.shape) == shape,
+                     lambda what=what, t=t, shape=shape: f"k3fuse.kda_delta_rule: {what} is {tuple(t.shape)}, "
+                                                         f"expected {shape}")
+    return (recurrent.new_empty(recurrent.shape, dtype=torch.float32),
+            recurrent.new_empty((T, h, dv), dtype=torch.float32))
+
+
+_register("kda_delta_rule", _kda_delta_rule, _kda_delta_rule_fake)
+OPS = tuple(SCHEMAS)

@@ -79,6 +79,24 @@ def kda_step(x: torch.Tensor, S: torch.Tensor, conv_hist: torch.Tensor, W: dict,
     return torch.stack(ys), S_new, hist_new
 
 
+def delta_rule(S: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta-rule step of `kda_step` alone, per token and head (the equations of its inner loop).
+
+    S [T, h, dk, dv]; g, k, q [T, h, dk]; beta [T, h]; v [T, h, dv] -> (S_new, o [T, h, dv])."""
+    S, g, beta, k, v, q = (d(t) for t in (S, g, beta, k, v, q))
+    T, heads = S.shape[:2]
+    S_new, o = torch.empty_like(S), torch.empty_like(v)
+    for t in range(T):
+        for n in range(heads):
+            Sn = torch.diag(torch.exp(g[t, n])) @ S[t, n]
+            e = beta[t, n] * (v[t, n] - Sn.T @ k[t, n])
+            Sn = Sn + torch.outer(k[t, n], e)
+            S_new[t, n] = Sn
+            o[t, n] = Sn.T @ q[t, n]
+    return S_new, o
+
+
 def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, scaling: float = 1.0):
     """Per token: pick the top_k of sigmoid(l) + b_corr (by sorting), weight by sigmoid(l) only."""
     logits, b_corr = d(logits), d(b_corr)

@@ -15,7 +15,7 @@ from k3fuse.bench import parse_arms
 from k3fuse.bench.runner import weight_floor
 from k3fuse.model import K3DecodeStack, get_config
 
-RULES = ["oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "decode_gemm",
+RULES = ["oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "kda_delta_rule", "decode_gemm",
          "weight_prefetch"]
 
 

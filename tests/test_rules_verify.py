@@ -164,6 +164,6 @@ def test_side_stream_never_carries_a_collective(k3_program, k3_graph):
 def test_default_rules_are_the_contract_order():
     rules = default_rules()
     assert [r.name for r in rules] == ["oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream",
-                                       "decode_gemm", "weight_prefetch"]
+                                       "kda_delta_rule", "decode_gemm", "weight_prefetch"]
     assert all(r.description for r in rules) and rules[0].uses_multicast
     assert default_rules()[2] is not rules[2] and isinstance(rules[2], SharedExpertStream)  # fresh instances

@@ -119,6 +119,21 @@ def make_norm(cfg: K3Config, src: WeightSource, layer: int, name: str, width: in
 
 
 # --- KDA ----------------------------------------------------------------------------------------
+def delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA delta-rule step, fp32 state S [T, h, d_k, d_v] (key x value).
+
+    g [T, h, d_k] per-key-channel log decay, beta [T, h] write strength, kc/qc [T, h, d_k] and
+    vc [T, h, d_v]. Returns (S_new, o [T, h, d_v]). The rule `kda_delta_rule` traces this very
+    function (patterns/kda_delta_rule.py), so the model and the pattern cannot drift apart.
+    """
+    S = recurrent * torch.exp(g).unsqueeze(-1)
+    e = beta.unsqueeze(-1) * (vc - torch.einsum("thkv,thk->thv", S, kc))
+    S = S + kc.unsqueeze(-1) * e.unsqueeze(-2)
+    o = torch.einsum("thkv,thk->thv", S, qc)
+    return S, o
+
+
 class KDADecode(nn.Module):
     """One recurrent Kimi Delta Attention decode step for T sequences (one token each).
 
@@ -181,11 +196,8 @@ class KDADecode(nn.Module):
         g = cfg.gate_lower_bound * torch.sigmoid(torch.exp(self.A_log).unsqueeze(-1) * z.view(T, h, d))
         beta = torch.sigmoid(b)  # [T, h]
 
-        # delta rule, fp32 state S [T, h, d_k, d_v]
-        S = recurrent * torch.exp(g).unsqueeze(-1)
-        e = beta.unsqueeze(-1) * (vc - torch.einsum("thkv,thk->thv", S, kc))
-        S = S + kc.unsqueeze(-1) * e.unsqueeze(-2)
-        o = torch.einsum("thkv,thk->thv", S, qc)
+        # delta rule, fp32 state S [T, h, d_k, d_v] (the spelling patterns/kda_delta_rule.py traces)
+        S, o = delta_rule(recurrent, g, beta, kc, vc, qc)
 
         # gated RMSNorm per head, then the row-parallel out-projection and its reduction
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_eps) * self.w_onorm

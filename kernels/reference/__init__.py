@@ -9,7 +9,7 @@ supports the shape); a real implementation (the op exists for the overlap), not 
 from __future__ import annotations
 
 from ..dispatch import ALL_DEVICES, REFERENCE, Impl, register_impl, register_stock
-from . import allreduce, linear, moe_front, prefetch, shared_expert, stock
+from . import allreduce, kda_delta, linear, moe_front, prefetch, shared_expert, stock
 
 REFERENCE_PRIORITY = -100
 
@@ -26,6 +26,7 @@ def _register() -> None:
         "shared_expert_fork": shared_expert.make_fork_run(REFERENCE),
         "decode_gemm": linear.decode_gemm,
         "l2_prefetch": prefetch.l2_prefetch,
+        "kda_delta_rule": kda_delta.kda_delta_rule,
     }
     for op, run in runs.items():
         register_impl(op, Impl(REFERENCE, _always, run, REFERENCE_PRIORITY, ALL_DEVICES))

@@ -79,3 +79,13 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def l2_prefetch(anchor: torch.Tensor, weights: list[torch.Tensor], budget_bytes: int) -> None:
     return None
+
+
+def kda_delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock: the model's delta-rule step (k3fuse/model/layers.py `delta_rule`), op for op."""
+    S = recurrent * torch.exp(g).unsqueeze(-1)
+    e = beta.unsqueeze(-1) * (v - torch.einsum("thkv,thk->thv", S, k))
+    S = S + k.unsqueeze(-1) * e.unsqueeze(-2)
+    o = torch.einsum("thkv,thk->thv", S, q)
+    return S, o
