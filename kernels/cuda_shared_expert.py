@@ -8,11 +8,13 @@ dtype, never a float32 upcast), inside `streams.launch`, so every kernel goes on
     through cuBLAS (`F.linear`) where none does; which one ran is counted under the runtime key
     `shared_expert_gemm` (`cute.gemv`, `triton.splitk`, `cublas`), a kernel's own decision, not a
     fallback of the fork;
-  * the activation with the stock pointwise ops.
+  * the activation: K3's SiTU-GLU as one Triton kernel (kernels/triton/glu_act.py, counted under
+    `shared_expert_act`), any other activation with the stock pointwise ops.
 The kernels launch on torch's current stream, which `streams.launch` has made the side stream.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +29,7 @@ from .reference import shared_expert
 
 GEMM_OP = "decode_gemm"
 STATS_KEY = "shared_expert_gemm"
+ACT_STATS_KEY = "shared_expert_act"  # which activation ran: the fused kernel or the op-by-op program
 CUBLAS = "cublas"
 
 
@@ -69,12 +72,35 @@ def linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return F.linear(x2, weight, bias)
 
 
+@functools.lru_cache(maxsize=64)
+def _fused_activation(act: str) -> shared_expert.Activation | None:
+    """One Triton kernel for K3's SiTU-GLU (the eager program is a dozen launches), else None."""
+    try:
+        from .triton import glu_act
+    except Exception:
+        return None
+    params = glu_act.situ_params(act)
+    if params is None:
+        return None
+
+    def fused(p: Sequence[torch.Tensor]) -> torch.Tensor:
+        if glu_act.supports(p[0], p[1]):
+            runtime.record(ACT_STATS_KEY, "triton.situ_glu")
+            return glu_act.situ_glu(p[0], p[1], *params)
+        runtime.record(ACT_STATS_KEY, "torch.ops")
+        return shared_expert.activation(act)[1](p)
+
+    return fused
+
+
 def run(x: torch.Tensor, proj: Sequence[torch.Tensor], proj_bias: Sequence[torch.Tensor],
         w_down: torch.Tensor | None, b_down: torch.Tensor | None, act: str, site: int,
         producer: str = "torch.side_stream") -> None:
     shared_expert.check_branch(x, proj, proj_bias, act)
+    act_fn = _fused_activation(act)
     streams.launch(site, shared_expert.reads(x, proj, proj_bias, w_down, b_down),
-                   lambda: shared_expert.branch(x, proj, proj_bias, w_down, b_down, act, linear), producer)
+                   lambda: shared_expert.branch(x, proj, proj_bias, w_down, b_down, act, linear, act_fn),
+                   producer)
 
 
 def warmup(shapes: Sequence[Any]) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import k3fuse
 from k3fuse.dist import launch
 
 H, S, E, I, TOPK = 32, 16, 4, 8, 2  # hidden, shared intermediate, experts, expert intermediate, top-k
@@ -348,3 +349,21 @@ def test_dense_mlp_residual_is_not_an_moe_join():
     assert log.applied(RULE) == 0
     (e,) = log.rejected(RULE)
     assert e.guard == "moe_join" and set(e.values) == {"addend", "input"}
+
+
+def test_k3_situ_program_is_recognised_for_the_fused_activation_kernel():
+    """The side stream runs K3's SiTU-GLU as one Triton kernel only when the program the rule copies
+    out of the model is exactly SiTU (kernels/triton/glu_act.py's template): pinned here, so a change
+    in the model's spelling or in the decompositions shows up as a failure, not as a silent slow path."""
+    pytest.importorskip("triton")
+    from k3fuse.kernels.triton import glu_act
+    from k3fuse.model import K3DecodeStack, get_config
+
+    model = K3DecodeStack(get_config("tiny", n_layers=1, dtype="bfloat16"), seed=0)
+    x = torch.randn(2, model.config.hidden, dtype=torch.bfloat16)
+    ep, _ = k3fuse.apply(torch.export.export(model, (x, model.init_state(2))), k3fuse.DecodeContext())
+    (fork,) = [n for n in ep.graph.nodes if "shared_expert_fork" in str(n.target)]
+    assert glu_act.situ_params(fork.args[5]) == (model.config.situ_beta, model.config.situ_linear_beta)
+    assert glu_act.situ_params(fork.args[5].replace("25.0", "24.0", 1)) is None  # L differs in one place
+    assert glu_act.situ_params('{"n": 2, "steps": [], "out": {"$": 0}}') is None
+    assert glu_act.situ_params("silu_glu") is None and glu_act.situ_params("situ_glu:4.0:25.0") == (4.0, 25.0)

@@ -149,12 +149,14 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def branch(x: torch.Tensor, proj: Sequence[torch.Tensor], proj_bias: Sequence[torch.Tensor],
            w_down: torch.Tensor | None, b_down: torch.Tensor | None, act: str,
-           linear: Linear = torch_linear) -> torch.Tensor:
-    """The shared-expert branch on x [..., H] -> [..., H] (with w_down) or [..., S] (activation)."""
+           linear: Linear = torch_linear, act_fn: Activation | None = None) -> torch.Tensor:
+    """The shared-expert branch on x [..., H] -> [..., H] (with w_down) or [..., S] (activation).
+
+    `act_fn` replaces `act`'s op-by-op evaluation with a kernel computing the same function (CUDA)."""
     check_branch(x, proj, proj_bias, act)
     x2 = x.reshape(-1, x.shape[-1])
     biases: Sequence[torch.Tensor | None] = proj_bias or [None] * len(proj)
-    h = activation(act)[1]([linear(x2, w, b) for w, b in zip(proj, biases)])
+    h = (act_fn or activation(act)[1])([linear(x2, w, b) for w, b in zip(proj, biases)])
     if w_down is not None:
         h = linear(h, w_down, b_down)
     return h.reshape(*x.shape[:-1], h.shape[-1])

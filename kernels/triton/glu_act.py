@@ -9,6 +9,8 @@ dtype, the math runs in fp32 exactly as `situ_glu` spells it, and the result is 
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 try:
@@ -35,6 +37,51 @@ if HAVE_TRITON:
         tl.store(out_ptr + offs, (gate * lin).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+#: K3's SiTU-GLU in a 16-bit trunk as shared_expert_stream copies it out of the model's graph (a JSON
+#: program, kernels/reference/shared_expert.py), with "B" / "L" where beta / linear_beta stand.
+#: tests/test_shared_expert_structural.py pins it to what the rule extracts from the reference model.
+_SITU_PROGRAM = {
+    "n": 2,
+    "steps": [
+        ["prims::convert_element_type.default", [{"$": 0}, {"dtype": "float32"}], {}],
+        ["prims::convert_element_type.default", [{"$": 1}, {"dtype": "float32"}], {}],
+        ["aten::div.Tensor", [{"$": 2}, "B"], {}],
+        ["aten::tanh.default", [{"$": 4}], {}],
+        ["aten::mul.Tensor", [{"$": 5}, "B"], {}],
+        ["aten::sigmoid.default", [{"$": 2}], {}],
+        ["aten::mul.Tensor", [{"$": 6}, {"$": 7}], {}],
+        ["aten::div.Tensor", [{"$": 3}, "L"], {}],
+        ["aten::tanh.default", [{"$": 9}], {}],
+        ["aten::mul.Tensor", [{"$": 10}, "L"], {}],
+        ["aten::mul.Tensor", [{"$": 8}, {"$": 11}], {}],
+        ["prims::convert_element_type.default", [{"$": 12}, {"dtype": "OUT"}], {}],
+    ],
+    "out": {"$": 13},
+}
+
+
+def situ_params(act: str) -> tuple[float, float] | None:
+    """(beta, linear_beta) when `act` is K3's SiTU-GLU (named "situ_glu:B:L" or the program the rule
+    copies from the model), else None: only then may this kernel replace the fork's activation."""
+    if act.startswith("situ_glu:"):
+        _, beta, linear_beta = act.split(":")
+        return float(beta), float(linear_beta)
+    if not act.startswith("{"):
+        return None
+    try:
+        prog = json.loads(act)
+        steps = prog["steps"]
+        beta, linear_beta = steps[2][1][1], steps[7][1][1]
+        out_dtype = steps[11][1][1]["dtype"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if not (isinstance(beta, float) and isinstance(linear_beta, float) and out_dtype in ("bfloat16", "float16")):
+        return None
+    template = json.dumps(_SITU_PROGRAM).replace('"B"', repr(beta)).replace('"L"', repr(linear_beta))
+    template = template.replace('"OUT"', json.dumps(out_dtype))
+    return (beta, linear_beta) if json.loads(template) == prog else None
+
+
 def supports(g: torch.Tensor, u: torch.Tensor) -> bool:
     return (HAVE_TRITON and g.is_cuda and g.shape == u.shape and g.dtype == u.dtype
             and g.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -51,4 +98,4 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
     return out
 
 
-__all__ = ["situ_glu", "supports"]
+__all__ = ["situ_glu", "situ_params", "supports"]
