@@ -50,7 +50,8 @@ def _kernel_events(prof: torch.profiler.profile) -> list[KernelEvent]:
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA or _NOT_KERNELS.match(e.name):
             continue
-        out.append(KernelEvent(e.name, int(getattr(e, "thread", 0) or 0), float(e.time_range.start),
+        stream = getattr(e, "device_resource_id", None)  # the CUDA stream of a kernel event
+        out.append(KernelEvent(e.name, int(stream if stream is not None else e.thread), float(e.time_range.start),
                                float(e.time_range.end - e.time_range.start)))
     return sorted(out, key=lambda k: k.start_us)
 

@@ -333,18 +333,19 @@ def test_compiled_model_matches_with_a_slow_side_stream(slow_side):
             assert not torch.isnan(y).any()
             assert _rel(y, ref.double()) < 2e-2, T
             assert runtime.stats()["shared_expert_fork"] == {"torch.side_stream": 1}
-    assert rlog.applied("shared_expert_stream") == 1
+    graphs = {e.graph_id for e in rlog.events}  # 1 token compiles a static graph, 8 a dynamic one
+    assert rlog.applied("shared_expert_stream") == len(graphs) >= 1
 
 
 def test_compiled_model_profile_shows_side_stream_overlapping_routed_experts(tmp_path):
     model = HFMoE().to(DEV, BF16).eval()
     fn, rlog = _compiled(model)
-    assert rlog.applied("shared_expert_stream") == 1
     x = torch.randn(8, H, device=DEV).to(BF16)
     with torch.no_grad():
         for _ in range(3):
             fn(x)
         torch.cuda.synchronize()
+        assert rlog.applied("shared_expert_stream") == 1  # compiled on the first call
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
