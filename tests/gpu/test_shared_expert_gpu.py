@@ -346,11 +346,24 @@ def test_compiled_model_profile_shows_side_stream_overlapping_routed_experts(tmp
             fn(x)
         torch.cuda.synchronize()
         assert rlog.applied("shared_expert_stream") == 1  # compiled on the first call
+        # replay a CUDA graph of 5 steps, as a server does: eager launches of a model this small
+        # leave the main stream idle while the host catches up, which hides any overlap
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(x)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(5):
+                fn(x)
+        graph.replay()
+        torch.cuda.synchronize()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fn(x)
+                graph.replay()
                 torch.cuda.synchronize()
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
