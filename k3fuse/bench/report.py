@@ -56,7 +56,8 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
         for row in entry["rows"]:
             T = row["tokens"]
             prof = row.get("profile") or {}
-            out = {"tokens": T, "us": row.get("us"), "first_call_s": row["first_call_s"],
+            out = {"tokens": T, "us": row.get("us"), "us_p10_p90_rank0": row.get("us_p10_p90"),
+                   "first_call_s": row["first_call_s"],
                    "kernels_per_step": prof.get("kernels_per_step"),
                    "device_us_per_step": prof.get("device_us_per_step"),
                    "by_kind_us_per_step": prof.get("by_kind_us_per_step"),

@@ -134,6 +134,8 @@ def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: to
         else:
             per_step = timing.time_host(steps, cfg.steps, cfg.replays, refill)
     row["us_this_rank"] = timing.median(per_step)
+    ordered = sorted(per_step)  # the spread of this rank's replays: a difference inside it is noise
+    row["us_p10_p90"] = [ordered[len(ordered) // 10], ordered[(len(ordered) * 9) // 10]]
     row["us"] = timing.slowest_rank(row["us_this_rank"], device)
     return row
 
