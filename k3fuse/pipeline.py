@@ -6,7 +6,8 @@
 
 Rules come from `k3fuse.patterns.default_rules()` unless the caller passes its own. Each can be
 switched by the context (enabled_rules / disabled_rules) and by the environment variable
-K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a (both forms can be mixed).
+K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a, "+a" adds a rule that is off by
+default (Rule.default_on False); the forms can be mixed.
 """
 from __future__ import annotations
 
@@ -67,17 +68,23 @@ class RuleRegistry:
             ctx.check_rule_names(known)
         except ContextError as exc:
             raise UnknownRuleError(str(exc)) from None
-        only, minus = parse_rules_env(os.environ.get("K3FUSE_RULES", "") if env is None else env)
-        unknown = sorted(((only or set()) | minus) - set(known))
+        spec = os.environ.get("K3FUSE_RULES", "") if env is None else env
+        only, minus = parse_rules_env(spec)
+        plus = opt_in_rules_env(spec)
+        unknown = sorted(((only or set()) | minus | plus) - set(known))
         if unknown:
             raise UnknownRuleError(f"K3FUSE_RULES names unknown rule(s) {unknown}; known rules: {known}")
         out: list[tuple[Rule, str | None]] = []
         for rule in self._rules:
             why = None
+            named = (rule.name in (ctx.enabled_rules or ()) or rule.name in (only or ()) or rule.name in plus)
             if not ctx.rule_enabled(rule.name):
                 why = "disabled by DecodeContext"
             elif rule.name in minus or (only is not None and rule.name not in only):
                 why = "disabled by K3FUSE_RULES"
+            elif not rule.default_on and not named:
+                why = (f"off by default ({rule.default_off_reason}); enable it by name: "
+                       f"K3FUSE_RULES=+{rule.name} or DecodeContext(enabled_rules=...)")
             out.append((rule, why))
         return out
 
@@ -97,17 +104,22 @@ class RuleRegistry:
 
 
 def parse_rules_env(value: str) -> tuple[set[str] | None, set[str]]:
-    """K3FUSE_RULES -> (only these or None, never these)."""
+    """K3FUSE_RULES -> (only these or None, never these); "+a" items are opt-ins (opt_in_rules_env)."""
     only: set[str] = set()
     minus: set[str] = set()
     for item in (x.strip() for x in value.split(",")):
-        if not item:
+        if not item or item.startswith("+"):
             continue
         if item.startswith("-"):
             minus.add(item[1:].strip())
         else:
-            only.add(item.lstrip("+").strip())
+            only.add(item)
     return (only or None), minus
+
+
+def opt_in_rules_env(value: str) -> set[str]:
+    """K3FUSE_RULES "+a": run rule a besides the default ones (for rules that are off by default)."""
+    return {x.strip()[1:].strip() for x in value.split(",") if x.strip().startswith("+")}
 
 
 def default_rules() -> list[Rule]:
@@ -274,5 +286,5 @@ def _explain_miss(rule: Rule, graph: fx.Graph, ctx: DecodeContext) -> tuple[str 
     return (None, {}) if miss is None else (miss[0], dict(miss[1]))
 
 
-__all__ = ["RuleRegistry", "run_pipeline", "default_rules", "default_registry", "parse_rules_env",
+__all__ = ["RuleRegistry", "run_pipeline", "default_rules", "default_registry", "parse_rules_env", "opt_in_rules_env",
            "UnknownRuleError", "RuleFailure", "graph_fingerprint"]

@@ -242,6 +242,10 @@ class Rule:
     #: names of the torch.ops.k3fuse ops the rewrite inserts (contract guard: a kernel exists for
     #: the context's device)
     emits: ClassVar[tuple[str, ...]] = ()
+    #: False: the rule runs only when named (K3FUSE_RULES=+name, enabled_rules): kept for users who
+    #: measure a gain on their setup, off by default because the layer benchmark measured none
+    default_on: ClassVar[bool] = True
+    default_off_reason: ClassVar[str] = ""
     #: the op a site of this rule is built around (e.g. the all_reduce); near-miss reports start
     #: from it. None: the op of each pattern's first output
     anchor: ClassVar[Any] = None

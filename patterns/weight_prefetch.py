@@ -70,6 +70,11 @@ class WeightPrefetch(Rule):
 
     name = "weight_prefetch"
     emits = ("l2_prefetch",)
+    # k3fuse bench, 2 x H200, TP 2, K3 widths, 1 token (docs/perf.md): k3fuse 368.7 us with the rule,
+    # 353.2 us without; the rule alone 461.3 us against 422.4 stock (0.92x): the bulk prefetch
+    # competes for HBM with the collective's neighbours instead of hiding W_up's read
+    default_on = False
+    default_off_reason = "measured slower on 2 x H200: 1.15x with it, 1.20x without at 1 token"
     description = ("all_reduce ... wait_tensor still in the graph -> k3fuse.l2_prefetch(handle, [next "
                    "consumers' static weights], budget) between them (weights only, never activations)")
 

@@ -2,7 +2,8 @@
 
 An arm is stock `torch.compile` (no k3fuse) or the k3fuse backend with a set of rules. The per-rule
 arms answer "what does this rule buy in the whole layer": `only:<rule>` runs that rule alone,
-`without:<rule>` every default rule but that one. Arm specs are strings so they travel on the
+`without:<rule>` every default rule but that one, `with:<rule>` the defaults plus a rule that is off
+by default. Arm specs are strings so they travel on the
 command line and in JSON unchanged.
 """
 from __future__ import annotations
@@ -27,16 +28,28 @@ class Arm:
 
 
 def rule_names() -> list[str]:
-    """The default K3 rules, in pipeline order."""
-    from k3fuse.patterns import describe
+    """The K3 rules, in pipeline order."""
+    from k3fuse.patterns import RULE_CLASSES
 
-    return [name for name, _ in describe()]
+    return [cls.name for cls in RULE_CLASSES]
 
 
-def parse_arms(specs: Iterable[str], known_rules: Sequence[str] | None = None) -> list[Arm]:
-    """Arms from specs: `stock`, `k3fuse`, `only:<rule>`, `without:<rule>`, or `rules` (every
-    `only:` and `without:` arm). Order is kept, duplicates dropped; unknown names raise ValueError."""
+def default_on_rules() -> list[str]:
+    """The rules `k3fuse` runs unless told otherwise (Rule.default_on)."""
+    from k3fuse.patterns import RULE_CLASSES
+
+    return [cls.name for cls in RULE_CLASSES if cls.default_on]
+
+
+def parse_arms(specs: Iterable[str], known_rules: Sequence[str] | None = None,
+               default_rules: Sequence[str] | None = None) -> list[Arm]:
+    """Arms from specs: `stock`, `k3fuse` (the default rules), `only:<rule>`, `without:<rule>`,
+    `with:<rule>` (the defaults plus an off-by-default rule), or `rules` (`only:` for every rule,
+    `without:` for every default rule, `with:` for the others). Order is kept, duplicates dropped;
+    unknown names raise ValueError."""
     known = list(known_rules) if known_rules is not None else rule_names()
+    defaults = list(default_rules) if default_rules is not None else (
+        default_on_rules() if known_rules is None else known)
     arms: list[Arm] = []
 
     def add(arm: Arm) -> None:
@@ -50,19 +63,24 @@ def parse_arms(specs: Iterable[str], known_rules: Sequence[str] | None = None) -
         if spec == STOCK:
             add(Arm(STOCK, None))
         elif spec == K3FUSE:
-            add(Arm(K3FUSE, frozenset(known)))
+            add(Arm(K3FUSE, frozenset(defaults)))
         elif spec == "rules":
             for r in known:
                 add(Arm(f"only:{r}", frozenset({r})))
             for r in known:
-                add(Arm(f"without:{r}", frozenset(known) - {r}))
-        elif spec.startswith(("only:", "without:")):
+                if r in defaults:
+                    add(Arm(f"without:{r}", frozenset(defaults) - {r}))
+                else:
+                    add(Arm(f"with:{r}", frozenset(defaults) | {r}))
+        elif spec.startswith(("only:", "without:", "with:")):
             kind, _, rule = spec.partition(":")
             if rule not in known:
                 raise ValueError(f"unknown rule {rule!r} in arm {spec!r}; rules are {known}")
-            add(Arm(spec, frozenset({rule}) if kind == "only" else frozenset(known) - {rule}))
+            rules = {"only": {rule}, "without": set(defaults) - {rule}, "with": set(defaults) | {rule}}[kind]
+            add(Arm(spec, frozenset(rules)))
         else:
-            raise ValueError(f"unknown arm {spec!r}; use stock, k3fuse, only:<rule>, without:<rule> or rules")
+            raise ValueError(f"unknown arm {spec!r}; use stock, k3fuse, only:<rule>, without:<rule>, "
+                             "with:<rule> or rules")
     return arms
 
 
