@@ -23,10 +23,13 @@ def test_arms_parse_in_order_and_expand_rules():
     arms = parse_arms(["stock", "k3fuse", "without:decode_gemm", "rules", "stock"])
     names = [a.name for a in arms]
     assert names[:3] == ["stock", "k3fuse", "without:decode_gemm"]
-    assert len(names) == 3 + 2 * len(RULES) - 1  # `rules` adds every only:/without: arm once
-    assert arms[0].is_stock and arms[1].rules == frozenset(RULES)
-    assert arms[2].rules == frozenset(RULES) - {"decode_gemm"}
+    assert len(names) == 3 + 2 * len(RULES) - 1  # `rules`: only: per rule, without:/with: per rule, once
+    defaults = frozenset(RULES) - {"weight_prefetch"}  # off by default (measured slower, docs/perf.md)
+    assert arms[0].is_stock and arms[1].rules == defaults
+    assert arms[2].rules == defaults - {"decode_gemm"}
     assert next(a for a in arms if a.name == "only:weight_prefetch").rules == {"weight_prefetch"}
+    assert next(a for a in arms if a.name == "with:weight_prefetch").rules == defaults | {"weight_prefetch"}
+    assert "without:weight_prefetch" not in names
     with pytest.raises(ValueError, match="unknown rule 'nope'"):
         parse_arms(["only:nope"])
     with pytest.raises(ValueError, match="unknown arm"):
