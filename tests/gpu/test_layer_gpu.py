@@ -85,8 +85,8 @@ def test_compiled_layer_strict_every_token_count_tp2():
 
     for out in launch(_layer_rank, 2, backend="nccl", timeout_s=900):
         print(out["applied"], out["stats"])
-        live = ("oproj_allreduce_residual", "shared_expert_stream", "kda_delta_rule", "decode_gemm",
-                "weight_prefetch")
+        # weight_prefetch is off by default (measured slower in the layer, docs/perf.md)
+        live = ("oproj_allreduce_residual", "shared_expert_stream", "kda_delta_rule", "decode_gemm")
         assert all(out["applied"].get(r, 0) > 0 for r in live), out["applied"]
         # no CUDA kernel yet for the sharded MoE front (issue 9): refused up front, never a fallback
         assert out["applied"].get("moe_front_sharded", 0) == 0
