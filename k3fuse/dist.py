@@ -56,6 +56,27 @@ def require_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     return dist.group.WORLD if group is None else group
 
 
+def disagreements(group: dist.ProcessGroup | None, mine: dict[str, object]) -> list[str]:
+    """What the ranks of `group` disagree on, as "key: rank 0=a, rank 1=b" lines ([] when all agree).
+
+    Collective (all_gather_object): every rank must call it, and every rank gets the same answer, so
+    every rank can raise the same error instead of one rank hanging in a later collective."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return []
+    items = sorted((k, repr(v)) for k, v in mine.items())
+    got: list = [None] * world
+    dist.all_gather_object(got, items, group=group)
+    if all(g == got[0] for g in got):
+        return []
+    diffs = []
+    for key in sorted({k for g in got for k, _ in g}):
+        vals = {r: dict(g).get(key) for r, g in enumerate(got)}
+        if len(set(vals.values())) > 1:
+            diffs.append(f"{key}: " + ", ".join(f"rank {r}={v}" for r, v in vals.items()))
+    return diffs
+
+
 def pick_backend(world_size: int, backend: str | None = None) -> str:
     """nccl when CUDA has a GPU per rank, else gloo; validates an explicit choice."""
     if backend is None:

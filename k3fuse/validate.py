@@ -87,7 +87,7 @@ def _check_group(cfg: ValidateConfig):
     """The process group for cfg.tp; a clear error when it is missing or the ranks disagree."""
     import torch.distributed as dist
 
-    from .dist import ProcessGroupMissing, require_group
+    from .dist import ProcessGroupMissing, disagreements, require_group
 
     if cfg.tp == 1:
         return None
@@ -97,19 +97,12 @@ def _check_group(cfg: ValidateConfig):
         raise ValidateError(f"validate --tp {cfg.tp}: {exc}") from exc
     size = dist.get_world_size(group)
     # agree first (a collective every rank reaches), so every rank raises the same error
-    items = sorted((k, repr(v)) for k, v in asdict(cfg).items() if k != "inject")
-    got: list = [None] * size
     try:
-        dist.all_gather_object(got, items, group=group)
+        diffs = disagreements(group, {k: v for k, v in asdict(cfg).items() if k != "inject"})
     except RuntimeError as exc:   # gloo/NCCL: connection reset, timeout
         raise ValidateError(f"validate: a peer rank did not take part in the configuration check "
                             f"(dead or hung?): {str(exc).splitlines()[0][:300]}") from exc
-    if any(g != got[0] for g in got):
-        diffs = []
-        for k, _ in items:
-            vals = {r: dict(g).get(k) for r, g in enumerate(got)}
-            if len(set(vals.values())) > 1:
-                diffs.append(f"{k}: " + ", ".join(f"rank {r}={v}" for r, v in vals.items()))
+    if diffs:
         raise ValidateError("validate: ranks disagree on the configuration (" + "; ".join(diffs) + ")")
     if size != cfg.tp:
         raise ValidateError(f"validate --tp {cfg.tp} but the process group has {size} ranks")

@@ -299,18 +299,10 @@ class ArWorkspace:
 
 def _agree(group, mine: dict, what: str) -> None:
     """All ranks of `group` hold the same `mine`, else every rank raises (names the differences)."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    items = sorted((k, repr(v)) for k, v in mine.items())
-    got: list = [None] * world
-    dist.all_gather_object(got, items, group=group)
-    if any(g != got[0] for g in got):
-        diffs = []
-        for k, _ in items:
-            vals = {r: dict(g).get(k) for r, g in enumerate(got)}
-            if len(set(vals.values())) > 1:
-                diffs.append(f"{k}: " + ", ".join(f"rank {r}={v}" for r, v in vals.items()))
+    from k3fuse.dist import disagreements
+
+    diffs = disagreements(group, mine)
+    if diffs:
         raise CollectiveError(f"{what}: ranks disagree ({'; '.join(diffs)}); every rank must run "
                               "the same configuration")
 
