@@ -226,3 +226,22 @@ def test_graph_is_linted_and_dead_code_removed():
     run_pipeline(gm, DecodeContext(), rules=[LinearResidualRule()])
     assert not [n for n in gm.graph.nodes if n.op == "call_function" and not n.users]
     assert isinstance(gm, fx.GraphModule) and "linear_residual" in gm.code
+
+
+def test_off_by_default_rule_runs_only_when_named(monkeypatch):
+    """weight_prefetch (Rule.default_on False) is skipped with its reason unless enabled by name."""
+    from k3fuse.pipeline import default_registry, opt_in_rules_env
+
+    def why(ctx, env=""):
+        return dict((r.name, w) for r, w in default_registry().select(ctx, env=env))["weight_prefetch"]
+
+    assert why(k3fuse.DecodeContext()).startswith("off by default (measured slower")
+    assert "K3FUSE_RULES=+weight_prefetch" in why(k3fuse.DecodeContext())
+    assert why(k3fuse.DecodeContext(), env="+weight_prefetch") is None
+    assert why(k3fuse.DecodeContext(enabled_rules={"weight_prefetch", "decode_gemm"})) is None
+    assert why(k3fuse.DecodeContext(), env="-decode_gemm,+weight_prefetch") is None
+    assert why(k3fuse.DecodeContext(disabled_rules={"weight_prefetch"}), env="+weight_prefetch") == \
+        "disabled by DecodeContext"
+    assert opt_in_rules_env("a, +b,-c, + d") == {"b", "d"} and parse_rules_env("+b,c") == ({"c"}, set())
+    with pytest.raises(UnknownRuleError, match="nope"):
+        default_registry().select(k3fuse.DecodeContext(), env="+nope")

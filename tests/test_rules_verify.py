@@ -21,6 +21,15 @@ from k3fuse.rule import Match, Rule
 from k3fuse.verify import ReorderingError, op_qualname
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _with_weight_prefetch():
+    """weight_prefetch is off by default (measured slower in the layer, docs/perf.md); these tests
+    cover its rewrites too, so they name it (the ranks inherit the environment)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("K3FUSE_RULES", "+weight_prefetch")
+        yield
+
+
 @pytest.fixture(scope="module")
 def k3_program():
     """Decomposed ExportedProgram of the 2-layer tiny K3 stack, TP=2 rank 0, and its context."""
