@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from k3fuse.bench import parse_arms
 from k3fuse.bench.runner import weight_floor
@@ -63,6 +62,10 @@ def test_bench_cli_smoke_on_two_gloo_ranks(tmp_path):
     assert [r["tokens"] for r in arms["without:shared_expert_stream"]["rows"]] == [3]
     assert all(r["us"] > 0 for a in arms.values() for r in a["rows"])
     assert arms["k3fuse"]["rows"][0]["speedup_vs_stock"] > 0
+    # fp32 on CPU: the rewritten layer computes what stock computes on the same inputs
+    assert all(r["rel_err_vs_stock"] < 1e-4 for a in ("k3fuse", "without:shared_expert_stream")
+               for r in arms[a]["rows"]), arms["k3fuse"]["rows"]
+    assert all(r["rel_err_vs_stock"] is None for r in arms["stock"]["rows"])
     applied = {rule: s["applied"] for rule, s in arms["k3fuse"]["rewrites"].items()}
     defaults = [r for r in RULES if r != "weight_prefetch"]  # off by default (docs/perf.md)
     assert all(applied[r] > 0 for r in defaults), applied  # every default rule fired (strict mode held)

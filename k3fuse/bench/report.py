@@ -57,6 +57,7 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
             T = row["tokens"]
             prof = row.get("profile") or {}
             out = {"tokens": T, "us": row.get("us"), "us_p10_p90_rank0": row.get("us_p10_p90"),
+                   "rel_err_vs_stock": _worst_rank_err(reports, name, T),
                    "first_call_s": row["first_call_s"],
                    "kernels_per_step": prof.get("kernels_per_step"),
                    "device_us_per_step": prof.get("device_us_per_step"),
@@ -81,6 +82,13 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
                          "us_with_state": (total + state) / bandwidth * 1e6 if bandwidth else None}
     return {"conditions": conditions(cfg, reports), "arms": arms, "weight_read_floor": floor,
             "model": r0["model"]}
+
+
+def _worst_rank_err(reports: list[dict[str, Any]], arm: str, T: int) -> float | None:
+    """The largest relative error against stock over the ranks at T (None for stock or untested)."""
+    errs = [row["rel_err_vs_stock"] for r in reports for row in r["arms"].get(arm, {}).get("rows", [])
+            if row["tokens"] == T and row.get("rel_err_vs_stock") is not None]
+    return max(errs) if errs else None
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:
@@ -120,8 +128,8 @@ def print_tables(result: dict[str, Any]) -> None:
     console.print(table)
 
     kt = Table(title=f"at T={tokens[0]}: kernels per step, side-stream overlap; compile time, rewrites")
-    for col in ("arm", "kernels/step", "device µs/step", "side-stream µs (overlapped)", "compile s",
-                "passes ms", "applied", "fallbacks", "error"):
+    for col in ("arm", "kernels/step", "device µs/step", "side-stream µs (overlapped)", "max rel err vs stock",
+                "compile s", "passes ms", "applied", "fallbacks", "error"):
         kt.add_column(col)
     for name, arm in arms.items():
         first = arm["rows"][0] if arm["rows"] else {}
@@ -129,6 +137,8 @@ def print_tables(result: dict[str, Any]) -> None:
         side = first.get("side_stream") or {}
         kt.add_row(name, _fmt(first.get("kernels_per_step")), _fmt(first.get("device_us_per_step")),
                    f"{_fmt(side.get('side_us'))} ({_fmt(side.get('overlapped_us'))})" if side else "-",
+                   _fmt(max((r["rel_err_vs_stock"] for r in arm["rows"] if r.get("rel_err_vs_stock") is not None),
+                            default=None), ".1e"),
                    _fmt(arm["compile_s"]), _fmt(arm.get("passes_ms")), applied or "-",
                    str(sum(sum(v.values()) for v in (arm.get("fallbacks") or {}).values())),
                    arm.get("error") or "")

@@ -100,8 +100,11 @@ def _compile(model: Any, arm: Arm, cfg: BenchConfig, rank: int) -> tuple[Any, An
     return torch.compile(model, backend="k3fuse", options=options), rlog
 
 
-def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: torch.device,
-                 gen: torch.Generator) -> dict[str, Any]:
+def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: torch.device
+                 ) -> tuple[dict[str, Any], torch.Tensor]:
+    """Time T tokens; returns the row and the first call's output (every arm sees the same inputs
+    at a given T: the generator is seeded by T, so the arms' outputs can be compared)."""
+    gen = torch.Generator(device).manual_seed(cfg.seed * 1009 + T)
     H, dtype = model.config.hidden, model.dtype
     xs = [torch.randn(T, H, generator=gen, device=device).to(dtype) for _ in range(cfg.steps)]
     state0 = _random_state(model, T, gen)
@@ -119,12 +122,13 @@ def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: to
     row: dict[str, Any] = {"tokens": T}
     t0 = time.perf_counter()
     with torch.no_grad():
-        steps()  # compiles on the first token count (and once more when the shape turns dynamic)
+        first = steps()  # compiles on the first token count (and once more when the shape turns dynamic)
         if device.type == "cuda":
             torch.cuda.synchronize()
         row["first_call_s"] = time.perf_counter() - t0
+        first = first.float().cpu()
         if cfg.compile_only:
-            return row
+            return row, first
         if device.type == "cuda":
             graph = timing.capture(steps)
             per_step = timing.time_graph(graph, cfg.steps, cfg.replays, refill)
@@ -137,7 +141,7 @@ def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: to
     ordered = sorted(per_step)  # the spread of this rank's replays: a difference inside it is noise
     row["us_p10_p90"] = [ordered[len(ordered) // 10], ordered[(len(ordered) * 9) // 10]]
     row["us"] = timing.slowest_rank(row["us_this_rank"], device)
-    return row
+    return row, first
 
 
 def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
@@ -159,14 +163,19 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
         ctx = k3fuse.DecodeContext.from_process_group() if world_size > 1 else k3fuse.DecodeContext()
         status = ctx.multicast_status()
         report["multicast"] = {"available": status.available, "reason": status.reason}
-    for arm in parse_arms(cfg.arms):
-        gen = torch.Generator(device).manual_seed(cfg.seed + 1)  # the same inputs for every arm
+    stock_out: dict[int, torch.Tensor] = {}  # the stock arm's output per T: every figure says how far
+    for arm in parse_arms(cfg.arms):          # the arm's numbers are from stock's on the same inputs
         compiled, rlog = _compile(model, arm, cfg, rank)
         k3fuse.reset_stats()
         entry: dict[str, Any] = {"rows": []}
         try:
             for T in cfg.tokens_for(arm):
-                entry["rows"].append(_time_tokens(compiled, model, T, cfg, device, gen))
+                row, out = _time_tokens(compiled, model, T, cfg, device)
+                if arm.is_stock:
+                    stock_out[T] = out
+                elif T in stock_out:
+                    row["rel_err_vs_stock"] = float((out - stock_out[T]).norm() / stock_out[T].norm())
+                entry["rows"].append(row)
         except Exception as exc:  # one arm failing (strict mode!) must not hide the others
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
         entry["compile_s"] = sum(r.get("first_call_s", 0.0) for r in entry["rows"])
