@@ -38,9 +38,13 @@ class RuleFailure(RuntimeError):
 
 
 class RuleRegistry:
-    """Rules in pipeline order, addressable by name."""
+    """Rules in pipeline order, addressable by name.
 
-    def __init__(self, rules: Iterable[Rule] = ()):
+    `explicit`: the rules were handed over by name (rules=[...]), so an off-by-default rule among
+    them runs; the default registry (explicit=False) runs such a rule only when it is named."""
+
+    def __init__(self, rules: Iterable[Rule] = (), *, explicit: bool = True):
+        self.explicit = explicit
         self._rules: list[Rule] = []
         for rule in rules:
             self.add(rule)
@@ -77,7 +81,8 @@ class RuleRegistry:
         out: list[tuple[Rule, str | None]] = []
         for rule in self._rules:
             why = None
-            named = (rule.name in (ctx.enabled_rules or ()) or rule.name in (only or ()) or rule.name in plus)
+            named = (self.explicit or rule.name in (ctx.enabled_rules or ()) or rule.name in (only or ())
+                     or rule.name in plus)
             if not ctx.rule_enabled(rule.name):
                 why = "disabled by DecodeContext"
             elif rule.name in minus or (only is not None and rule.name not in only):
@@ -93,7 +98,7 @@ class RuleRegistry:
         """A registry from a registry, a list of rules, or None (the K3 rules)."""
         if isinstance(rules, RuleRegistry):
             return rules
-        return cls(default_rules() if rules is None else rules)
+        return default_registry() if rules is None else cls(rules)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -123,7 +128,7 @@ def opt_in_rules_env(value: str) -> set[str]:
 
 
 def default_rules() -> list[Rule]:
-    """The K3 rules in pipeline order (k3fuse.patterns). A broken import raises: silently running
+    """The K3 rules that run by default, in pipeline order (k3fuse.patterns). A broken import raises: silently running
     no rules would look like a model without K3 sites."""
     from .patterns import default_rules as k3_rules
 
@@ -131,7 +136,10 @@ def default_rules() -> list[Rule]:
 
 
 def default_registry() -> RuleRegistry:
-    return RuleRegistry(default_rules())
+    """Every K3 rule; the off-by-default ones run only when named (K3FUSE_RULES=+name, enabled_rules)."""
+    from .patterns import all_rules
+
+    return RuleRegistry(all_rules(), explicit=False)
 
 
 def graph_fingerprint(graph: fx.Graph) -> str:

@@ -27,9 +27,14 @@ RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoEFrontSharded,
                                         DecodeGemm, WeightPrefetch)
 
 
-def default_rules() -> list[Rule]:
-    """Fresh instances of the K3 rules, in pipeline order."""
+def all_rules() -> list[Rule]:
+    """Fresh instances of every K3 rule, in pipeline order (off-by-default ones included)."""
     return [cls() for cls in RULE_CLASSES]
+
+
+def default_rules() -> list[Rule]:
+    """Fresh instances of the K3 rules that run unless told otherwise (Rule.default_on), in order."""
+    return [cls() for cls in RULE_CLASSES if cls.default_on]
 
 
 def describe() -> list[tuple[str, str]]:
@@ -37,5 +42,5 @@ def describe() -> list[tuple[str, str]]:
     return [(cls.name, cls.description) for cls in RULE_CLASSES]
 
 
-__all__ = ["default_rules", "describe", "RULE_CLASSES", "OProjAllReduceResidual", "MoEFrontSharded",
+__all__ = ["all_rules", "default_rules", "describe", "RULE_CLASSES", "OProjAllReduceResidual", "MoEFrontSharded",
            "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]
