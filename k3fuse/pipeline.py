@@ -135,10 +135,15 @@ def default_rules() -> list[Rule]:
     return list(k3_rules())
 
 
+def all_rules() -> list[Rule]:
+    """Every K3 rule in pipeline order, the off-by-default ones included (k3fuse.patterns)."""
+    from .patterns import all_rules as k3_rules
+
+    return list(k3_rules())
+
+
 def default_registry() -> RuleRegistry:
     """Every K3 rule; the off-by-default ones run only when named (K3FUSE_RULES=+name, enabled_rules)."""
-    from .patterns import all_rules
-
     return RuleRegistry(all_rules(), explicit=False)
 
 
@@ -294,5 +299,5 @@ def _explain_miss(rule: Rule, graph: fx.Graph, ctx: DecodeContext) -> tuple[str 
     return (None, {}) if miss is None else (miss[0], dict(miss[1]))
 
 
-__all__ = ["RuleRegistry", "run_pipeline", "default_rules", "default_registry", "parse_rules_env", "opt_in_rules_env",
-           "UnknownRuleError", "RuleFailure", "graph_fingerprint"]
+__all__ = ["RuleRegistry", "run_pipeline", "all_rules", "default_rules", "default_registry", "parse_rules_env",
+           "opt_in_rules_env", "UnknownRuleError", "RuleFailure", "graph_fingerprint"]

@@ -87,6 +87,7 @@ def test_backend_found_by_name_without_importing_k3fuse(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
     events = [json.loads(x) for x in (tmp_path / "sub.jsonl").read_text().splitlines()]
-    from k3fuse.pipeline import default_rules
+    from k3fuse.pipeline import all_rules
     assert {e["door"] for e in events} == {"backend.eager"}
-    assert {e["rule"] for e in events} == {r.name for r in default_rules()}  # every K3 rule decided something
+    # every K3 rule decided something (weight_prefetch: refused, off by default)
+    assert {e["rule"] for e in events} == {r.name for r in all_rules()}

@@ -74,7 +74,7 @@ def test_statics_come_from_the_signature_minus_mutated_buffers():
 
 def test_cli_apply_and_log(exported, tmp_path, monkeypatch, capsys):
     _, h, ep = exported
-    monkeypatch.setattr("k3fuse.pipeline.default_rules", lambda: [LinearResidualRule()])
+    monkeypatch.setattr("k3fuse.pipeline.all_rules", lambda: [LinearResidualRule()])  # the CLI's registry
     src, dst, logf = tmp_path / "in.pt2", tmp_path / "out.pt2", tmp_path / "log.jsonl"
     torch.export.save(ep, src)
     from k3fuse.cli import main
