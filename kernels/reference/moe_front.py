@@ -38,5 +38,7 @@ def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Ten
     gathered = all_gather_last_dim(local, group_name, world_size)  # [T, tp * (E/tp + L/tp)]
     blocks = gathered.unflatten(-1, (world_size, fused_w.shape[0]))
     logits = blocks[..., :e_shard].flatten(-2)
+    if down_w is None:  # router-only: a fresh [T, 0] (an empty view of `gathered` may alias the logits)
+        return logits.to(torch.float32).contiguous(), x.new_empty((*x.shape[:-1], 0))
     latent = blocks[..., e_shard:].flatten(-2)
     return logits.to(torch.float32).contiguous(), latent.to(x.dtype).contiguous()
