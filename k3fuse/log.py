@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from . import settings
+
 logger = logging.getLogger("k3fuse")
 
 Decision = Literal["applied", "rejected", "not_matched"]
@@ -207,7 +209,7 @@ class RewriteLog:
     """Events in decision order; optionally streamed to a JSONL file as they arrive."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, rank: int = 0):
-        env_path = os.environ.get("K3FUSE_LOG")
+        env_path = settings.current().log_path
         self.path: Path | None = Path(path) if path is not None else (Path(env_path) if env_path else None)
         self.rank = rank
         self.events: list[RewriteEvent] = []

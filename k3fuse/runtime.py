@@ -7,10 +7,11 @@ Strict mode turns a fallback into an error, so a test can prove the fast path ra
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
+
+from . import settings
 
 _lock = threading.Lock()
 _counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -22,18 +23,14 @@ class K3FuseFallbackError(RuntimeError):
     """A fused op fell back while strict mode was on."""
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def is_strict() -> bool:
     """Strict mode from `strict()` or, if unset, from K3FUSE_STRICT."""
-    return _strict_override if _strict_override is not None else _env_flag("K3FUSE_STRICT")
+    return _strict_override if _strict_override is not None else settings.current().strict
 
 
 def is_disabled() -> bool:
     """The kill switch from `disable()` or, if unset, from K3FUSE_DISABLE."""
-    return _disabled_override if _disabled_override is not None else _env_flag("K3FUSE_DISABLE")
+    return _disabled_override if _disabled_override is not None else settings.current().disable
 
 
 @contextlib.contextmanager
@@ -56,18 +53,6 @@ def disable(disabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _disabled_override = previous
-
-
-def set_strict(enabled: bool | None) -> None:
-    """Process-wide strict mode (None: follow K3FUSE_STRICT)."""
-    global _strict_override
-    _strict_override = enabled
-
-
-def set_disabled(disabled: bool | None) -> None:
-    """Process-wide kill switch (None: follow K3FUSE_DISABLE)."""
-    global _disabled_override
-    _disabled_override = disabled
 
 
 def record(op: str, impl: str) -> None:

@@ -49,9 +49,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from k3fuse import settings
+
 from .dispatch import K3FuseCollectiveError
 
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = settings.DEFAULT_AR_TIMEOUT_S
 
 _lock = threading.Lock()
 _workspaces: dict = {}
@@ -73,22 +75,7 @@ class WorkspaceStreamError(CollectiveError):
 def timeout_s() -> float:
     """Bound of every spin, in seconds: K3FUSE_AR_TIMEOUT_S (default 5), or the older
     K3FUSE_AR_TIMEOUT_MS. Read per call (a runtime kernel argument, no recompile)."""
-    raw = os.environ.get("K3FUSE_AR_TIMEOUT_S", "").strip()
-    if raw:
-        value, name = raw, "K3FUSE_AR_TIMEOUT_S"
-        scale = 1.0
-    else:
-        raw = os.environ.get("K3FUSE_AR_TIMEOUT_MS", "").strip()
-        if not raw:
-            return DEFAULT_TIMEOUT_S
-        value, name, scale = raw, "K3FUSE_AR_TIMEOUT_MS", 1e-3
-    try:
-        t = float(value) * scale
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a number") from None
-    if not t > 0:
-        raise ValueError(f"{name}={value!r}: the spin bound must be positive (no unbounded spin)")
-    return t
+    return settings.current().spin_timeout_s
 
 
 def timeout_ns() -> int:
@@ -97,11 +84,7 @@ def timeout_ns() -> int:
 
 def start_generation() -> int:
     """K3FUSE_AR_START_GENERATION (default 0): the first epoch of a new workspace (tests)."""
-    raw = os.environ.get("K3FUSE_AR_START_GENERATION", "0").strip() or "0"
-    g = int(raw, 0)
-    if not -(2**63) <= g < 2**63:
-        raise ValueError(f"K3FUSE_AR_START_GENERATION={raw}: outside int64")
-    return g
+    return settings.current().ar_start_generation
 
 
 # --- the protocol's generation arithmetic, as the kernels do it (pure Python, for CPU tests) -------
@@ -330,8 +313,3 @@ def check_errors(sync: bool = True) -> None:
     (synchronises the devices with `sync`; use after CUDA-graph replays)."""
     for ws in list(_workspaces.values()):
         ws.raise_if_failed(ws.last_op, sync=sync)
-
-
-def multicast_used() -> bool:
-    """Always False: this module never asks for a multicast pointer (kept for guards/tests)."""
-    return False

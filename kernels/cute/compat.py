@@ -66,7 +66,9 @@ def version_tuple() -> tuple[int, ...]:
 
 def available() -> bool:
     """CuTe kernels may run: the DSL imports and K3FUSE_DISABLE_CUTE is not set."""
-    return HAVE_CUTE and os.environ.get("K3FUSE_DISABLE_CUTE", "") not in {"1", "true", "yes"}
+    from k3fuse import settings
+
+    return HAVE_CUTE and not settings.current().disable_cute
 
 
 if HAVE_CUTE:
@@ -230,10 +232,6 @@ def compiled(key: Any, build: Callable[[], Any], options: str = "--enable-tvm-ff
             fn = cute.compile(jit_fn, *args, options=options)
             _cache[key] = fn
     return fn
-
-
-def cache_size() -> int:
-    return len(_cache)
 
 
 def compile_to_ptx_on_cpu(key: Any, build: Callable[[], Any], dump_dir: str) -> str:

@@ -6,20 +6,22 @@ H200 (docs/perf.md) and can be overridden with K3FUSE_GEMV_MAX_M for experiments
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
+from k3fuse import settings
+
 from . import compat, decode_gemv
 
-GEMV_MAX_M = int(os.environ.get("K3FUSE_GEMV_MAX_M", "2"))
+GEMV_MAX_M = 2
 # measured exceptions to the crossover (docs/perf.md): the narrow router keeps the GEMV up to M=4
 GEMV_MAX_M_BY_SHAPE = {(896, 7168): 4}
 
 
 def gemv_max_m(N: int, K: int) -> int:
-    if "K3FUSE_GEMV_MAX_M" in os.environ:
-        return GEMV_MAX_M
+    forced = settings.current().gemv_max_m  # K3FUSE_GEMV_MAX_M overrides the measured crossover
+    if forced is not None:
+        return forced
     return GEMV_MAX_M_BY_SHAPE.get((N, K), GEMV_MAX_M)
 
 
@@ -56,24 +58,6 @@ def gemv_covers(shape: dict) -> str | None:
 def gemv_run(x, weight, bias, out_dtype=None, **_):
     y = decode_gemv.run(_flat(x), weight, bias, out_dtype or x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def best_gemm(x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> str:
-    """out[M, N] = x2 @ weight.T with the best kernel; returns its name ('' if none applies)."""
-    if compat.available() and x2.shape[0] <= gemv_max_m(*weight.shape) and decode_gemv.supports(x2, weight, None, out.dtype):
-        decode_gemv.run(x2, weight, None, out.dtype, out=out)
-        return "cute.gemv"
-    try:
-        from ..triton import splitk_gemm
-    except Exception:
-        splitk_gemm = None
-    if splitk_gemm is not None and splitk_gemm.supports(x2, weight, None, out.dtype):
-        splitk_gemm.run(x2, weight, None, out.dtype, out=out)
-        return "triton.splitk"
-    if compat.available() and decode_gemv.supports(x2, weight, None, out.dtype):
-        decode_gemv.run(x2, weight, None, out.dtype, out=out)
-        return "cute.gemv"
-    return ""
 
 
 def gemv_warmup(shapes) -> None:

@@ -18,10 +18,11 @@ once per process: both share the workspace, and the Lamport one needs its sentin
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
+
+from k3fuse import settings
 
 from . import compat, decode_gemm, decode_gemv, oneshot_ar
 
@@ -31,10 +32,7 @@ _PROTOCOL: list[str] = []
 def protocol() -> str:
     """K3FUSE_AR_PROTOCOL (lamport | flags), read on first use and then fixed for the process."""
     if not _PROTOCOL:
-        p = os.environ.get("K3FUSE_AR_PROTOCOL", "lamport").strip().lower() or "lamport"
-        if p not in ("lamport", "flags"):
-            raise ValueError(f"K3FUSE_AR_PROTOCOL={p!r}: expected 'lamport' or 'flags'")
-        _PROTOCOL.append(p)
+        _PROTOCOL.append(settings.current().ar_protocol)
     return _PROTOCOL[0]
 
 
@@ -106,7 +104,7 @@ def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) ->
 
 def _pdl(path: str | None) -> bool:
     # never with flags: the epilogue's flag store must follow the whole GEMM push
-    return path == "gemv" and os.environ.get("K3FUSE_AR_PDL", "0") == "1" and protocol() == "lamport"
+    return path == "gemv" and settings.current().ar_pdl and protocol() == "lamport"
 
 
 def _gemm_path(T: int, N: int, K: int, dtype, *, cute_ok: bool | None = None,

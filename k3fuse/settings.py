@@ -1,0 +1,186 @@
+"""Every K3FUSE_* environment variable, parsed in one place into one typed object.
+
+Why one module: a switch read in several files with several parsers drifts ("1" on, "true" off).
+`current()` parses the environment once per distinct set of K3FUSE_* values (so a test or a user
+that changes a variable sees the change on the next read) and returns a frozen `Settings`. A value
+that does not parse raises `SettingsError` naming the variable, the value and what it accepts.
+
+A leaf: imports nothing from k3fuse, so the kernels can read it without reaching into the
+framework. The README's "Settings" table lists the same variables (`VARIABLES`); a test keeps them
+in step.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ArProtocol = Literal["lamport", "flags"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A K3FUSE_* variable holds a value k3fuse cannot use."""
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: its Settings field, parser, default and what it does."""
+
+    env: str
+    field: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    doc: str
+
+
+def _flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SettingsError(f"{name}={raw!r}: expected 1/0 (or true/false, yes/no, on/off)")
+
+
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+def _optional_path(name: str, raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _positive_int(name: str, raw: str) -> int | None:
+    if not raw.strip():
+        return None
+    try:
+        value = int(raw.strip(), 0)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected a positive integer") from None
+    if value < 1:
+        raise SettingsError(f"{name}={raw!r}: expected a positive integer")
+    return value
+
+
+def _protocol(name: str, raw: str) -> ArProtocol:
+    value = raw.strip().lower() or "lamport"
+    if value not in ("lamport", "flags"):
+        raise SettingsError(f"{name}={raw!r}: expected 'lamport' or 'flags'")
+    return value  # type: ignore[return-value]
+
+
+def _seconds(scale: float) -> Callable[[str, str], float | None]:
+    def parse(name: str, raw: str) -> float | None:
+        if not raw.strip():
+            return None
+        try:
+            value = float(raw) * scale
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r}: expected a number") from None
+        if not value > 0:
+            raise SettingsError(f"{name}={raw!r}: the spin bound must be positive (no unbounded spin)")
+        return value
+    return parse
+
+
+def _int64(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip() or "0", 0)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected an integer") from None
+    if not -(2**63) <= value < 2**63:
+        raise SettingsError(f"{name}={raw}: outside int64")
+    return value
+
+
+#: every variable k3fuse reads, in the order the README lists them
+VARIABLES: tuple[Variable, ...] = (
+    Variable("K3FUSE_RULES", "rules", _text, "",
+             'which rules run: "a,b" only a and b, "-a" all but a, "+a" adds an off-by-default rule'),
+    Variable("K3FUSE_STRICT", "strict", _flag, False,
+             "every fallback of a fused op raises K3FuseFallbackError (proves the fast path ran)"),
+    Variable("K3FUSE_DISABLE", "disable", _flag, False,
+             "kill switch: the passes rewrite nothing and fused ops run the stock sequence"),
+    Variable("K3FUSE_LOG", "log_path", _optional_path, None,
+             "append every rewrite decision to this JSONL file"),
+    Variable("K3FUSE_DEBUG", "debug", _flag, False,
+             "the CLI prints tracebacks (same as --debug)"),
+    Variable("K3FUSE_DISABLE_MULTICAST", "disable_multicast", _flag, False,
+             "the multicast guard reads unavailable (k3fuse's kernels never use multicast)"),
+    Variable("K3FUSE_DISABLE_CUTE", "disable_cute", _flag, False,
+             "do not import the CuTe DSL kernels (a broken toolchain); Triton and cuBLAS remain"),
+    Variable("K3FUSE_DISABLE_TRITON", "disable_triton", _flag, False,
+             "do not import the Triton kernels"),
+    Variable("K3FUSE_GEMV_MAX_M", "gemv_max_m", _positive_int, None,
+             "largest token count the CuTe GEMV serves before split-K (default: measured per shape)"),
+    Variable("K3FUSE_AR_PROTOCOL", "ar_protocol", _protocol, "lamport",
+             "fused all-reduce completion protocol: lamport (sentinels) or flags (acquire/release)"),
+    Variable("K3FUSE_AR_PDL", "ar_pdl", _flag, False,
+             "launch the all-reduce epilogue with programmatic dependent launch (lamport only)"),
+    Variable("K3FUSE_AR_TIMEOUT_S", "ar_timeout_s", _seconds(1.0), None,
+             "bound of every fused-collective spin in seconds (default 5): a missing peer raises"),
+    Variable("K3FUSE_AR_TIMEOUT_MS", "ar_timeout_ms_as_s", _seconds(1e-3), None,
+             "the same bound in milliseconds (older name; K3FUSE_AR_TIMEOUT_S wins)"),
+    Variable("K3FUSE_AR_START_GENERATION", "ar_start_generation", _int64, 0,
+             "first epoch of a new all-reduce workspace (tests start it near the int64 wrap)"),
+)
+DEFAULT_AR_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed K3FUSE_* environment (defaults where a variable is unset)."""
+
+    rules: str = ""
+    strict: bool = False
+    disable: bool = False
+    log_path: str | None = None
+    debug: bool = False
+    disable_multicast: bool = False
+    disable_cute: bool = False
+    disable_triton: bool = False
+    gemv_max_m: int | None = None
+    ar_protocol: ArProtocol = "lamport"
+    ar_pdl: bool = False
+    ar_timeout_s: float | None = None
+    ar_timeout_ms_as_s: float | None = None
+    ar_start_generation: int = 0
+
+    @property
+    def spin_timeout_s(self) -> float:
+        """The fused collectives' spin bound: K3FUSE_AR_TIMEOUT_S, else _MS, else 5 s."""
+        if self.ar_timeout_s is not None:
+            return self.ar_timeout_s
+        if self.ar_timeout_ms_as_s is not None:
+            return self.ar_timeout_ms_as_s
+        return DEFAULT_AR_TIMEOUT_S
+
+
+def parse(env: Mapping[str, str]) -> Settings:
+    """Settings from an environment mapping; raises SettingsError on the first bad value."""
+    values = {v.field: v.parse(v.env, env[v.env]) if v.env in env else v.default for v in VARIABLES}
+    return Settings(**values)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_cached(items: tuple[tuple[str, str], ...]) -> Settings:
+    return parse(dict(items))
+
+
+def current() -> Settings:
+    """The settings of the current environment (parsed once per distinct K3FUSE_* values)."""
+    return _parse_cached(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("K3FUSE_"))))
+
+
+def is_on(env: Mapping[str, str], name: str) -> bool:
+    """A flag variable read from another mapping (a child process's environment, a test's)."""
+    return _flag(name, env.get(name, ""))
+
+
+__all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "current", "parse", "is_on",
+           "DEFAULT_AR_TIMEOUT_S", "ArProtocol"]
