@@ -7,9 +7,8 @@ synchronisation point than it did before. Terms, precisely:
 * *static value*: a placeholder marked ``node.meta["k3fuse_static"]`` by the door (parameters,
   buffers and constants the graph never mutates) or a ``get_attr`` constant. Every other value
   is non-static.
-* *sync node*: an op after which data written elsewhere becomes valid: ``wait_tensor``,
-  ``k3fuse.shared_expert_join`` and fused collectives that act as barriers
-  (``k3fuse.gemm_ar_residual*``, ``k3fuse.moe_front_sharded``); see `SYNC_OPS`, `register_sync_op`.
+* *sync node*: an op after which data written elsewhere becomes valid: ``wait_tensor`` and every
+  op declared with ``OpTraits(sync=True)`` (k3fuse's join and fused collectives; `k3fuse.ir`).
 * *collective handle*: the output of a ``_c10d_functional`` collective before its ``wait_tensor``.
 * *reader* of a value: a node that takes it as a direct input; "before" means earlier in graph
   order (the order the code runs in).
@@ -17,8 +16,8 @@ synchronisation point than it did before. Terms, precisely:
 A rule's result is rejected with `ReorderingError` (naming the node) when either holds:
 
 1. *Handle discipline*: a collective handle is read by anything but its ``wait_tensor`` or an
-   *anchor op* (`ANCHOR_OPS`: ops that take the handle only to be ordered inside the collective's
-   window, like ``k3fuse.l2_prefetch`` between ``all_reduce`` and ``wait_tensor``), or an anchor op
+   *anchor op* (``OpTraits(anchor=True)``: ops that take the handle only to be ordered inside the
+   collective's window, like ``k3fuse.l2_prefetch`` between ``all_reduce`` and ``wait_tensor``), or an anchor op
    reads a non-static value besides handles. Inside a collective's window only static weights
    may be read.
 2. *No hoisting across a sync*: for a non-static value V and a sync node S present both before
@@ -31,26 +30,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import operator
-
 import torch.fx as fx
-from torch._ops import OpOverload, OpOverloadPacket
 
-#: qualified op names ("namespace::name") whose call is a synchronisation point
-SYNC_OPS: set[str] = {
-    "_c10d_functional::wait_tensor",
-    "k3fuse::shared_expert_join",
-    "k3fuse::gemm_ar_residual",
-    "k3fuse::gemm_ar_residual_rmsnorm",
-    "k3fuse::moe_front_sharded",
-}
-_WAIT = "_c10d_functional::wait_tensor"
-#: ops that take a collective handle only as an ordering anchor (they never read its data)
-ANCHOR_OPS: set[str] = {"k3fuse::l2_prefetch"}
-#: op -> positions of arguments it takes only to be ordered after them, never reading their data
-#: (shared_expert_join's `anchor`, the routed output, keeps the join after the routed experts);
-#: such a use is not a read for condition 2
-ORDERING_ARGS: dict[str, frozenset[int]] = {"k3fuse::shared_expert_join": frozenset({1})}
+from .ir import is_handle, is_static_value, is_sync, is_wait, node_order, op_traits
 
 
 class ReorderingError(RuntimeError):
@@ -60,46 +42,6 @@ class ReorderingError(RuntimeError):
         super().__init__(message)
         self.node = node
         self.rule = rule
-
-
-def register_sync_op(qualname: str) -> None:
-    """Declare another op ("ns::name") a synchronisation point for the verifier."""
-    SYNC_OPS.add(qualname)
-
-
-def op_qualname(node: fx.Node) -> str | None:
-    """'namespace::name' of an op call node, without the overload; None for non-op nodes."""
-    if node.op != "call_function":
-        return None
-    target = node.target
-    if isinstance(target, OpOverload):
-        return target._schema.name
-    if isinstance(target, OpOverloadPacket):
-        return target._qualified_op_name
-    return None
-
-
-def is_sync(node: fx.Node) -> bool:
-    return op_qualname(node) in SYNC_OPS
-
-
-def is_collective(node: fx.Node) -> bool:
-    name = op_qualname(node)
-    return name is not None and name.startswith("_c10d_functional::") and name != _WAIT
-
-
-def is_handle(node: fx.Node) -> bool:
-    """Output of a functional collective (or an item of a coalesced one) not yet waited on."""
-    if is_collective(node):
-        return True
-    return (node.op == "call_function" and node.target is operator.getitem
-            and isinstance(node.args[0], fx.Node) and is_collective(node.args[0]))
-
-
-def is_static_value(node: fx.Node) -> bool:
-    if node.op == "get_attr":
-        return True
-    return node.op == "placeholder" and bool(node.meta.get("k3fuse_static"))
 
 
 @dataclass
@@ -112,7 +54,7 @@ class GraphSnapshot:
 
 
 def snapshot(graph: fx.Graph) -> GraphSnapshot:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     readers = {n: frozenset(n.users) for n in graph.nodes}
     return GraphSnapshot(order, readers, [n for n in graph.nodes if is_sync(n)])
 
@@ -123,9 +65,9 @@ def check_handles(graph: fx.Graph, rule: str | None = None) -> None:
         if not is_handle(node):
             continue
         for user in node.users:
-            if op_qualname(user) == _WAIT or is_handle(user):
+            if is_wait(user) or is_handle(user):
                 continue
-            if op_qualname(user) not in ANCHOR_OPS:
+            if not op_traits(user).anchor:
                 raise ReorderingError(
                     f"{_by(rule)}{user.name} reads collective handle {node.name} before its wait_tensor", user, rule)
             bad = [i for i in user.all_input_nodes if not (is_handle(i) or is_static_value(i))]
@@ -141,7 +83,7 @@ def check_handles(graph: fx.Graph, rule: str | None = None) -> None:
 def check_reordering(before: GraphSnapshot, graph: fx.Graph, rule: str | None = None) -> None:
     """Raise ReorderingError if the rule that turned `before` into `graph` broke either condition."""
     check_handles(graph, rule)
-    after = {n: i for i, n in enumerate(graph.nodes)}
+    after = node_order(graph)
     syncs = [s for s in before.syncs if s in after]
     if not syncs:
         return
@@ -169,8 +111,8 @@ def check_reordering(before: GraphSnapshot, graph: fx.Graph, rule: str | None = 
 
 
 def _reads(user: fx.Node, value: fx.Node) -> bool:
-    """False when `user` takes `value` only in ordering-only argument positions (ORDERING_ARGS)."""
-    positions = ORDERING_ARGS.get(op_qualname(user) or "")
+    """False when `user` takes `value` only in ordering-only argument positions (OpTraits)."""
+    positions = op_traits(user).ordering_args
     if not positions:
         return True
     return any(a is value for i, a in enumerate(user.args) if i not in positions) or value in user.kwargs.values()
@@ -180,6 +122,4 @@ def _by(rule: str | None) -> str:
     return f"rule {rule}: " if rule else ""
 
 
-__all__ = ["ReorderingError", "SYNC_OPS", "ANCHOR_OPS", "ORDERING_ARGS", "register_sync_op", "snapshot",
-           "check_reordering", "check_handles",
-           "GraphSnapshot", "is_sync", "is_handle", "is_static_value", "op_qualname"]
+__all__ = ["ReorderingError", "snapshot", "check_reordering", "check_handles", "GraphSnapshot"]

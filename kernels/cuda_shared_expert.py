@@ -114,3 +114,8 @@ def warmup(shapes: Sequence[Any]) -> None:
 
 
 __all__ = ["linear", "run", "warmup", "STATS_KEY"]
+
+
+dispatch.register_impl("shared_expert_fork",
+                       dispatch.Impl("torch.side_stream", lambda *a, **k: None, run, priority=0,
+                                     device_types=("cuda",), warmup=warmup))

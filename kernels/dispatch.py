@@ -41,14 +41,14 @@ from typing import Any
 
 import torch
 
-from k3fuse import runtime
+from k3fuse import runtime, settings
 
 REFERENCE = "reference"
 ALL_DEVICES: tuple[str, ...] = ("cpu", "cuda")
 KERNEL_PACKAGES: tuple[str, ...] = ("k3fuse.kernels.cute", "k3fuse.kernels.triton")
 # K3FUSE_DISABLE_CUTE=1 / K3FUSE_DISABLE_TRITON=1 skip importing that family (e.g. a broken toolchain).
-_PACKAGE_SWITCHES = {"k3fuse.kernels.cute": "K3FUSE_DISABLE_CUTE",
-                     "k3fuse.kernels.triton": "K3FUSE_DISABLE_TRITON"}
+_PACKAGE_SWITCHES = {"k3fuse.kernels.cute": ("K3FUSE_DISABLE_CUTE", "disable_cute"),
+                     "k3fuse.kernels.triton": ("K3FUSE_DISABLE_TRITON", "disable_triton")}
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class _OpEntry:
 # being disabled on this rank only and falling back (the peers would wait in another collective).
 # Its peers fail too: the fused kernels' spins are bounded and a failing rank marks every peer's
 # workspace failed (kernels/symm_workspace.py).
-COLLECTIVE_OPS: set[str] = {"gemm_ar_residual", "gemm_ar_residual_rmsnorm", "moe_front_sharded"}
+# Filled from the op declarations (kernels/ops.py, OpDecl.collective).
+COLLECTIVE_OPS: set[str] = set()
 
 
 class K3FuseCollectiveError(RuntimeError):
@@ -155,8 +156,8 @@ def load_gpu_impls() -> None:
         _gpu_loaded = True
         for package in KERNEL_PACKAGES:
             switch = _PACKAGE_SWITCHES.get(package)
-            if switch and runtime._env_flag(switch):
-                _import_errors[package] = f"disabled by {switch}=1"
+            if switch and getattr(settings.current(), switch[1]):
+                _import_errors[package] = f"disabled by {switch[0]}=1"
                 continue
             try:
                 pkg = importlib.import_module(package)
@@ -302,6 +303,13 @@ def warmup(op: str, shapes: Sequence[Any]) -> dict[str, str | None]:
         except Exception as exc:
             result[impl.name] = _short_error(exc)
     return result
+
+
+def ops_without_kernel(ops: Iterable[str]) -> list[str]:
+    """The ops among `ops` with no CUDA kernel registered (imports the GPU modules first)."""
+    load_gpu_impls()
+    return [op for op in ops
+            if not any(i.name != REFERENCE and "cuda" in i.device_types for i in implementations(op))]
 
 
 def coverage(op: str, shape: dict[str, Any], tokens: Iterable[int]) -> dict[int, list[str]]:

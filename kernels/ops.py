@@ -1,10 +1,14 @@
-"""The fused ops torch.ops.k3fuse.*: schemas, fake impls and the eager entry into dispatch.
+"""The fused ops torch.ops.k3fuse.*, each declared once (`OpDecl`) and registered from that.
 
-Schemas are the contract of docs/architecture.md "Custom ops". Each op has
-- a fake impl (register_fake): output shapes/dtypes only, so FakeTensor tracing, AOT, Inductor and
-  torch.export never run a kernel or a collective;
-- one CompositeExplicitAutograd impl (every device: CPU and CUDA) that hands the arguments, minus
-  `strict`, to `kernels.dispatch.dispatch`, which picks and counts the implementation.
+A declaration holds everything the rest of k3fuse knows about an op (docs/architecture.md "Custom
+ops"): its schema; its fake impl (output shapes/dtypes only, so FakeTensor tracing, AOT, Inductor
+and torch.export never run a kernel or a collective); its stock sequence (the unfused torch ops it
+replaced: the kill switch and the call guard run it); its plain-torch reference (the CPU path and
+the numerical oracle); whether it is a collective (no per-rank fallback); and its ordering traits
+for the verifier (`k3fuse.ir.OpTraits`: sync point, anchor, ordering-only arguments). `declare`
+turns that into the torch.library op, whose one CompositeExplicitAutograd impl (every device) hands
+the arguments, minus `strict`, to `kernels.dispatch.dispatch`, which picks and counts the
+implementation. Kernel backends (cute/, triton/) register further `Impl`s against the op's name.
 
 Ops are inference-only (Autograd falls through: outputs never require grad). Registration happens once, on import of
 k3fuse.kernels.
@@ -30,52 +34,51 @@ dtypes and world size only), or the ranks would run different collectives.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.fx
 
 from k3fuse import runtime
+from k3fuse.ir import OpTraits, declare_op_traits
 
-from . import reference  # noqa: F401  (registers the reference impls and stock sequences)
+from . import dispatch as _dispatch
 from . import streams
-from .dispatch import dispatch
+from .reference import allreduce, kda_delta, linear, moe_front, prefetch, shared_expert, stock
 
 NAMESPACE = "k3fuse"
-
-SCHEMAS: dict[str, str] = {
-    "gemm_ar_residual":
-        "(Tensor x, Tensor weight, Tensor residual, Tensor? addend, str group_name, "
-        "int world_size, int max_tokens=64, bool strict=False) -> Tensor",
-    "gemm_ar_residual_rmsnorm":
-        "(Tensor x, Tensor weight, Tensor residual, Tensor? addend, Tensor norm_weight, float eps, "
-        "str group_name, int world_size, int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
-    "moe_front_sharded":
-        "(Tensor x, Tensor router_w, Tensor? down_w, str group_name, int world_size, "
-        "int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
-    "shared_expert_fork":
-        "(Tensor x, Tensor[] proj, Tensor[] proj_bias, Tensor? w_down, Tensor? b_down, str act, int site, "
-        "bool strict=False) -> Tensor",
-    "shared_expert_join":
-        "(Tensor x_pass, Tensor anchor, Tensor[] reads, int site, int out_features=-1) -> Tensor",
-    "l2_prefetch":
-        "(Tensor anchor, Tensor[] weights, int budget_bytes) -> ()",
-    "decode_gemm":
-        "(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype=None, bool strict=False) "
-        "-> Tensor",
-}
-
-_lib = torch.library.Library(NAMESPACE, "DEF")
-for _name, _schema in SCHEMAS.items():
-    _lib.define(_name + _schema)
+REFERENCE_PRIORITY = -100
 
 
-def _register(name: str, eager, fake) -> None:
-    qualname = f"{NAMESPACE}::{name}"
-    torch.library.impl(qualname, "CompositeExplicitAutograd", lib=_lib)(eager)
-    torch.library.register_fake(qualname, lib=_lib)(fake)
-    # Inference-only: declare the op non-differentiable (Autograd falls through), so weights that
-    # happen to require grad neither trip autograd's "no autograd kernel" warning nor make
-    # torch.compile trace a backward; outputs never require grad.
-    _lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
+@dataclass(frozen=True)
+class OpDecl:
+    """One fused op, declared once.
+
+    reference: the "reference" Impl (any device, lowest priority; None: the op is not dispatched).
+    eager: the op's own eager body when it is more than a dispatch (the fork returns x_pass, the
+    join waits for the side stream); default: dispatch with the schema's arguments.
+    side_effect: returns nothing yet must survive dead-code elimination (l2_prefetch).
+    """
+
+    name: str
+    schema: str
+    fake: Callable[..., Any]
+    stock: Callable[..., Any] | None
+    reference: Callable[..., Any] | None
+    traits: OpTraits = OpTraits()
+    collective: bool = False
+    side_effect: bool = False
+    eager: Callable[..., Any] | None = None
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+
+def _always(*args: object, **kwargs: object) -> None:
+    return None
 
 
 def _rows(x: torch.Tensor, features) -> tuple:
@@ -88,38 +91,17 @@ def _check_gemm(x: torch.Tensor, weight: torch.Tensor, op: str) -> None:
                          "disagree on the reduction dim")
 
 
-# --- gemm_ar_residual ---------------------------------------------------------------------------
-def _gemm_ar_residual(x, weight, residual, addend, group_name, world_size, max_tokens=64,
-                      strict=False):
-    return dispatch("gemm_ar_residual", x, weight, residual, addend, group_name, world_size,
-                    max_tokens=max_tokens, strict=strict)
-
-
+# --- fake impls (shapes only) ------------------------------------------------------------------
 def _gemm_ar_residual_fake(x, weight, residual, addend, group_name, world_size, max_tokens=64,
                            strict=False):
     _check_gemm(x, weight, "gemm_ar_residual")
     return residual.new_empty(residual.shape)
 
 
-# --- gemm_ar_residual_rmsnorm -------------------------------------------------------------------
-def _gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
-                              world_size, max_tokens=64, strict=False):
-    return dispatch("gemm_ar_residual_rmsnorm", x, weight, residual, addend, norm_weight, eps,
-                    group_name, world_size, max_tokens=max_tokens, strict=strict)
-
-
 def _gemm_ar_residual_rmsnorm_fake(x, weight, residual, addend, norm_weight, eps, group_name,
                                    world_size, max_tokens=64, strict=False):
     _check_gemm(x, weight, "gemm_ar_residual_rmsnorm")
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
-
-
-# --- moe_front_sharded --------------------------------------------------------------------------
-def _moe_front_sharded(x, router_w, down_w, group_name, world_size, max_tokens=64, strict=False):
-    """Takes the FULL replicated W_r [E, H] and W_down [L, H]; each rank computes its 1/world_size
-    rows (rank from the group at run time), so one rewritten graph serves every rank."""
-    return dispatch("moe_front_sharded", x, router_w, down_w, group_name, world_size,
-                    max_tokens=max_tokens, strict=strict)
 
 
 def _moe_front_sharded_fake(x, router_w, down_w, group_name, world_size, max_tokens=64,
@@ -135,14 +117,6 @@ def _moe_front_sharded_fake(x, router_w, down_w, group_name, world_size, max_tok
     return logits, latent
 
 
-# --- shared_expert_fork / join ------------------------------------------------------------------
-def _shared_expert_fork(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
-    """Launch the shared-expert branch for `site` (side stream on CUDA); return x_pass, a copy of x."""
-    dispatch("shared_expert_fork", x, proj, proj_bias, w_down, b_down, act, site, strict=strict)
-    with torch.no_grad():
-        return x.clone()
-
-
 def _shared_expert_fork_fake(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
     torch._check(len(proj) >= 1, lambda: "k3fuse.shared_expert_fork: no projection")
     torch._check(not proj_bias or len(proj_bias) == len(proj),
@@ -154,6 +128,40 @@ def _shared_expert_fork_fake(x, proj, proj_bias, w_down, b_down, act, site, stri
 
 def _join_features(anchor: torch.Tensor, out_features: int):
     return anchor.shape[-1] if out_features < 0 else out_features
+
+
+def _shared_expert_join_fake(x_pass, anchor, reads, site, out_features=-1):
+    return x_pass.new_empty(_rows(x_pass, _join_features(anchor, out_features)))
+
+
+def _l2_prefetch_fake(anchor, weights, budget_bytes):
+    return None
+
+
+def _decode_gemm_fake(x, weight, bias, out_dtype=None, strict=False):
+    _check_gemm(x, weight, "decode_gemm")
+    return x.new_empty(_rows(x, weight.shape[0]), dtype=out_dtype or x.dtype)
+
+
+def _kda_delta_rule_fake(recurrent, g, beta, k, v, q, strict=False):
+    torch._check(recurrent.dim() == 4, lambda: f"k3fuse.kda_delta_rule: recurrent must be [T, h, dk, dv], "
+                                               f"got {tuple(recurrent.shape)}")
+    T, h, dk, dv = recurrent.shape
+    for what, t, shape in (("g", g, (T, h, dk)), ("beta", beta, (T, h)), ("k", k, (T, h, dk)),
+                           ("v", v, (T, h, dv)), ("q", q, (T, h, dk))):
+        torch._check(tuple(t.shape) == shape,
+                     lambda what=what, t=t, shape=shape: f"k3fuse.kda_delta_rule: {what} is {tuple(t.shape)}, "
+                                                         f"expected {shape}")
+    return (recurrent.new_empty(recurrent.shape, dtype=torch.float32),
+            recurrent.new_empty((T, h, dv), dtype=torch.float32))
+
+
+# --- eager bodies that are more than a dispatch -------------------------------------------------
+def _shared_expert_fork(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
+    """Launch the shared-expert branch for `site` (side stream on CUDA); return x_pass, a copy of x."""
+    _dispatch.dispatch("shared_expert_fork", x, proj, proj_bias, w_down, b_down, act, site, strict=strict)
+    with torch.no_grad():
+        return x.clone()
 
 
 def _shared_expert_join(x_pass, anchor, reads, site, out_features=-1):
@@ -172,40 +180,99 @@ def _shared_expert_join(x_pass, anchor, reads, site, out_features=-1):
     return output
 
 
-def _shared_expert_join_fake(x_pass, anchor, reads, site, out_features=-1):
-    return x_pass.new_empty(_rows(x_pass, _join_features(anchor, out_features)))
+SYNC = OpTraits(sync=True)
+
+#: every fused op; the kernels' `Impl`s register against these names
+DECLARATIONS: tuple[OpDecl, ...] = (
+    OpDecl("gemm_ar_residual",
+           "(Tensor x, Tensor weight, Tensor residual, Tensor? addend, str group_name, "
+           "int world_size, int max_tokens=64, bool strict=False) -> Tensor",
+           _gemm_ar_residual_fake, stock.gemm_ar_residual, allreduce.gemm_ar_residual,
+           traits=SYNC, collective=True),
+    OpDecl("gemm_ar_residual_rmsnorm",
+           "(Tensor x, Tensor weight, Tensor residual, Tensor? addend, Tensor norm_weight, float eps, "
+           "str group_name, int world_size, int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
+           _gemm_ar_residual_rmsnorm_fake, stock.gemm_ar_residual_rmsnorm, allreduce.gemm_ar_residual_rmsnorm,
+           traits=SYNC, collective=True),
+    # takes the FULL replicated W_r [E, H] and W_down [L, H]; each rank computes its 1/world_size
+    # rows (rank from the group at run time), so one rewritten graph serves every rank
+    OpDecl("moe_front_sharded",
+           "(Tensor x, Tensor router_w, Tensor? down_w, str group_name, int world_size, "
+           "int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
+           _moe_front_sharded_fake, stock.moe_front_sharded, moe_front.moe_front_sharded,
+           traits=SYNC, collective=True),
+    OpDecl("shared_expert_fork",
+           "(Tensor x, Tensor[] proj, Tensor[] proj_bias, Tensor? w_down, Tensor? b_down, str act, int site, "
+           "bool strict=False) -> Tensor",
+           _shared_expert_fork_fake, stock.shared_expert_fork, shared_expert.make_fork_run(_dispatch.REFERENCE),
+           eager=_shared_expert_fork),
+    # `anchor` (argument 1, the routed output) only keeps the join after the routed experts
+    OpDecl("shared_expert_join",
+           "(Tensor x_pass, Tensor anchor, Tensor[] reads, int site, int out_features=-1) -> Tensor",
+           _shared_expert_join_fake, None, None,
+           traits=OpTraits(sync=True, ordering_args=frozenset({1})), eager=_shared_expert_join),
+    # side effect only: never reads `anchor` (its collective may still be in flight)
+    OpDecl("l2_prefetch", "(Tensor anchor, Tensor[] weights, int budget_bytes) -> ()",
+           _l2_prefetch_fake, stock.l2_prefetch, prefetch.l2_prefetch,
+           traits=OpTraits(anchor=True), side_effect=True),
+    OpDecl("decode_gemm",
+           "(Tensor x, Tensor weight, Tensor? bias, ScalarType? out_dtype=None, bool strict=False) -> Tensor",
+           _decode_gemm_fake, stock.decode_gemm, linear.decode_gemm),
+    # one KDA delta-rule step (k3fuse/model/layers.py `delta_rule`), fp32 in and out:
+    #   S = recurrent * exp(g)[..., None];  e = beta[..., None] * (v - S^T k)
+    #   S_new = S + k e^T;                  o = S_new^T q
+    # recurrent [T, h, dk, dv], g/k/q [T, h, dk], beta [T, h], v [T, h, dv] -> (S_new, o [T, h, dv])
+    OpDecl("kda_delta_rule",
+           "(Tensor recurrent, Tensor g, Tensor beta, Tensor k, Tensor v, Tensor q, "
+           "bool strict=False) -> (Tensor, Tensor)",
+           _kda_delta_rule_fake, stock.kda_delta_rule, kda_delta.kda_delta_rule),
+)
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
 
 
-# --- l2_prefetch --------------------------------------------------------------------------------
-def _l2_prefetch(anchor, weights, budget_bytes):
-    dispatch("l2_prefetch", anchor, weights, budget_bytes)
+def _dispatching_eager(decl: OpDecl) -> Callable[..., Any]:
+    """The default eager body: bind the schema's arguments (defaults filled) and hand them to
+    dispatch, positionally without `strict` and `max_tokens` (those go by keyword)."""
+    arguments = torch._C.parse_schema(decl.qualname + decl.schema).arguments
+    names = [a.name for a in arguments]
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    keywords = [n for n in ("max_tokens", "strict") if n in names]
+
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        bound = dict(defaults)
+        bound.update(zip(names, args))
+        bound.update(kwargs)
+        positional = [bound[n] for n in names if n not in keywords]
+        return _dispatch.dispatch(decl.name, *positional, **{k: bound[k] for k in keywords})
+
+    eager.__name__ = f"_{decl.name}"
+    return eager
 
 
-def _l2_prefetch_fake(anchor, weights, budget_bytes):
-    return None
+def declare(decl: OpDecl) -> None:
+    """Define the op and register everything its declaration says (once, on import)."""
+    _lib.define(decl.name + decl.schema)
+    torch.library.impl(decl.qualname, "CompositeExplicitAutograd", lib=_lib)(decl.eager or _dispatching_eager(decl))
+    torch.library.register_fake(decl.qualname, lib=_lib)(decl.fake)
+    # Inference-only: declare the op non-differentiable (Autograd falls through), so weights that
+    # happen to require grad neither trip autograd's "no autograd kernel" warning nor make
+    # torch.compile trace a backward; outputs never require grad.
+    _lib.impl(decl.name, torch.library.fallthrough_kernel, "Autograd")
+    declare_op_traits(decl.qualname, decl.traits)
+    if decl.collective:
+        _dispatch.COLLECTIVE_OPS.add(decl.name)
+    if decl.stock is not None:
+        _dispatch.register_stock(decl.name, decl.stock)
+    if decl.reference is not None:
+        _dispatch.register_impl(decl.name, _dispatch.Impl(_dispatch.REFERENCE, _always, decl.reference,
+                                                          REFERENCE_PRIORITY, _dispatch.ALL_DEVICES))
+    if decl.side_effect:
+        _keep_alive(decl.name)
 
 
-# --- decode_gemm --------------------------------------------------------------------------------
-def _decode_gemm(x, weight, bias, out_dtype=None, strict=False):
-    return dispatch("decode_gemm", x, weight, bias, out_dtype, strict=strict)
-
-
-def _decode_gemm_fake(x, weight, bias, out_dtype=None, strict=False):
-    _check_gemm(x, weight, "decode_gemm")
-    return x.new_empty(_rows(x, weight.shape[0]), dtype=out_dtype or x.dtype)
-
-
-_register("gemm_ar_residual", _gemm_ar_residual, _gemm_ar_residual_fake)
-_register("gemm_ar_residual_rmsnorm", _gemm_ar_residual_rmsnorm, _gemm_ar_residual_rmsnorm_fake)
-_register("moe_front_sharded", _moe_front_sharded, _moe_front_sharded_fake)
-_register("shared_expert_fork", _shared_expert_fork, _shared_expert_fork_fake)
-_register("shared_expert_join", _shared_expert_join, _shared_expert_join_fake)
-_register("l2_prefetch", _l2_prefetch, _l2_prefetch_fake)
-_register("decode_gemm", _decode_gemm, _decode_gemm_fake)
-
-
-def _keep_l2_prefetch_alive() -> None:
-    """l2_prefetch returns nothing, so every dead-code pass would drop it: mark it side-effectful.
+def _keep_alive(name: str) -> None:
+    """An op that returns nothing would be dropped by every dead-code pass: mark it side-effectful.
 
     `torch.fx.node.has_side_effect` on the packet and the overload makes `Node.is_impure()` true,
     which fx `eliminate_dead_code`, AOTAutograd, Inductor's scheduler and torch.export all honour
@@ -217,44 +284,13 @@ def _keep_l2_prefetch_alive() -> None:
     input/output that every rule, the verifier and post-grad insertion would have to handle), and a
     `mutates_args` dummy (a fake mutation makes functionalization copy the weights).
     """
-    packet = getattr(torch.ops, NAMESPACE).l2_prefetch
+    packet = getattr(getattr(torch.ops, NAMESPACE), name)
     torch.fx.node.has_side_effect(packet)
     torch.fx.node.has_side_effect(packet.default)
 
 
-_keep_l2_prefetch_alive()
+for _decl in DECLARATIONS:
+    declare(_decl)
 
+SCHEMAS: dict[str, str] = {d.name: d.schema for d in DECLARATIONS}
 OPS: tuple[str, ...] = tuple(SCHEMAS)
-
-
-# --- kda_delta_rule -----------------------------------------------------------------------------
-# One KDA delta-rule step (k3fuse/model/layers.py `delta_rule`), fp32 in and out:
-#   S = recurrent * exp(g)[..., None];  e = beta[..., None] * (v - S^T k)
-#   S_new = S + k e^T;                  o = S_new^T q
-# recurrent [T, h, dk, dv], g/k/q [T, h, dk], beta [T, h], v [T, h, dv] -> (S_new, o [T, h, dv]).
-# Implementations get (recurrent, g, beta, k, v, q) and return (S_new, o), both new tensors.
-KDA_DELTA_RULE_SCHEMA = ("(Tensor recurrent, Tensor g, Tensor beta, Tensor k, Tensor v, Tensor q, "
-                         "bool strict=False) -> (Tensor, Tensor)")
-_lib.define("kda_delta_rule" + KDA_DELTA_RULE_SCHEMA)
-SCHEMAS["kda_delta_rule"] = KDA_DELTA_RULE_SCHEMA
-
-
-def _kda_delta_rule(recurrent, g, beta, k, v, q, strict=False):
-    return dispatch("kda_delta_rule", recurrent, g, beta, k, v, q, strict=strict)
-
-
-def _kda_delta_rule_fake(recurrent, g, beta, k, v, q, strict=False):
-    torch._check(recurrent.dim() == 4, lambda: f"k3fuse.kda_delta_rule: recurrent must be [T, h, dk, dv], "
-                                               f"got {tuple(recurrent.shape)}")
-    T, h, dk, dv = recurrent.shape
-    for what, t, shape in (("g", g, (T, h, dk)), ("beta", beta, (T, h)), ("k", k, (T, h, dk)),
-                           ("v", v, (T, h, dv)), ("q", q, (T, h, dk))):
-        torch._check(tuple(t.shape) == shape,
-                     lambda what=what, t=t, shape=shape: f"k3fuse.kda_delta_rule: {what} is {tuple(t.shape)}, "
-                                                         f"expected {shape}")
-    return (recurrent.new_empty(recurrent.shape, dtype=torch.float32),
-            recurrent.new_empty((T, h, dv), dtype=torch.float32))
-
-
-_register("kda_delta_rule", _kda_delta_rule, _kda_delta_rule_fake)
-OPS = tuple(SCHEMAS)

@@ -1,0 +1,115 @@
+"""Facts about the ATen FX graph every door hands to the pipeline, defined once.
+
+Qualified op names, what a collective, its handle and a synchronisation point are, the marker the
+doors put on static placeholders, and node order. Ops declare their own traits (`OpTraits`: a
+synchronisation point, an anchor that only orders itself inside a collective's window, argument
+positions taken only for ordering) with `declare_op_traits`; k3fuse's fused ops do so where they
+are declared (kernels/ops.py), so the verifier and the rules know no op by name.
+
+A leaf over torch.fx: imports nothing from k3fuse.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch._ops import OpOverload, OpOverloadPacket
+
+#: node.meta key the doors set on placeholders that are static (parameters, buffers and constants
+#: the graph never mutates); nothing else may be assumed static
+STATIC_META = "k3fuse_static"
+COLLECTIVE_NAMESPACE = "_c10d_functional"
+WAIT_TENSOR = "_c10d_functional::wait_tensor"
+
+
+@dataclass(frozen=True)
+class OpTraits:
+    """What the verifier and the rules need to know about an op's ordering.
+
+    sync: data written elsewhere is valid after the call (a wait, a fused collective, a join).
+    anchor: takes a collective handle only to sit inside the collective's window (never reads it).
+    ordering_args: argument positions taken only to be ordered after them, never read.
+    """
+
+    sync: bool = False
+    anchor: bool = False
+    ordering_args: frozenset[int] = frozenset()
+
+
+_TRAITS: dict[str, OpTraits] = {WAIT_TENSOR: OpTraits(sync=True)}
+_NO_TRAITS = OpTraits()
+
+
+def declare_op_traits(qualname: str, traits: OpTraits) -> None:
+    """Declare the ordering traits of op "namespace::name" (called where the op is declared)."""
+    _TRAITS[qualname] = traits
+
+
+def op_traits(node_or_qualname: fx.Node | str | None) -> OpTraits:
+    name = op_qualname(node_or_qualname) if isinstance(node_or_qualname, fx.Node) else node_or_qualname
+    return _TRAITS.get(name or "", _NO_TRAITS)
+
+
+def declared_ops() -> dict[str, OpTraits]:
+    """Every op with declared traits (qualname -> traits)."""
+    return dict(_TRAITS)
+
+
+def op_qualname(node: fx.Node) -> str | None:
+    """'namespace::name' of an op call node, without the overload; None for non-op nodes."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, OpOverload):
+        return target._schema.name
+    if isinstance(target, OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def is_sync(node: fx.Node) -> bool:
+    return op_traits(node).sync
+
+
+def is_wait(node: fx.Node) -> bool:
+    return op_qualname(node) == WAIT_TENSOR
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective call (its output is a handle until its wait_tensor)."""
+    name = op_qualname(node)
+    return name is not None and name.startswith(COLLECTIVE_NAMESPACE + "::") and name != WAIT_TENSOR
+
+
+def is_handle(node: fx.Node) -> bool:
+    """Output of a functional collective (or an item of a coalesced one) not yet waited on."""
+    if is_collective(node):
+        return True
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node) and is_collective(node.args[0]))
+
+
+def mark_static(node: fx.Node, static: bool = True) -> None:
+    """The doors' marker: this placeholder is a static weight (or explicitly not)."""
+    node.meta[STATIC_META] = bool(static)
+
+
+def is_static_placeholder(node: object) -> bool:
+    """A placeholder the door marked static (parameter, buffer or constant never mutated)."""
+    return isinstance(node, fx.Node) and node.op == "placeholder" and bool(node.meta.get(STATIC_META))
+
+
+def is_static_value(node: fx.Node) -> bool:
+    """A value no synchronisation can change: a static placeholder or a get_attr constant."""
+    return node.op == "get_attr" or is_static_placeholder(node)
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's position in graph order (the order the code runs in)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+__all__ = ["STATIC_META", "WAIT_TENSOR", "OpTraits", "declare_op_traits", "op_traits", "declared_ops", "op_qualname",
+           "is_sync", "is_wait", "is_collective", "is_handle", "mark_static", "is_static_placeholder",
+           "is_static_value", "node_order"]
