@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from .console import print_reasons, print_rewrite_summary, print_runs, wide_console  # noqa: F401
 from .usage import UsageError
+
+
+def _env_debug() -> bool:
+    """K3FUSE_DEBUG=1 (a malformed value is no reason to hide the traceback it asks for)."""
+    from . import settings
+
+    try:
+        return settings.current().debug
+    except settings.SettingsError:
+        return True
 
 #: tokens per decode step the rewrites cover (k3fuse.guards.DECODE_TOKENS, which imports torch)
 DECODE_TOKENS = (1, 64)
@@ -120,6 +130,8 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         raise UsageError(f"--rank {args.rank} is outside --tp {args.tp}", f"pass a rank in 0..{args.tp - 1}")
 
     import k3fuse
+
+    k3fuse.load()
     from k3fuse.context import DecodeContext
     from k3fuse.offline import collective_group_sizes, load_program, save_program
     from k3fuse.pipeline import default_registry
@@ -183,61 +195,6 @@ def register_apply(sub: Any) -> None:
 
 
 # --- log -----------------------------------------------------------------------------------------
-
-
-def wide_console(stderr: bool = False) -> Any:
-    """A rich Console; in logs and pipes 120 columns (rich's default 80 would squeeze the reasons)."""
-    from rich.console import Console
-
-    console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=max(console.width, 120))
-
-
-def print_rewrite_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewrite log") -> None:
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("rule", no_wrap=True)
-    for col, justify in (("applied", "right"), ("rejected", "right"), ("why rejected", "left"),
-                         ("not matched", "right"), ("ms", "right")):
-        # the reasons are the point of the table: fold them, never crop them to an ellipsis
-        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    for rule, s in summary.items():
-        why = ", ".join(f"{k} x{v}" for k, v in sorted(s["why"].items()))
-        table.add_row(rule, str(s["applied"]), str(s["rejected"]), why, str(s["not_matched"]), f"{s['time_ms']:.1f}")
-    wide_console().print(table)
-
-
-def print_reasons(rows: list[dict[str, Any]], title: str = "why rules did not rewrite") -> None:
-    """One row per distinct reason (rejected and not matched), with the values the guard saw."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("rule", no_wrap=True)
-    for col in ("decision", "guard", "reason", "values seen"):
-        table.add_column(col, overflow="fold")
-    table.add_column("count", justify="right")
-    table.add_column("ranks")
-    for r in rows:
-        values = "; ".join(json.dumps(v, sort_keys=True) for v in r["values"])
-        if r["more_values"]:
-            values += f" (+{r['more_values']} more)"
-        table.add_row(r["rule"], r["decision"].replace("_", " "), r["guard"], r["reason"] or "-", values or "-",
-                      str(r["count"]), ",".join(map(str, r["ranks"])))
-    wide_console().print(table)
-
-
-def print_runs(runs: list[Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title="pipeline runs (one per graph per rank)")
-    for col in ("run", "rank", "door", "graph", "events", "applied", "rejected", "not matched"):
-        table.add_column(col, justify="left" if col in ("door", "graph") else "right")
-    for run in runs:
-        counts = {d: sum(e.decision == d for e in run.events) for d in ("applied", "rejected", "not_matched")}
-        table.add_row(str(run.index), str(run.rank), run.door or "-", run.graph_id or "-", str(len(run.events)),
-                      str(counts["applied"]), str(counts["rejected"]), str(counts["not_matched"]))
-    wide_console().print(table)
 
 
 def _cmd_log(args: argparse.Namespace) -> int:
@@ -343,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb; a user mistake becomes one line on stderr and exit status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("K3FUSE_DEBUG") == "1"
+    debug = "--debug" in argv or _env_debug()
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -15,8 +15,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from .guards import DECODE_TOKENS
+from . import settings
 from .usage import UsageError
+
+#: the decode token range the fused kernels are built for
+DECODE_TOKENS = (1, 64)
 
 MulticastPolicy = Literal["auto", "off", "require"]
 _POLICIES = ("auto", "off", "require")
@@ -57,6 +60,23 @@ def _rule_names(field_name: str, value: Any) -> frozenset[str]:
     return names
 
 
+def _rule_settings(value: Any) -> tuple[tuple[str, Any], ...]:
+    """{name: settings} (or pairs) -> sorted pairs; each settings object a frozen dataclass."""
+    pairs = list(value.items()) if isinstance(value, dict) else list(value or ())
+    out = []
+    for item in pairs:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ContextError(f"rule_settings must map rule names to settings objects, got {value!r}",
+                               "pass e.g. rule_settings={'weight_prefetch': PrefetchSettings(budget_bytes=1 << 20)}")
+        name, settings = item
+        params = getattr(type(settings), "__dataclass_params__", None)
+        if params is None or not params.frozen:
+            raise ContextError(f"rule_settings[{name!r}] is {settings!r}, not a rule's settings object",
+                               "pass the rule's settings dataclass (Rule.settings_type)")
+        out.append((name, settings))
+    return tuple(sorted(out, key=lambda p: p[0]))
+
+
 @dataclass(frozen=True)
 class MulticastStatus:
     """Whether NVLink multicast may be used, and why (e.g. "unavailable: NCCL_NVLS_ENABLE=0")."""
@@ -70,7 +90,10 @@ class MulticastStatus:
 
 def _switch_reason(env: dict[str, str] | os._Environ[str]) -> str | None:
     for name, off_value in MULTICAST_SWITCHES:
-        if env.get(name, "").strip() == off_value:
+        if name.startswith("K3FUSE_"):  # k3fuse's own flag: parsed like every K3FUSE_* variable
+            if settings.is_on(env, name):
+                return f"unavailable: {name}={off_value}"
+        elif env.get(name, "").strip() == off_value:
             return f"unavailable: {name}={off_value}"
     return None
 
@@ -144,6 +167,9 @@ class DecodeContext:
     unavailable; no k3fuse kernel uses multicast, the fused all-reduce is a unicast one-shot).
     strict: fused ops raise instead of falling back.
     enabled_rules: only these (None: all); disabled_rules: never these.
+    rule_settings: {rule name: its typed settings object} (e.g. {"weight_prefetch":
+        PrefetchSettings(budget_bytes=...)}), replacing the rule's own for this context; stored as
+        sorted (name, settings) pairs so the context stays hashable and is part of cache keys.
     """
 
     tp_size: int = 1
@@ -156,6 +182,7 @@ class DecodeContext:
     strict: bool = False
     enabled_rules: frozenset[str] | None = None
     disabled_rules: frozenset[str] = frozenset()
+    rule_settings: Any = ()
     multicast_info: MulticastStatus | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -170,6 +197,7 @@ class DecodeContext:
         if self.enabled_rules is not None:
             object.__setattr__(self, "enabled_rules", _rule_names("enabled_rules", self.enabled_rules))
         object.__setattr__(self, "disabled_rules", _rule_names("disabled_rules", self.disabled_rules))
+        object.__setattr__(self, "rule_settings", _rule_settings(self.rule_settings))
         if self.device_capability is not None:
             cap = self.device_capability
             if (not isinstance(cap, (tuple, list)) or len(cap) != 2 or not all(_is_int(c) for c in cap)
@@ -276,9 +304,14 @@ class DecodeContext:
     def check_rule_names(self, known: Iterable[str]) -> None:
         """Raise for enabled/disabled names that are not rules of the pipeline."""
         known = set(known)
-        unknown = sorted(((self.enabled_rules or set()) | self.disabled_rules) - known)
+        named = (self.enabled_rules or set()) | self.disabled_rules | {n for n, _ in self.rule_settings}
+        unknown = sorted(named - known)
         if unknown:
             raise ContextError(f"unknown rule name(s) {unknown}", f"known rules: {', '.join(sorted(known))}")
+
+    def settings_for(self, rule_name: str) -> Any:
+        """The settings object this context gives rule `rule_name`, or None."""
+        return dict(self.rule_settings).get(rule_name)
 
     def with_(self, **changes: Any) -> DecodeContext:
         return replace(self, **changes)
@@ -296,6 +329,7 @@ class DecodeContext:
             "strict": self.strict,
             "enabled_rules": sorted(self.enabled_rules) if self.enabled_rules is not None else None,
             "disabled_rules": sorted(self.disabled_rules),
+            "rule_settings": {name: repr(s) for name, s in self.rule_settings},
         }
 
 

@@ -141,7 +141,7 @@ def print_demo(cfg: DemoConfig, reports: list[dict[str, Any]]) -> None:
     import torch
     from rich.table import Table
 
-    from .cli import print_rewrite_summary, wide_console
+    from .console import print_rewrite_summary, wide_console
 
     console = wide_console()
     r0 = reports[0]
@@ -223,7 +223,7 @@ def _cmd_demo(args: Any) -> int:
     if args.log:
         check_append_file(args.log, option="--log")
     check_config(cfg)
-    from .cli import wide_console
+    from .console import wide_console
 
     console = wide_console(stderr=True)
     doing = (f"k3fuse demo: compiling a {cfg.preset} K3 stack on {cfg.tp} {cfg.device} rank(s) with "

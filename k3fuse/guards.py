@@ -7,20 +7,52 @@ carrying the values it looked at when it does not, so every refusal is a log lin
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx as fx
 
+from .context import DECODE_TOKENS
+from .ir import is_static_placeholder as is_static
+
 if TYPE_CHECKING:
     from .context import DecodeContext
 
 GuardLevel = Literal["contract", "site", "call"]
 
-#: the decode token range the fused kernels are built for
-DECODE_TOKENS = (1, 64)
+
+
+@dataclass(frozen=True)
+class KernelCatalog:
+    """What the guards ask of the kernel registry, installed by the package root (`k3fuse.load`
+    wires kernels.dispatch in), so the framework never imports the kernels.
+
+    ops_without_kernel(ops): the ops with no CUDA kernel in this build.
+    import_errors(): kernel modules that failed to import, {module: error}.
+    coverage(op, shape, tokens): token counts no CUDA kernel of `op` serves for `shape`, each
+    with every kernel's limit.
+    """
+
+    ops_without_kernel: Callable[[Iterable[str]], list[str]]
+    import_errors: Callable[[], dict[str, str]]
+    coverage: Callable[[str, dict[str, Any], Iterable[int]], dict[int, list[str]]]
+
+
+_catalog: KernelCatalog | None = None
+
+
+def install_kernel_catalog(catalog: KernelCatalog) -> None:
+    """Called once by the package root."""
+    global _catalog
+    _catalog = catalog
+
+
+def _kernel_catalog() -> KernelCatalog:
+    if _catalog is None:
+        raise RuntimeError("no kernel registry installed: call k3fuse.load() (import k3fuse does)")
+    return _catalog
 
 
 @dataclass(frozen=True)
@@ -88,17 +120,13 @@ def kernels_available(ctx: DecodeContext, ops: Iterable[str], level: GuardLevel 
     """
     if ctx.device_capability is None:
         return None
-    from k3fuse.kernels import dispatch  # the framework may ask the registry; patterns never do
-
-    dispatch.load_gpu_impls()
-    missing = [op for op in ops
-               if not any(i.name != dispatch.REFERENCE and "cuda" in i.device_types
-                          for i in dispatch.implementations(op))]
+    catalog = _kernel_catalog()
+    missing = catalog.ops_without_kernel(ops)
     if not missing:
         return None
     return GuardFailure(level, "kernel", f"no CUDA kernel for {', '.join('k3fuse.' + m for m in missing)} in this build",
                         {"ops": missing, "device_capability": ctx.device_capability,
-                         "import_errors": dispatch.import_errors()})
+                         "import_errors": catalog.import_errors()})
 
 
 def site_tokens(node: Any) -> int | None:
@@ -136,10 +164,8 @@ def kernel_covers(ctx: DecodeContext, op: str, shape: dict[str, Any], tokens: in
     """
     if ctx.device_capability is None:
         return None
-    from k3fuse.kernels import dispatch
-
     counts = [tokens] if tokens is not None else range(ctx.tokens[0], ctx.tokens[1] + 1)
-    uncovered = dispatch.coverage(op, shape, counts)
+    uncovered = _kernel_catalog().coverage(op, shape, counts)
     if not uncovered:
         return None
     limits = sorted({why for whys in uncovered.values() for why in whys})
@@ -179,11 +205,6 @@ def divisible(value: int | torch.SymInt, by: int, what: str, level: GuardLevel =
     if isinstance(value, int) and by > 0 and value % by == 0:
         return None
     return GuardFailure(level, "divisible", f"{what} is not divisible by {by}", {what: value, "by": by})
-
-
-def is_static(node: Any) -> bool:
-    """A placeholder the door marked static (parameter, buffer or constant never mutated)."""
-    return isinstance(node, fx.Node) and node.op == "placeholder" and bool(node.meta.get("k3fuse_static"))
 
 
 def static_weight(node: Any, what: str = "weight", level: GuardLevel = "site") -> GuardFailure | None:
@@ -232,6 +253,8 @@ __all__ = [
     "decode_token_range",
     "tp_at_least",
     "device_capability_at_least",
+    "KernelCatalog",
+    "install_kernel_catalog",
     "kernels_available",
     "kernel_covers",
     "site_tokens",

@@ -21,10 +21,13 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from . import runtime, settings
 from .context import DecodeContext
+from .ir import mark_static
 from .log import RewriteLog
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
+from .wiring import wire_defaults
 
 
 def _aot_metadata() -> Any:
@@ -58,7 +61,7 @@ def mark_static_by_index(graph: fx.Graph, indices: set[int] | None) -> int:
     count = 0
     for i, node in enumerate(placeholders):
         static = indices is not None and i in indices
-        node.meta["k3fuse_static"] = static
+        mark_static(node, static)
         count += static
     return count
 
@@ -69,6 +72,7 @@ class K3FusePass(CustomGraphPass):
     def __init__(self, ctx: DecodeContext, *, rules: RuleRegistry | list[Rule] | None = None,
                  log: RewriteLog | str | os.PathLike[str] | None = None, chain: Any = None):
         self.ctx = ctx
+        wire_defaults()
         self.rules = RuleRegistry.coerce(rules)
         self.log = RewriteLog.coerce(log, rank=ctx.rank)
         self.chain = chain
@@ -85,6 +89,8 @@ class K3FusePass(CustomGraphPass):
         h.update(json.dumps(self.ctx.describe(), sort_keys=True).encode())
         h.update(str(self.ctx.multicast_status()).encode())
         h.update(torch.__version__.encode())
+        # which rules run and whether any does: K3FUSE_RULES and the kill switch change the rewrite
+        h.update(f"{settings.current().rules}|{runtime.is_disabled()}".encode())
         if self.chain is not None:
             chained = self.chain.uuid() if hasattr(self.chain, "uuid") else repr(self.chain)
             h.update(chained if isinstance(chained, bytes) else str(chained).encode())

@@ -24,7 +24,7 @@ import math
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import normalize
 from .guards import GuardFailure
-from .rule import Match, PatternSpec, Rule
+from .ir import node_order
+from .match import Match, PatternSpec
+
+
+class HasPatterns(Protocol):
+    """What the matcher needs of a rule: its pattern spellings."""
+
+    def patterns(self) -> Sequence[PatternSpec]: ...
 
 
 def decomposition_table() -> dict[Any, Any]:
@@ -136,10 +143,10 @@ def _same_literal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-_cache: "weakref.WeakKeyDictionary[Rule, list[CompiledPattern]]" = weakref.WeakKeyDictionary()
+_cache: "weakref.WeakKeyDictionary[HasPatterns, list[CompiledPattern]]" = weakref.WeakKeyDictionary()
 
 
-def compiled_patterns(rule: Rule) -> list[CompiledPattern]:
+def compiled_patterns(rule: HasPatterns) -> list[CompiledPattern]:
     """The rule's patterns, traced once per rule object."""
     if rule not in _cache:
         _cache[rule] = [compile_pattern(spec) for spec in rule.patterns()]
@@ -325,7 +332,7 @@ def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overla
     listed order. Without `overlap`, a graph node belongs to at most one returned (unrefused)
     match. Refused matches (interior used outside) are returned too, with `refused` set.
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     by_key: dict[Any, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op == "call_function":
@@ -490,6 +497,7 @@ def _to_match(graph: fx.Graph, pattern: CompiledPattern, st: _State, order: dict
     nodes = sorted(set(st.claimed) | set(st.passed), key=order.__getitem__)
     return Match(
         variant=pattern.variant,
+        key=pattern.spec.key,
         graph=graph,
         inputs=dict(st.inputs),
         scalars=dict(st.scalars),

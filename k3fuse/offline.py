@@ -18,11 +18,14 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
 
+from . import ir
 from .context import DecodeContext
+from .ir import is_collective
 from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
+from .wiring import wire_defaults
 
 _STATIC_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -57,20 +60,18 @@ def static_placeholder_names(ep: ExportedProgram) -> set[str]:
     return names
 
 
-def mark_static(graph: fx.Graph, static_names: set[str]) -> int:
-    """Set meta["k3fuse_static"] on the named placeholders (False on the others); returns count."""
+def mark_static_placeholders(graph: fx.Graph, static_names: set[str]) -> int:
+    """Set the static marker (ir.mark_static) on the named placeholders (False on the others); returns count."""
     count = 0
     for node in graph.nodes:
         if node.op == "placeholder":
-            node.meta["k3fuse_static"] = node.name in static_names
-            count += node.meta["k3fuse_static"]
+            ir.mark_static(node, node.name in static_names)
+            count += node.name in static_names
     return count
 
 
 def collective_group_names(graph: fx.Graph) -> list[str]:
     """Group names the graph's functional collectives use, in first-use order."""
-    from .verify import is_collective
-
     seen: list[str] = []
     for node in graph.nodes:
         if is_collective(node):
@@ -92,8 +93,6 @@ def collective_group_sizes(graph: fx.Graph) -> dict[str, int | None]:
     from a live process group of that name in this process. A plain all-reduce names its group but
     not its size, so a graph with only all-reduces gets None.
     """
-    from .verify import is_collective
-
     sizes: dict[str, int | None] = {name: None for name in collective_group_names(graph)}
     for node in graph.nodes:
         if not is_collective(node):
@@ -131,9 +130,9 @@ class _DropLoaderNoise(logging.Filter):
 def load_program(path: str | os.PathLike[str]) -> ExportedProgram:
     """torch.export.load with the k3fuse ops and the reference model's types registered (see
     `k3fuse.load`), without torch's logging-error block for example inputs of custom types."""
-    from . import load
+    from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
 
-    load()
+    wire_defaults()
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{path} is not a zip archive")
     loggers = [logging.getLogger(name) for name in ("torch._export.serde.serialize", "torch.export")]
@@ -207,7 +206,8 @@ def apply(
     else:
         ep = exported_program._update(copy.deepcopy(exported_program.graph_module), exported_program.graph_signature)
     gm = ep.graph_module
-    mark_static(gm.graph, static_placeholder_names(ep))
+    mark_static_placeholders(gm.graph, static_placeholder_names(ep))
+    wire_defaults()
     rlog = run_pipeline(gm, ctx, rules=rules, door="offline", log=log)
     if rlog.applied() == 0:
         return ep, rlog
@@ -217,4 +217,4 @@ def apply(
     return ep._update(gm, sig), rlog
 
 
-__all__ = ["apply", "load_program", "save_program", "collective_group_sizes", "static_placeholder_names", "written_placeholders", "mark_static", "collective_group_names"]
+__all__ = ["apply", "load_program", "save_program", "collective_group_sizes", "static_placeholder_names", "written_placeholders", "mark_static_placeholders", "collective_group_names"]

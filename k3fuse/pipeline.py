@@ -4,7 +4,8 @@
               -> per match: site guards -> rewrite -> log  -> verifier
               -> restore normalisation -> lint -> dead-code elimination -> recompile
 
-Rules come from `k3fuse.patterns.default_rules()` unless the caller passes its own. Each can be
+Rules come from the installed provider (the package root installs the K3 rules of
+k3fuse.patterns) unless the caller passes its own. Each can be
 switched by the context (enabled_rules / disabled_rules) and by the environment variable
 K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a, "+a" adds a rule that is off by
 default (Rule.default_on False); the forms can be mixed.
@@ -16,11 +17,11 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch.fx as fx
 
-from . import normalize, runtime, verify
+from . import normalize, runtime, settings, verify
 from .context import ContextError, DecodeContext
 from .guards import GuardFailure, kernels_available, multicast_policy
 from .log import RewriteEvent, RewriteLog
@@ -72,7 +73,7 @@ class RuleRegistry:
             ctx.check_rule_names(known)
         except ContextError as exc:
             raise UnknownRuleError(str(exc)) from None
-        spec = os.environ.get("K3FUSE_RULES", "") if env is None else env
+        spec = settings.current().rules if env is None else env
         only, minus = parse_rules_env(spec)
         plus = opt_in_rules_env(spec)
         unknown = sorted(((only or set()) | minus | plus) - set(known))
@@ -127,19 +128,28 @@ def opt_in_rules_env(value: str) -> set[str]:
     return {x.strip()[1:].strip() for x in value.split(",") if x.strip().startswith("+")}
 
 
-def default_rules() -> list[Rule]:
-    """The K3 rules that run by default, in pipeline order (k3fuse.patterns). A broken import raises: silently running
-    no rules would look like a model without K3 sites."""
-    from .patterns import default_rules as k3_rules
+RuleProvider = Callable[[], Sequence[Rule]]
+_rule_provider: RuleProvider | None = None
 
-    return list(k3_rules())
+
+def install_rule_provider(provider: RuleProvider) -> None:
+    """Set where the default rules come from: fresh instances of every rule, in pipeline order.
+    The package root installs the K3 rules (k3fuse.patterns.all_rules); the pipeline knows none."""
+    global _rule_provider
+    _rule_provider = provider
 
 
 def all_rules() -> list[Rule]:
-    """Every K3 rule in pipeline order, the off-by-default ones included (k3fuse.patterns)."""
-    from .patterns import all_rules as k3_rules
+    """Every default rule in pipeline order, the off-by-default ones included (the K3 rules). A missing
+    provider raises: silently running no rules would look like a model without K3 sites."""
+    if _rule_provider is None:
+        raise RuntimeError("no default rules installed: call k3fuse.load() (import k3fuse does)")
+    return list(_rule_provider())
 
-    return list(k3_rules())
+
+def default_rules() -> list[Rule]:
+    """The default rules that run unless told otherwise (Rule.default_on), in pipeline order."""
+    return [r for r in all_rules() if r.default_on]
 
 
 def default_registry() -> RuleRegistry:
@@ -300,4 +310,4 @@ def _explain_miss(rule: Rule, graph: fx.Graph, ctx: DecodeContext) -> tuple[str 
 
 
 __all__ = ["RuleRegistry", "run_pipeline", "all_rules", "default_rules", "default_registry", "parse_rules_env",
-           "opt_in_rules_env", "UnknownRuleError", "RuleFailure", "graph_fingerprint"]
+           "opt_in_rules_env", "install_rule_provider", "UnknownRuleError", "RuleFailure", "graph_fingerprint"]

@@ -368,7 +368,7 @@ def passed(reports: list[dict[str, Any]]) -> bool:
 def print_validate(cfg: ValidateConfig, reports: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    from .cli import wide_console
+    from .console import wide_console
 
     console = wide_console()
     r0 = reports[0]

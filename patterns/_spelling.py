@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from k3fuse.guards import GuardFailure
 from k3fuse.normalize import is_metadata_check
-from k3fuse.rule import PatternSpec
+from k3fuse.rule import PatternSpec, Variant
+from k3fuse.ir import node_order
 
 #: trunk dtypes the rules trace patterns for and accept (K3 ships a bf16 trunk; fp32 for tests)
 TRUNK_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -52,20 +53,15 @@ def per_dtype(name: str, fn: Callable[..., Any],
     ATen differs by dtype: `example(dtype)` builds the example inputs."""
     specs = []
     for dtype in TRUNK_DTYPES:
-        suffix = "" if dtype == torch.float32 else f"[{str(dtype).removeprefix('torch.')}]"
-        specs.append(PatternSpec(name + suffix, fn, lambda dtype=dtype: example(dtype)))
+        key = Variant(name, dtype)
+        specs.append(PatternSpec(str(key), fn, lambda dtype=dtype: example(dtype), key))
     return specs
 
 
 def cast_free(name: str, fn: Callable[..., Any],
               example: Callable[[torch.dtype], tuple[Any, ...]]) -> list[PatternSpec]:
     """A spelling without casts traces to the same ATen in every dtype: one PatternSpec."""
-    return [PatternSpec(name, fn, lambda: example(torch.float32))]
-
-
-def base_variant(variant: str) -> str:
-    """'plain+norm[bfloat16]' -> 'plain+norm'."""
-    return variant.split("[", 1)[0]
+    return [PatternSpec(name, fn, lambda: example(torch.float32), Variant(name))]
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -92,7 +88,7 @@ def trunk_dtype(node: Any, what: str, expected: torch.dtype | None = None) -> Gu
 
 def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
     """Erase `nodes` (reverse graph order) once unused, with any metadata-only asserts on them."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     for node in sorted(nodes, key=lambda n: -order.get(n, -1)):
         if getattr(node, "_erased", False):
             continue
@@ -104,4 +100,4 @@ def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
 
 
 __all__ = ["TRUNK_DTYPES", "GROUP", "rms_norm", "situ_glu", "all_reduce_sum", "linear",
-           "per_dtype", "cast_free", "base_variant", "randn", "dtype_of", "trunk_dtype", "erase_dead"]
+           "per_dtype", "cast_free", "randn", "dtype_of", "trunk_dtype", "erase_dead"]

@@ -2,7 +2,7 @@
 
 Why: at 1..64 tokens a projection is a weight read with almost no reuse; cuBLAS reaches only
 35-66 % of bandwidth on K3's skinny shapes (router, latent, shared, out-projection at high TP:
-docs/k3-decode.md). decode_gemm picks a GEMV kernel at 1-2 tokens and split-K above.
+shared/docs/k3-decode.md, beside this repository). decode_gemm picks a GEMV kernel at 1-2 tokens and split-K above.
 
 Spellings: F.linear(x, W) (mm, or addmm with a bias) and the fp32-cast router
 F.linear(x.float(), W.float()), which becomes decode_gemm(x, W, out_dtype=fp32) so the casts of
@@ -23,7 +23,8 @@ from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import base_variant, cast_free, per_dtype, randn, trunk_dtype
+from ._spelling import cast_free, per_dtype, randn, trunk_dtype
+from k3fuse.ir import node_order
 
 T, K, N = 4, 16, 8  # example shapes
 
@@ -69,12 +70,12 @@ class DecodeGemm(Rule):
         """The bias spelling only where the added tensor is a real bias (a static vector): in
         `r = r + F.linear(o, W_o)` (TP=1) the residual is not one, and the plain linear is the site."""
         compiled = compiled_patterns(self)
-        biased = [p for p in compiled if base_variant(p.variant) == "linear+bias"]
+        biased = [p for p in compiled if p.spec.key.form == "linear+bias"]
         with_bias = [m for m in find_matches(graph, biased) if m.refused is None and _is_bias(m["bias"])]
         taken = {m.outputs[0].args[0] for m in with_bias}  # their mm nodes
         rest = [m for m in find_matches(graph, [p for p in compiled if p not in biased])
                 if not (set(m.nodes) & taken)]
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         return sorted(with_bias + rest, key=lambda m: order[m.outputs[0]])
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
@@ -93,7 +94,7 @@ class DecodeGemm(Rule):
 
     @staticmethod
     def _out_dtype(match: Match) -> torch.dtype | None:
-        return torch.float32 if base_variant(match.variant) == "fp32_out" else None
+        return torch.float32 if match.key.form == "fp32_out" else None
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         out_dtype = self._out_dtype(match)

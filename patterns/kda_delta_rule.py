@@ -37,6 +37,7 @@ from k3fuse.model.layers import delta_rule
 from k3fuse.rule import Match, PatternSpec, Rule
 
 from ._spelling import randn
+from k3fuse.ir import node_order
 
 D = 8  # example head dim (the pattern is shape-agnostic except for which dims are 1)
 
@@ -91,7 +92,7 @@ class KDADeltaRule(Rule):
         taken = {n for m in traced for n in m.nodes}
         layout = [m for a in graph.nodes if a.op == "call_function" and a.target is aten.add.Tensor
                   and a not in taken for m in [_layout_match(graph, a)] if m is not None]
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         return sorted(traced + layout, key=lambda m: order[m.outputs[0]])
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
@@ -322,7 +323,7 @@ def _second_contraction(graph: fx.Graph, A: fx.Node):
 def _checked_match(graph: fx.Graph, inputs: dict, outputs: list[fx.Node], nodes: set) -> Match | None:
     """A Match when no computed interior value is read outside the site (layout nodes are exempt:
     Match.replace leaves them to their other users)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     for n in nodes:
         if n in outputs or _is_layout(n):
             continue

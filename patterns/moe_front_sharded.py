@@ -38,7 +38,8 @@ from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures
                            token_count, tp_at_least)
 from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forward_users, op_name
 from k3fuse.normalize import skip_transparent, value_root
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.ir import node_order
+from k3fuse.rule import Match, PatternSpec, Rule, Variant
 
 from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
 from .shared_expert_stream import shared_mlp_linears
@@ -211,11 +212,11 @@ class MoEFrontSharded(Rule):
         shared = shared_mlp_linears(graph)
         router_outs = {m.outputs[0] for m in routers}
         nodes = list(graph.nodes)
-        index = {n: i for i, n in enumerate(nodes)}
+        index = node_order(graph)
         found = []
         for r in routers:
             lat, refused = self._latent(r, by_logits[r.outputs[0]], linears, shared, router_outs, nodes, index)
-            suffix = r.variant.removeprefix("router")
+            key = Variant("router+latent" if lat is not None else "router", r.key.dtype)
             inputs = {"x": r["x"], "router_w": r["router_w"]}
             outputs, matched = [r.outputs[0]], set(r.nodes)
             if lat is not None:
@@ -223,7 +224,7 @@ class MoEFrontSharded(Rule):
                 outputs.append(lat.outputs[0])
                 matched |= set(lat.nodes)
             found.append(Match(
-                variant=("router+latent" if lat is not None else "router") + suffix, graph=graph, inputs=inputs,
+                variant=str(key), key=key, graph=graph, inputs=inputs,
                 scalars={}, outputs=outputs, nodes=sorted(matched, key=index.__getitem__), refused=refused))
         return found, None
 

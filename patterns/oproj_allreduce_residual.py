@@ -3,7 +3,8 @@
 Why: at decode each of these is a weight-bound GEMV, a latency-bound all-reduce of [T, H] and a
 memory-bound add/norm, three launches and two round trips through HBM. One kernel streams the
 weight, exchanges the partial sums (one-shot, over NVLink) and applies residual and norm in
-registers (docs/k3-decode.md: 46.6 us eager vs ~24 us fused at TP2).
+registers (shared/docs/k3-decode.md, the K3 decode notes beside this repository: 46.6 us eager vs
+~24 us fused at TP2).
 
 Sites in a K3 layer:
   KDA out-projection   plain:   r = r + AR(o @ W_o.T); h = rmsnorm(r)       -> gemm_ar_residual_rmsnorm
@@ -28,7 +29,7 @@ from k3fuse.guards import (GuardFailure, decode_token_range, failures, shape_of,
                            tp_at_least)
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import GROUP, all_reduce_sum, base_variant, cast_free, linear, per_dtype, randn, rms_norm, trunk_dtype
+from ._spelling import GROUP, all_reduce_sum, cast_free, linear, per_dtype, randn, rms_norm, trunk_dtype
 
 T, K, H = 4, 8, 16  # example shapes: tokens, local reduction width, hidden
 
@@ -120,7 +121,7 @@ class OProjAllReduceResidual(Rule):
         addend = match.inputs.get("addend")
         head = (match["x"], match["weight"], match["residual"], addend)
         tail = (match["group_name"], ctx.tp_size, ctx.tokens[1], ctx.strict)
-        if base_variant(match.variant).endswith("+norm"):
+        if match.key.form.endswith("+norm"):
             fused = match.insert(ops.gemm_ar_residual_rmsnorm.default,
                                  (*head, match["norm_weight"], match["eps"], *tail))
             out = match.insert(operator.getitem, (fused, 0))

@@ -45,9 +45,10 @@ from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, static_weight
 from k3fuse.normalize import CAST_OPS, VIEW_LIKE, canonical, cast_dtype, is_metadata_check, skip_transparent
 from k3fuse.rule import Match, Rule, fake_call
-from k3fuse.verify import op_qualname
+from k3fuse.ir import op_qualname
 
 from ._spelling import erase_dead, trunk_dtype
+from k3fuse.ir import node_order
 
 aten = torch.ops.aten
 _FUSED_REDUCTION = {"k3fuse::gemm_ar_residual", "k3fuse::gemm_ar_residual_rmsnorm"}
@@ -207,7 +208,7 @@ def _branch(out: fx.Node) -> _Branch:
     if not isinstance(act_out, fx.Node) or act_out.op != "call_function":
         raise _NotBranch
     projs, act, static = _activation(act_out)
-    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    order = node_order(out.graph)
     if len({p.x for p in projs}) != 1:
         raise _NotBranch  # projections of different values (e.g. the routed and shared outputs summed)
     projs.sort(key=lambda p: order[p.mm])
@@ -375,17 +376,13 @@ class SharedExpertStream(Rule):
                    "k3fuse.shared_expert_fork/join: runs on a side stream while the router and routed experts "
                    "run; collectives stay on the main stream")
 
-    def __init__(self) -> None:
-        self._sites: dict[int, _Site] = {}
-
     def patterns(self) -> list:
         return []  # structural (see `find`)
 
     def find(self, graph: fx.Graph, ctx: DecodeContext) -> list[Match]:
-        self._sites = {}
         found: list[Match] = []
         seen: set[fx.Node] = set()
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         for branch_out, consumer, anchor, chain, join_node in _candidates(graph):
             if branch_out in seen:
                 continue
@@ -402,7 +399,7 @@ class SharedExpertStream(Rule):
             except _NearMiss as miss:
                 m.refused = miss.failure
             else:
-                self._sites[id(m)] = _Site(b, consumer, anchor, program, chain)
+                m.payload = _Site(b, consumer, anchor, program, chain)
             found.append(m)
         return found
 
@@ -417,7 +414,7 @@ class SharedExpertStream(Rule):
             inputs["w_down"] = b.down.weight
             if b.down.bias is not None:
                 inputs["b_down"] = b.down.bias
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         nodes = sorted(set(b.region()), key=order.__getitem__)
         return Match(variant=_variant(b), graph=graph, inputs=inputs, scalars={}, outputs=[b.out], nodes=nodes)
 
@@ -460,19 +457,19 @@ class SharedExpertStream(Rule):
         return failures(*weights, _token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        s = self._sites[id(match)]
+        s: _Site = match.payload
         b, graph, x = s.branch, match.graph, match["x"]
         ops = torch.ops.k3fuse
         site = sum(1 for n in graph.nodes if op_qualname(n) == "k3fuse::shared_expert_fork")
         region = set(match.nodes) | set(b.layout())
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         if order[s.anchor] > order[s.consumer]:  # all_reduce -> wait [-> copy] issued early: after the anchor
             prev = s.anchor
             for n in sorted(s.chain, key=order.__getitem__):
                 if order[n] < order[s.anchor]:
                     prev.append(n)
                     prev = n
-            order = {n: i for i, n in enumerate(graph.nodes)}
+            order = node_order(graph)
         first_reader = min((u for u in x.users if not is_metadata_check(u)), key=order.__getitem__)
         proj = [p.weight for p in b.projs]
         proj_bias = [p.bias for p in b.projs if p.bias is not None]

@@ -15,18 +15,33 @@ ordering anchor, never read (the engine's verifier checks both after the rule).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
 from k3fuse import compat
-from k3fuse.context import DecodeContext
+from k3fuse.context import ContextError, DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, token_count
 from k3fuse.normalize import canonical, is_transparent
 from k3fuse.rule import Match, PatternSpec, Rule
-from k3fuse.verify import is_collective, is_sync, op_qualname
+from k3fuse.ir import is_collective, is_sync, op_qualname
 
 #: half of an H100/H200 L2 (50 MB): room for the weights without evicting the activations
 DEFAULT_BUDGET_BYTES = 24 << 20
+
+
+@dataclass(frozen=True)
+class PrefetchSettings:
+    """How much a prefetch may pull into L2 per collective (bytes of static weights, in the order
+    the graph reads them after the wait)."""
+
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget_bytes, int) or isinstance(self.budget_bytes, bool) or self.budget_bytes < 1:
+            raise ContextError(f"budget_bytes must be a positive int, got {self.budget_bytes!r}",
+                               "pass e.g. PrefetchSettings(budget_bytes=24 << 20)")
 _PREFETCH = "k3fuse::l2_prefetch"
 
 
@@ -78,15 +93,22 @@ class WeightPrefetch(Rule):
     description = ("all_reduce ... wait_tensor still in the graph -> k3fuse.l2_prefetch(handle, [next "
                    "consumers' static weights], budget) between them (weights only, never activations)")
 
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
-        self.budget_bytes = int(budget_bytes)
-        self._weights: dict[int, list[fx.Node]] = {}
+    settings_type = PrefetchSettings
+
+    def __init__(self, settings: PrefetchSettings | None = None, *, budget_bytes: int | None = None) -> None:
+        if settings is not None and budget_bytes is not None:
+            raise TypeError("pass settings or budget_bytes, not both")
+        self.settings = settings or PrefetchSettings(**({} if budget_bytes is None else {"budget_bytes": budget_bytes}))
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.settings.budget_bytes
 
     def patterns(self) -> list[PatternSpec]:
         return []  # structural: every native all_reduce / wait_tensor pair (see `find`)
 
     def find(self, graph: fx.Graph, ctx: DecodeContext) -> list[Match]:
-        self._weights = {}
+        budget = self.settings_in(ctx).budget_bytes
         found = []
         for ar in graph.nodes:
             if ar.target is not compat.ALL_REDUCE:
@@ -98,16 +120,15 @@ class WeightPrefetch(Rule):
                 continue
             chosen, total = [], 0
             for w in next_static_weights(waits[0]):
-                if total >= self.budget_bytes:
+                if total >= budget:
                     break
                 chosen.append(w)
                 total += _nbytes(w)
             m = Match(variant="all_reduce", graph=graph, inputs={"collective": ar}, scalars={},
-                      outputs=[waits[0]], nodes=[])
+                      outputs=[waits[0]], nodes=[], payload=chosen)
             if not chosen:
                 m.refused = GuardFailure("site", "no_static_weights", "the collective's consumers read no static "
                                          "weight before the next sync point", {"collective": ar.name})
-            self._weights[id(m)] = chosen
             found.append(m)
         return found
 
@@ -119,12 +140,12 @@ class WeightPrefetch(Rule):
         return failures(token_count(handle.args[0], ctx, what="tokens"))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        weights = self._weights[id(match)]
-        prefetch = match.insert(torch.ops.k3fuse.l2_prefetch.default,
-                                (match["collective"], weights, self.budget_bytes))
+        weights = match.payload
+        budget = self.settings_in(ctx).budget_bytes
+        prefetch = match.insert(torch.ops.k3fuse.l2_prefetch.default, (match["collective"], weights, budget))
         match.note(weights=[w.name for w in weights], bytes=sum(_nbytes(w) for w in weights),
-                   budget_bytes=self.budget_bytes)
+                   budget_bytes=budget)
         return [prefetch]
 
 
-__all__ = ["WeightPrefetch", "DEFAULT_BUDGET_BYTES", "next_static_weights", "static_source"]
+__all__ = ["WeightPrefetch", "PrefetchSettings", "DEFAULT_BUDGET_BYTES", "next_static_weights", "static_source"]

@@ -1,5 +1,5 @@
-"""Float64 reference of the K3 decode equations, written from docs/k3-decode.md and
-reference/k3-model.md sections 2.1-2.8, independently of k3fuse.model (which it never imports).
+"""Float64 reference of the K3 decode equations, written from shared/docs/k3-decode.md and
+shared/docs/reference/k3-model.md sections 2.1-2.8, independently of k3fuse.model (which it never imports).
 
 Loops over tokens, heads and selected experts on purpose: slow but obviously the equations.
 Weights are passed as a dict of FULL (unsharded) tensors named like the model's parameters.

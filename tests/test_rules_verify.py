@@ -14,11 +14,12 @@ import torch.fx as fx
 import k3fuse
 from k3fuse import compat
 from k3fuse.matcher import decomposition_table
-from k3fuse.offline import mark_static, static_placeholder_names
+from k3fuse.offline import mark_static_placeholders, static_placeholder_names
 from k3fuse.patterns import SharedExpertStream, WeightPrefetch, all_rules, default_rules
 from k3fuse.pipeline import run_pipeline
 from k3fuse.rule import Match, Rule
-from k3fuse.verify import ReorderingError, op_qualname
+from k3fuse.ir import op_qualname
+from k3fuse.verify import ReorderingError
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def k3_graph(k3_program) -> fx.GraphModule:
 
     ep, _ = k3_program
     gm = copy.deepcopy(ep.graph_module)
-    mark_static(gm.graph, static_placeholder_names(ep))
+    mark_static_placeholders(gm.graph, static_placeholder_names(ep))
     return gm
 
 

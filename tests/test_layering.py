@@ -1,0 +1,162 @@
+"""Dependencies point one way (issue 12): the framework core knows neither rules nor kernels, the
+kernels reach only the framework's leaves, and no two modules import each other, directly or
+around a loop.
+
+The package-dir remap (patterns/ -> k3fuse.patterns, kernels/ -> k3fuse.kernels) hides these edges
+from import tools, so this test builds the import graph itself from the source: every `import`
+and `from ... import` (function-level ones included: a lazy import is still a dependency), except
+those under `if TYPE_CHECKING:`. An edge goes to the module named (as import-linter counts it), or
+to the package when the imported name is not a submodule.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: source directory -> the package it installs as (pyproject's package-dir)
+PACKAGES = {"k3fuse": "k3fuse", "patterns": "k3fuse.patterns", "kernels": "k3fuse.kernels"}
+
+#: imports nothing from k3fuse but these
+LEAVES = {"k3fuse.settings": set(), "k3fuse.ir": set(), "k3fuse.usage": set(), "k3fuse.compat": set(),
+          "k3fuse.runtime": {"k3fuse.settings"}, "k3fuse.spelling": set(), "k3fuse.console": set()}
+#: the framework core: it must not import the rules, the kernels or the doors
+CORE = {"k3fuse.settings", "k3fuse.ir", "k3fuse.usage", "k3fuse.compat", "k3fuse.runtime", "k3fuse.context",
+        "k3fuse.guards", "k3fuse.match", "k3fuse.matcher", "k3fuse.rule", "k3fuse.normalize", "k3fuse.pipeline",
+        "k3fuse.verify", "k3fuse.log"}
+#: what a kernel module may import from k3fuse outside k3fuse.kernels
+KERNEL_REACH = {"k3fuse.runtime", "k3fuse.settings", "k3fuse.compat", "k3fuse.dist", "k3fuse.ir", "k3fuse.spelling",
+                "k3fuse.usage"}
+
+
+def _module_files() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for src, pkg in PACKAGES.items():
+        base = ROOT / src
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if src == "k3fuse" and parts and parts[0] in ("patterns", "kernels"):
+                continue
+            out[name] = path
+    return out
+
+
+MODULES = _module_files()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, Path()).name == "__init__.py"
+
+
+def _resolve(importer: str, level: int, module: str | None) -> str:
+    if level == 0:
+        return module or ""
+    base = importer.split(".")
+    if not _is_package(importer):
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                for sub in ast.walk(child):
+                    if hasattr(sub, "lineno"):
+                        lines.add(sub.lineno)
+    return lines
+
+
+def _edges(name: str, path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(name, node.level, node.module)
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in MODULES else target)
+    return {e for e in out if e in MODULES and e != name}
+
+
+GRAPH = {name: _edges(name, path) for name, path in MODULES.items()}
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_is_real():
+    assert len(MODULES) > 60
+    assert "k3fuse.kernels.dispatch" in GRAPH["k3fuse.kernels.ops"]
+    assert "k3fuse.rule" in GRAPH["k3fuse.patterns.decode_gemm"]
+
+
+def test_no_import_cycles():
+    assert _cycles() == []
+
+
+@pytest.mark.parametrize("module", sorted(CORE))
+def test_core_knows_no_rules_kernels_or_doors(module):
+    bad = sorted(e for e in GRAPH[module] if e not in CORE)
+    assert bad == [], f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(LEAVES))
+def test_leaves(module):
+    assert GRAPH[module] <= LEAVES[module], f"{module} imports {sorted(GRAPH[module] - LEAVES[module])}"
+
+
+def test_kernels_reach_only_the_leaves():
+    bad = {m: sorted(e for e in deps if not e.startswith("k3fuse.kernels") and e not in KERNEL_REACH)
+           for m, deps in GRAPH.items() if m.startswith("k3fuse.kernels")}
+    assert {m: e for m, e in bad.items() if e} == {}
+
+
+def test_rules_never_import_kernels_or_doors():
+    doors = {"k3fuse.backend", "k3fuse.inductor", "k3fuse.offline", "k3fuse.cli", "k3fuse.wiring", "k3fuse"}
+    bad = {m: sorted(e for e in deps if e.startswith("k3fuse.kernels") or e in doors)
+           for m, deps in GRAPH.items() if m.startswith("k3fuse.patterns")}
+    assert {m: e for m, e in bad.items() if e} == {}
