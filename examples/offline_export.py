@@ -2,10 +2,13 @@
 
     python examples/offline_export.py --out /tmp/k3 --log /tmp/k3fuse.jsonl
 
-Each rank exports its TP shard of the reference K3 decode model, rewrites it with
-`k3fuse.apply(ep, ctx)`, saves `<out>/rank<r>.pt2`, loads it back (the k3fuse ops are registered
-by `import k3fuse`) and checks it against the eager model. The saved program can be rewritten
-from the command line too:  k3fuse apply in.pt2 -o out.pt2 --tp 2 --tokens 1-64 --log FILE
+Each rank exports its TP shard of the reference K3 decode model, saves the export as
+`<out>/export_rank<r>.pt2`, rewrites it with `k3fuse.apply(ep, ctx)`, saves `<out>/rank<r>.pt2`,
+loads it back (the k3fuse ops are registered by `import k3fuse`) and checks it against the eager
+model. Both are saved with `k3fuse.offline.save_program`, which records the size of the live
+process group on every collective (an all-reduce names its group, not its size), so the export
+can be rewritten from the command line too, with the TP size read from the graph and any
+`--tp` checked against it:  k3fuse apply <out>/export_rank0.pt2 -o out.pt2 --tokens 1-64 --log FILE
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import k3fuse
 from k3fuse.cli import print_rewrite_summary
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
+from k3fuse.offline import save_program
 
 
 def worker(rank: int, world_size: int, layers: int, tokens: int, out_dir: str,
@@ -28,10 +32,11 @@ def worker(rank: int, world_size: int, layers: int, tokens: int, out_dir: str,
     x = torch.randn(tokens, model.config.hidden)
     state = model.init_state(tokens)
     ep = torch.export.export(model, (x, state))
+    save_program(ep, os.path.join(out_dir, f"export_rank{rank}.pt2"))  # records the group's size
     ctx = k3fuse.DecodeContext.from_process_group()
     new_ep, log = k3fuse.apply(ep, ctx, log=log_path)
     path = os.path.join(out_dir, f"rank{rank}.pt2")
-    torch.export.save(new_ep, path)
+    save_program(new_ep, path)
     loaded = torch.export.load(path)
     k3fuse.reset_stats()
     with torch.no_grad():

@@ -80,7 +80,8 @@ def non_negative_int(text: str) -> int:
 
 def decide_tp(requested: int | None, groups: dict[str, int | None]) -> tuple[int, str]:
     """The TP size to rewrite for, from --tp and the graph's collective groups (name -> size or
-    None when the graph does not record it), with a note saying where it came from."""
+    None when the graph does not record it, see k3fuse.offline.collective_group_sizes), with a
+    note saying where it came from: read from the graph, checked against it, or not checkable."""
     known = {size for size in groups.values() if size is not None}
     shown = ", ".join(f"{name!r}" + (f" (size {size})" if size else "") for name, size in groups.items())
     if len(known) > 1:
@@ -103,7 +104,11 @@ def decide_tp(requested: int | None, groups: dict[str, int | None]) -> tuple[int
     if known and requested not in known:
         raise UsageError(f"--tp {requested} but the graph's collectives run over group {shown}",
                          f"pass --tp {next(iter(known))}, or leave --tp out to read it from the graph")
-    return requested, f"TP {requested} from --tp" + (" (matches the graph)" if known else "")
+    if known:
+        return requested, f"TP {requested} from --tp (matches the graph)"
+    return requested, (f"TP {requested} from --tp, which could not be checked: the graph does not record the "
+                       f"size of group {shown} (k3fuse.offline.save_program records it when a process group is "
+                       f"live); the fused ops check the live group's size when they run")
 
 
 def _rules_context_fields(spec: str | None) -> dict[str, Any]:
@@ -160,7 +165,8 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     existed = dst.exists()
     new_ep, log = k3fuse.apply(ep, ctx, log=args.log)
     try:
-        save_program(new_ep, dst)
+        # the output records its group size too, so applying it again checks --tp as well
+        save_program(new_ep, dst, group_sizes={group_name: tp} if tp > 1 and group_name else None)
     except OSError as exc:
         kept = f"{dst} was left as it was" if existed else f"{dst} was not created"
         raise UsageError(f"could not save {dst}: {exc.strerror or exc}", f"{kept}; free space or choose another -o") \

@@ -85,35 +85,134 @@ def collective_group_names(graph: fx.Graph) -> list[str]:
 _GROUP_SIZE_ARG = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2, "all_gather_into_tensor_coalesced": 1,
                    "reduce_scatter_tensor_coalesced": 2}
 
+#: key in a collective node's meta["custom"] holding the size of its group (see record_group_sizes)
+GROUP_SIZE_KEY = "k3fuse_group_size"
+
+
+def _node_group(node: fx.Node, names: Any) -> str | None:
+    """The group name among a collective's string arguments (the last one in `names`)."""
+    found = [a for a in node.args if isinstance(a, str) and a in names]
+    return found[-1] if found else None
+
+
+def _arg_group_size(node: fx.Node) -> int | None:
+    """The `group_size` argument of an all-gather / reduce-scatter, or None (all-reduce has none)."""
+    packet = getattr(node.target, "_overloadpacket", None)
+    pos = _GROUP_SIZE_ARG.get(getattr(packet, "__name__", ""))
+    if pos is not None and len(node.args) > pos and isinstance(node.args[pos], int):
+        return node.args[pos]
+    return None
+
+
+def _recorded_group_size(node: fx.Node) -> int | None:
+    size = (node.meta.get("custom") or {}).get(GROUP_SIZE_KEY)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
+
+
+def _live_group_sizes(names: list[str]) -> dict[str, int]:
+    """Sizes of the named groups that exist as live process groups in this process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    from .compat import resolve_group
+
+    sizes = {}
+    for name in names:
+        try:
+            sizes[name] = dist.get_world_size(resolve_group(name))
+        except RuntimeError:
+            pass
+    return sizes
+
 
 def collective_group_sizes(graph: fx.Graph) -> dict[str, int | None]:
     """Each group name the graph's collectives use -> its size, or None where nothing records it.
 
-    The size comes from the collective's own `group_size` argument (all-gather, reduce-scatter) or
-    from a live process group of that name in this process. A plain all-reduce names its group but
-    not its size, so a graph with only all-reduces gets None.
+    The size comes from, in this order: the collective's own `group_size` argument (all-gather,
+    reduce-scatter); the size `record_group_sizes` wrote into the node's meta["custom"] when the
+    program was saved (this is what an all-reduce-only TP program carries, since
+    `all_reduce(t, "sum", group_name)` names its group but not its size); the world_size of k3fuse
+    collective ops over that group (a program k3fuse already rewrote); a live process group of
+    that name in this process. A program exported and saved by plain torch.export while no group
+    was live records nothing for its all-reduces: those groups map to None.
     """
     sizes: dict[str, int | None] = {name: None for name in collective_group_names(graph)}
+    collectives = [(n, _node_group(n, sizes)) for n in graph.nodes if is_collective(n)]
+    for read in (_arg_group_size, _recorded_group_size):  # an argument outranks a record
+        for node, name in collectives:
+            if name is not None and sizes[name] is None:
+                sizes[name] = read(node)
+    for name, size in _fused_op_group_sizes(graph).items():
+        if sizes.get(name) is None:
+            sizes[name] = size
+    for name, size in _live_group_sizes([n for n, s in sizes.items() if s is None]).items():
+        sizes[name] = size
+    return sizes
+
+
+def _fused_op_group_sizes(graph: fx.Graph) -> dict[str, int]:
+    """group_name -> world_size of the k3fuse collective ops already in the graph (a rewritten
+    program), where world_size > 1: each fused op carries the size it was built for."""
+    sizes: dict[str, int] = {}
     for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.name.startswith("k3fuse::"):
+            continue
+        values = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name))
+                  for i, a in enumerate(schema.arguments)}
+        name, size = values.get("group_name"), values.get("world_size")
+        if isinstance(name, str) and isinstance(size, int) and size > 1:
+            sizes.setdefault(name, size)
+    return sizes
+
+
+def record_group_sizes(ep: ExportedProgram, sizes: dict[str, int] | None = None) -> ExportedProgram:
+    """Write the size of its group into every collective node's meta["custom"]; returns `ep`.
+
+    Why: a TP program's all-reduces are `_c10d_functional.all_reduce(t, "sum", group_name)`, which
+    names the group but not its size, and the name alone ("0") means nothing once the program is
+    saved and the process group is gone. Without the size, `k3fuse apply` cannot tell that
+    `--tp 4` is wrong for a program exported at TP 2, and the rewrite would bake the wrong
+    world_size (and weight shards) into the fused ops. torch.export.save/load keep
+    node.meta["custom"] (and run_decompositions carries it over), so the size travels with the
+    program and `collective_group_sizes` reads it back offline.
+
+    The sizes come from `sizes` (group name -> size) where given, else from the graph itself
+    (all-gather / reduce-scatter arguments, an earlier record) or a live process group of that
+    name. `save_program` calls this, so a program saved with k3fuse while its process group is
+    live (as every rank of an export run is) carries its sizes; call it yourself before
+    torch.export.save when you save without k3fuse. Groups whose size cannot be found are left
+    unrecorded. Only node metadata changes (in place): the graph, its code and weights do not.
+    A size in `sizes` that contradicts a collective's own `group_size` argument is a ValueError.
+    """
+    found = collective_group_sizes(ep.graph)
+    for name, size in (sizes or {}).items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"group size for {name!r} must be a positive int, got {size!r}")
+    for node in ep.graph.nodes:
         if not is_collective(node):
             continue
-        packet = getattr(node.target, "_overloadpacket", None)
-        pos = _GROUP_SIZE_ARG.get(getattr(packet, "__name__", ""))
-        names = [a for a in node.args if isinstance(a, str) and a in sizes]
-        if pos is not None and len(node.args) > pos and isinstance(node.args[pos], int) and names:
-            sizes[names[-1]] = node.args[pos]
-    import torch.distributed as dist
+        name = _node_group(node, found)
+        if name is None:
+            continue
+        own = _arg_group_size(node)
+        size = (sizes or {}).get(name, found[name])
+        if own is not None and size != own:
+            raise ValueError(f"group {name!r} given size {size} but {node.name} gathers over {own} ranks")
+        if size is not None:
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), GROUP_SIZE_KEY: size}
+    return ep
 
-    if dist.is_available() and dist.is_initialized():
-        from .compat import resolve_group
 
-        for name, size in sizes.items():
-            if size is None:
-                try:
-                    sizes[name] = dist.get_world_size(resolve_group(name))
-                except RuntimeError:
-                    pass
-    return sizes
+def strip_group_sizes(ep: ExportedProgram) -> ExportedProgram:
+    """Remove what `record_group_sizes` wrote (in place; returns `ep`): the program then looks
+    like one saved by plain torch.export, whose all-reduces do not record their group size."""
+    for node in ep.graph.nodes:
+        custom = node.meta.get("custom")
+        if custom and GROUP_SIZE_KEY in custom:
+            node.meta["custom"] = {k: v for k, v in custom.items() if k != GROUP_SIZE_KEY}
+    return ep
 
 
 class _DropLoaderNoise(logging.Filter):
@@ -146,11 +245,16 @@ def load_program(path: str | os.PathLike[str]) -> ExportedProgram:
             lg.removeFilter(quiet)
 
 
-def save_program(ep: ExportedProgram, path: str | os.PathLike[str]) -> None:
+def save_program(ep: ExportedProgram, path: str | os.PathLike[str], *,
+                 group_sizes: dict[str, int] | None = None) -> None:
     """torch.export.save to a temporary file next to `path`, renamed over it when complete: an
-    interrupted save (Ctrl-C, full disk) leaves whatever was at `path` before, never half a program."""
+    interrupted save (Ctrl-C, full disk) leaves whatever was at `path` before, never half a program.
+
+    Records each collective's group size first (`record_group_sizes`, from `group_sizes`, the
+    graph or the live process group), so `k3fuse apply` can check `--tp` against the program."""
     from .fileio import atomic_write
 
+    record_group_sizes(ep, group_sizes)
     with atomic_write(path) as tmp:
         torch.export.save(ep, tmp)
 
@@ -217,4 +321,6 @@ def apply(
     return ep._update(gm, sig), rlog
 
 
-__all__ = ["apply", "load_program", "save_program", "collective_group_sizes", "static_placeholder_names", "written_placeholders", "mark_static_placeholders", "collective_group_names"]
+__all__ = ["apply", "load_program", "save_program", "collective_group_sizes", "record_group_sizes",
+           "strip_group_sizes", "GROUP_SIZE_KEY", "static_placeholder_names", "written_placeholders",
+           "mark_static_placeholders", "collective_group_names"]

@@ -130,7 +130,8 @@ def test_interrupted_save_leaves_old_files_whole(work, how, status, message, in_
 def test_decide_tp_rules():
     assert decide_tp(None, {}) == (1, "TP 1: the graph has no collectives")
     assert decide_tp(None, {"0": 2})[0] == 2
-    assert decide_tp(2, {"0": None}) == (2, "TP 2 from --tp")
+    assert decide_tp(2, {"0": None})[1].startswith("TP 2 from --tp, which could not be checked")
+    assert decide_tp(2, {"0": 2}) == (2, "TP 2 from --tp (matches the graph)")
     with pytest.raises(UsageError, match="different sizes"):
         decide_tp(None, {"0": 2, "1": 4})
 

@@ -47,6 +47,9 @@ def offline_log(tmp_path_factory) -> Path:
     out = run_example("offline_export.py", "--out", str(tmp / "pt2"), "--log", str(tmp / "log.jsonl"))
     assert max_diff(out) < 1e-4
     assert (tmp / "pt2" / "rank0.pt2").exists() and (tmp / "pt2" / "rank1.pt2").exists()
+    # the exports carry their group size, so `k3fuse apply` can read and check --tp offline
+    from k3fuse.offline import collective_group_sizes, load_program
+    assert collective_group_sizes(load_program(tmp / "pt2" / "export_rank1.pt2").graph) == {"0": 2}
     return tmp / "log.jsonl"
 
 
