@@ -27,7 +27,8 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[Path]:
     as it was. Writers that take a path (torch.export.save) write to the yielded path.
     """
     dest = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX + dest.name + ".", dir=dest.parent or Path("."))
+    fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX + dest.name + ".", suffix=dest.suffix,
+                                     dir=dest.parent or Path("."))  # same suffix: torch.export.save checks it
     os.close(fd)
     tmp = Path(tmp_name)
     try:
