@@ -4,7 +4,7 @@ Rewrites may load static weights early (fusing, prefetching) but must never make
 non-static tensor (activation, peer-written buffer, decode state) happen earlier relative to a
 synchronisation point than it did before. Terms, precisely:
 
-* *static value*: a placeholder marked ``node.meta["k3fuse_static"]`` by the door (parameters,
+* *static value*: a placeholder the door marked static (``ir.mark_static``) (parameters,
   buffers and constants the graph never mutates) or a ``get_attr`` constant. Every other value
   is non-static.
 * *sync node*: an op after which data written elsewhere becomes valid: ``wait_tensor`` and every

@@ -2,7 +2,7 @@
 # One script for anyone with a GPU: install the CuTe DSL wheel if present, print versions, run the
 # GPU tests, then the benchmarks. Logs and JSON go to ${OUT:-out}.
 #
-#   scripts/gpu_check.sh [all | STEP...]   steps: versions test-gemm bench-gemm test-ar bench-ar tests sweep
+#   scripts/gpu_check.sh [all | STEP...]   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety tests sweep
 #                                          test-layer bench-layer bench-attnres
 #   (all = test-gemm bench-gemm test-ar bench-ar test-layer bench-layer; each step has a timeout, logs
 #   go to $OUT/<step>.log; PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches;
@@ -67,12 +67,16 @@ step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.lo
   local r=${PIPESTATUS[0]}; [[ $r -ne 0 ]] && { echo "== $name FAILED rc=$r"; rc=1; }
   return 0
 }
-PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X--x} -q -p no:cacheprovider -o addopts= --timeout=${PYTEST_TIMEOUT:-400}
-        ${PYTEST_K:+-k "$PYTEST_K"} -rs)
+# -v: one line per test as it finishes, so a run cut short by the device's time limit still says
+# which tests passed and failed; -rA --tb=short: every outcome and a short traceback at the end
+PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X--x} -v --tb=short -rA -p no:cacheprovider -o addopts=
+        --timeout=${PYTEST_TIMEOUT:-400} ${PYTEST_K:+-k "$PYTEST_K"})
 for s in "${STEPS[@]}"; do
   case "$s" in
     test-gemm) step pytest_gemm "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_decode_gemm_gpu.py ;;
     test-ar)   step pytest_ar "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_fused_ar_gpu.py ;;
+    test-safety) step pytest_safety "${TEST_TIMEOUT:-500}" "${PYTEST[@]}" ${PYTEST_ARGS:-} \
+                   tests/gpu/test_collective_safety_gpu.py ;;
     tests)     step pytest_gpu "${TEST_TIMEOUT:-420}" "${PYTEST[@]}" tests/gpu ;;
     test-layer) step pytest_layer "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" -s tests/gpu/test_layer_gpu.py ;;
     bench-layer) step bench_layer "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.cli bench --residual plain --layers 1 \
