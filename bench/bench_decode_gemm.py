@@ -13,47 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 
 import torch
 
+from k3fuse.bench.timing import graph_replay_us
+from k3fuse.model.shapes import DECODE_GEMM_BENCH_SITES, gemm_sites
+
 COPY_BW = 4.28e12
-SHAPES = [
-    ("oproj_tp1", 7168, 12288, torch.bfloat16),
-    ("oproj_tp2", 7168, 6144, torch.bfloat16),
-    ("oproj_tp8", 7168, 1536, torch.bfloat16),
-    ("oproj_tp16", 7168, 768, torch.bfloat16),
-    ("router", 896, 7168, torch.float32),
-    ("w_down", 3584, 7168, torch.bfloat16),
-    ("w_up", 7168, 3584, torch.bfloat16),
-]
-
-
-def time_graph(fn_per_copy, copies: int, replays: int = 30) -> float:
-    """Median µs per call: one graph runs fn_per_copy(i) for every copy i."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn_per_copy(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn_per_copy(i)
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
-    return statistics.median(times)
+# (name, N, K, out dtype): the K3 per-rank shapes (k3fuse/model/shapes.py)
+SHAPES = gemm_sites(*DECODE_GEMM_BENCH_SITES)
 
 
 def main(argv=None) -> int:
@@ -84,7 +53,7 @@ def main(argv=None) -> int:
             nbytes = wbytes + M * K * 2 + M * N * odt.itemsize
             res = {"shape": name, "N": N, "K": K, "M": M, "out_dtype": str(odt).split(".")[-1],
                    "weight_copies": copies}
-            res["torch.mm"] = time_graph(lambda i: torch.mm(xs[i], ws[i].t()), copies)
+            res["torch.mm"] = graph_replay_us(lambda i: torch.mm(xs[i], ws[i].t()), copies)
             if odt == torch.float32:
                 res["torch.mm_note"] = "bf16 out (cuBLAS has no bf16->fp32 mm here)"
             dispatch.warmup("decode_gemm", [{"M": M, "N": N, "K": K, "dtype": torch.bfloat16,
@@ -93,11 +62,11 @@ def main(argv=None) -> int:
             with runtime.strict():
                 torch.ops.k3fuse.decode_gemm(xs[0], ws[0], None, odt)
             res["k3fuse_impl"] = next(iter(runtime.stats()["decode_gemm"]))
-            res["k3fuse"] = time_graph(lambda i: torch.ops.k3fuse.decode_gemm(xs[i], ws[i], None, odt), copies)
+            res["k3fuse"] = graph_replay_us(lambda i: torch.ops.k3fuse.decode_gemm(xs[i], ws[i], None, odt), copies)
             if compat.available() and decode_gemv.supports(xs[0], ws[0], None, odt):
-                res["cute.gemv"] = time_graph(lambda i: decode_gemv.run(xs[i], ws[i], None, odt, out=ys[i]), copies)
+                res["cute.gemv"] = graph_replay_us(lambda i: decode_gemv.run(xs[i], ws[i], None, odt, out=ys[i]), copies)
             if splitk_gemm.supports(xs[0], ws[0], None, odt):
-                res["triton.splitk"] = time_graph(lambda i: splitk_gemm.run(xs[i], ws[i], None, odt, out=ys[i]), copies)
+                res["triton.splitk"] = graph_replay_us(lambda i: splitk_gemm.run(xs[i], ws[i], None, odt, out=ys[i]), copies)
                 res["splitk_cfg"] = splitk_gemm.pick_config(M, N, K, props.multi_processor_count)
             for k in ("torch.mm", "k3fuse", "cute.gemv", "triton.splitk"):
                 if k in res:

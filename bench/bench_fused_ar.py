@@ -13,56 +13,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
 import sys
 
 import torch
 
-H, P = 7168, 6144
+from k3fuse.bench.timing import graph_replay_us
+from k3fuse.dist import launch
+from k3fuse.model.shapes import gemm_site
+
+_OPROJ = gemm_site("oproj_tp2")  # the out-projection at TP 2: W_o [H, P/2] per rank
+H, P = _OPROJ.n, _OPROJ.k
 STEPS, COPIES, EPS = 20, 4, 1e-5
+#: NVLink multicast stays off (symmetric memory without multicast; the ranks inherit this)
+ENV = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
 
 
 def _graph_time(step, replays=20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(STEPS):
-            step(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(STEPS):
-            step(i)
+    """Median µs per step of a graph of STEPS steps, ranks at a barrier before each replay."""
+    return graph_replay_us(step, STEPS, replays)
+
+
+def _worker(rank, world, tokens, out_json):
+    """One rank (k3fuse.dist.launch: NCCL process group up, this rank's GPU current)."""
     import torch.distributed as dist
 
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / STEPS)
-    return statistics.median(times)
-
-
-def _worker(rank, world, port, tokens, out_json):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-                      NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
-    torch.cuda.set_device(rank)
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
+    from k3fuse.spelling import all_reduce_sum, linear, rms_norm
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
@@ -70,13 +47,11 @@ def _worker(rank, world, port, tokens, out_json):
     ws = [torch.randn(H, P, device=dev, dtype=torch.bfloat16) / P ** 0.5 for _ in range(COPIES)]
     nw = torch.randn(H, device=dev, dtype=torch.bfloat16)
 
-    def stock(x, w, r, nw):
-        y = torch.nn.functional.linear(x, w)
-        y = funcol.all_reduce(y, "sum", group)
+    def stock(x, w, r, nw):  # the reference model's spelling (k3fuse.spelling)
+        y = linear(x, w)
+        y = all_reduce_sum(y, group)
         h = r + y
-        hf = h.float()
-        n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS) * nw.float()
-        return h, n.to(h.dtype)
+        return h, rms_norm(h, nw, EPS)
 
     stock_c = torch.compile(stock, fullgraph=True)
     rows = []
@@ -130,7 +105,6 @@ def _worker(rank, world, port, tokens, out_json):
             print(f"{r['M']:3d} {r['cublas_gemm']:8.2f} {r['eager']:8.2f} {r['torch_compile']:8.2f} "
                   f"{r['k3fuse']:8.2f} {r['k3fuse_pdl']:8.2f} {r['k3fuse_vs_compile']:9.2f}")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
@@ -141,14 +115,9 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() < 2:
         print("needs 2 GPUs")
         return 1
-    import torch.multiprocessing as mp
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    os.environ.update(ENV)
     tokens = [int(t) for t in args.tokens.split(",")]
-    mp.spawn(_worker, args=(2, port, tokens, os.path.abspath(args.json)), nprocs=2, join=True)
+    launch(_worker, 2, backend="nccl", args=(tokens, os.path.abspath(args.json)), timeout_s=3600)
     return 0
 
 

@@ -22,7 +22,9 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_gemm import SHAPES, time_graph  # noqa: E402
+from bench_decode_gemm import SHAPES  # noqa: E402
+
+from k3fuse.bench.timing import graph_replay_us  # noqa: E402
 
 SPLITK_M = (8, 32, 64)          # one M per BLOCK_M bucket (16, 32, 64)
 GEMV_M = (1, 2, 4)
@@ -99,9 +101,9 @@ def _gpu(rank, shapes, out_path, jobs):
             ys = [torch.empty(M, N, device=dev, dtype=odt) for _ in range(copies)]
             r = {"shape": name, "N": N, "K": K, "M": M, "out_dtype": str(odt).split(".")[-1], "copies": copies,
                  "bytes": wbytes + M * K * 2 + M * N * odt.itemsize}
-            r["torch.mm"] = time_graph(lambda i: torch.mm(xs[i], ws[i].t()), copies, replays=15)
+            r["torch.mm"] = graph_replay_us(lambda i: torch.mm(xs[i], ws[i].t()), copies, replays=15)
             try:
-                r["torch.mm_fp32out"] = time_graph(
+                r["torch.mm_fp32out"] = graph_replay_us(
                     lambda i: torch.mm(xs[i], ws[i].t(), out_dtype=torch.float32), copies, replays=15)
             except Exception as exc:
                 r["torch.mm_fp32out"] = f"{type(exc).__name__}"
@@ -112,7 +114,7 @@ def _gpu(rank, shapes, out_path, jobs):
                     if k + f"{(M, N, K)}" in bad:
                         continue
                     try:
-                        sk[k] = time_graph(lambda i: splitk_gemm.run(xs[i], ws[i], None, odt, out=ys[i], config=c),
+                        sk[k] = graph_replay_us(lambda i: splitk_gemm.run(xs[i], ws[i], None, odt, out=ys[i], config=c),
                                            copies, replays=10)
                     except Exception as exc:
                         sk[k] = f"{type(exc).__name__}"
@@ -120,7 +122,7 @@ def _gpu(rank, shapes, out_path, jobs):
             if M in GEMV_M and compat.available():
                 gv = {}
                 for rows_, th in gemv_configs(M, N, K):
-                    gv[f"{rows_},{th}"] = time_graph(
+                    gv[f"{rows_},{th}"] = graph_replay_us(
                         lambda i: decode_gemv.run(xs[i], ws[i], None, odt, out=ys[i], config=(rows_, th)),
                         copies, replays=10)
                 r["gemv"] = gv

@@ -1,5 +1,7 @@
 """The K3 decode spelling the rules trace (docs/architecture.md "Reference model spelling").
 
+The math itself (rms_norm, situ_glu, linear, all_reduce_sum) is k3fuse.spelling's, the functions
+the model computes with, re-exported here; this module adds what tracing a pattern needs.
 Plain torch, no k3fuse ops: each rule traces these to ATen with the doors' decomposition table.
 A trunk in fp32 has no casts in its graph and a bf16/fp16 trunk has them, so every pattern is
 traced once per trunk dtype (`per_dtype`); the variant name carries the dtype only when it is
@@ -11,40 +13,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
-import torch.nn.functional as F
 
 from k3fuse.guards import GuardFailure
 from k3fuse.normalize import is_metadata_check
-from k3fuse.rule import PatternSpec, Variant
 from k3fuse.ir import node_order
+from k3fuse.rule import PatternSpec, Variant
+from k3fuse.spelling import all_reduce_sum, linear, rms_norm, situ_glu
 
 #: trunk dtypes the rules trace patterns for and accept (K3 ships a bf16 trunk; fp32 for tests)
 TRUNK_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 GROUP = "tp"  # example group name: a literal wildcard, the graph's own name is captured
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm, variance in fp32, times the weight in fp32, back to x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-
-def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU-GLU in fp32: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)."""
-    gf, uf = g.float(), u.float()
-    act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
-    return act.to(g.dtype)
-
-
-def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The functional all-reduce a row-parallel linear is followed by (all_reduce + wait_tensor)."""
-    return funcol.all_reduce(t, "sum", group_name)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w)
 
 
 def per_dtype(name: str, fn: Callable[..., Any],

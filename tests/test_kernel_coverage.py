@@ -11,6 +11,7 @@ import k3fuse
 from k3fuse.guards import kernel_covers
 from k3fuse.kernels import dispatch
 from k3fuse.model import K3DecodeStack, get_config
+from k3fuse.model.shapes import gemm_sites
 
 pytest.importorskip("triton")  # CI installs Triton: the split-K kernel's limits are what is tested
 
@@ -22,10 +23,13 @@ def _gemm(N: int, K: int, dtype: torch.dtype = BF16, out_dtype: torch.dtype = BF
     return {"N": N, "K": K, "dtype": dtype, "out_dtype": out_dtype, "bias": False}
 
 
-@pytest.mark.parametrize("N,K", [(48, 7168), (6144, 7168), (896, 7168), (7168, 3584), (6144, 128)])
-def test_k3_tp2_decode_shapes_are_covered_at_every_token_count(N, K):
-    """Every decode_gemm site of the K3 layer at TP 2, W_b's 48 rows included (masked tiles)."""
-    out = torch.float32 if N == 896 else BF16  # the router's fp32 logits
+TP2_SITES = gemm_sites("w_b_tp2", "qkvg_tp2", "router", "w_up", "w_fb_tp2")
+
+
+@pytest.mark.parametrize("name,N,K,out", TP2_SITES, ids=[s.name for s in TP2_SITES])
+def test_k3_tp2_decode_shapes_are_covered_at_every_token_count(name, N, K, out):
+    """Every decode_gemm site of the K3 layer at TP 2, W_b's 48 rows included (masked tiles);
+    the router's logits are fp32 (shapes: k3fuse/model/shapes.py)."""
     assert dispatch.coverage("decode_gemm", _gemm(N, K, out_dtype=out), range(1, 65)) == {}
 
 

@@ -41,13 +41,8 @@ from torch import nn
 from k3fuse.dist import launch
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _with_weight_prefetch():
-    """weight_prefetch is off by default (measured slower in the layer, docs/perf.md); these tests
-    cover its rewrites too, so they name it (the ranks inherit the environment)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3FUSE_RULES", "+weight_prefetch")
-        yield
+# weight_prefetch is off by default; these tests cover its rewrites too (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("with_weight_prefetch")
 
 
 RULES = ("oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "kda_delta_rule", "decode_gemm",

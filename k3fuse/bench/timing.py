@@ -57,6 +57,23 @@ def time_graph(graph: torch.cuda.CUDAGraph, n_steps: int, replays: int,
     return per_step
 
 
+def graph_replay_us(fn: Callable[[int], object], n_steps: int, replays: int = 30, warmup: int = 1,
+                    refill: Callable[[], None] | None = None) -> float:
+    """Median microseconds per step of one CUDA graph running fn(0), ..., fn(n_steps - 1).
+
+    The steps are one pass over rotated weight copies (a GEMM benchmark: together they exceed the
+    L2) or several decode steps (a collective: rank start skew amortised); `warmup` untimed passes
+    on a side stream come first (compiles, workspaces), then `capture` and `time_graph` (ranks meet
+    at a barrier before each replay when a process group of several ranks is initialised; the
+    caller takes `slowest_rank`)."""
+    def steps() -> None:
+        for i in range(n_steps):
+            fn(i)  # each output dropped at once, so the graph's pool reuses its memory
+
+    graph = capture(steps, warmup=warmup)
+    return median(time_graph(graph, n_steps, replays, refill))
+
+
 def time_host(steps: Callable[[], object], n_steps: int, replays: int,
               refill: Callable[[], None] | None = None) -> list[float]:
     """Host-clock microseconds per step (CPU smoke runs)."""
@@ -102,4 +119,4 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
     return 2 * src.numel() / statistics.median(times)
 
 
-__all__ = ["capture", "time_graph", "time_host", "slowest_rank", "median", "copy_bandwidth"]
+__all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_bandwidth"]

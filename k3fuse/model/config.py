@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA
+
 RESIDUAL_KINDS = ("plain", "attnres")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -45,8 +47,8 @@ class K3Config:
     l2_eps: float = 1e-6
     gate_lower_bound: float = -5.0
     routed_scaling: float = 1.0
-    situ_beta: float = 4.0
-    situ_linear_beta: float = 25.0
+    situ_beta: float = K3_SITU_BETA  # 4.0
+    situ_linear_beta: float = K3_SITU_LINEAR_BETA  # 25.0
     residual: str = "plain"  # "plain" pre-norm residual or "attnres" (Block Attention Residuals)
     attn_res_block: int = 12  # layers per AttnRes block (a bank entry every this many layers)
     dtype: str = "float32"  # model (trunk) dtype name; KDA state, router and SiTU are fp32 anyway

@@ -17,10 +17,12 @@ import zlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+# the K3 math, written once (rms_norm, situ_glu, delta_rule are this module's names too: the rules
+# and the tests import them from here)
+from ..spelling import all_reduce_sum, delta_rule, rms_norm, situ_glu
 from .config import K3Config
 
 
@@ -73,22 +75,6 @@ def shard(t: torch.Tensor, dim: int, tp_size: int, rank: int) -> torch.Tensor:
 
 
 # --- shared pieces ------------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm with the variance in fp32, times the weight in fp32, back to x's dtype."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        out = out * weight.float()
-    return out.to(x.dtype)
-
-
-def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU-GLU in fp32: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)."""
-    gf, uf = g.float(), u.float()
-    act = beta * torch.tanh(gf / beta) * torch.sigmoid(gf) * (linear_beta * torch.tanh(uf / linear_beta))
-    return act.to(g.dtype)
-
-
 class TensorParallel:
     """Who this module is in the TP group; `all_reduce` is the identity at tp=1."""
 
@@ -100,7 +86,7 @@ class TensorParallel:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return t
-        return funcol.all_reduce(t, "sum", self.group)
+        return all_reduce_sum(t, self.group)
 
 
 class RMSNorm(nn.Module):
@@ -119,21 +105,6 @@ def make_norm(cfg: K3Config, src: WeightSource, layer: int, name: str, width: in
 
 
 # --- KDA ----------------------------------------------------------------------------------------
-def delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KDA delta-rule step, fp32 state S [T, h, d_k, d_v] (key x value).
-
-    g [T, h, d_k] per-key-channel log decay, beta [T, h] write strength, kc/qc [T, h, d_k] and
-    vc [T, h, d_v]. Returns (S_new, o [T, h, d_v]). The rule `kda_delta_rule` traces this very
-    function (patterns/kda_delta_rule.py), so the model and the pattern cannot drift apart.
-    """
-    S = recurrent * torch.exp(g).unsqueeze(-1)
-    e = beta.unsqueeze(-1) * (vc - torch.einsum("thkv,thk->thv", S, kc))
-    S = S + kc.unsqueeze(-1) * e.unsqueeze(-2)
-    o = torch.einsum("thkv,thk->thv", S, qc)
-    return S, o
-
-
 class KDADecode(nn.Module):
     """One recurrent Kimi Delta Attention decode step for T sequences (one token each).
 

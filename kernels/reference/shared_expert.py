@@ -31,24 +31,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import streams
+from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, situ, situ_glu  # noqa: F401 (situ: re-exported)
 
-K3_SITU_BETA = 4.0
-K3_SITU_LINEAR_BETA = 25.0
+from .. import streams
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 Activation = Callable[[Sequence[torch.Tensor]], torch.Tensor]
-
-
-def situ(g: torch.Tensor, u: torch.Tensor, beta: float = K3_SITU_BETA,
-         linear_beta: float = K3_SITU_LINEAR_BETA) -> torch.Tensor:
-    """SiTU-GLU in the inputs' dtype (call it with fp32 tensors)."""
-    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-
-
-def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """K3's spelling (k3fuse/model/layers.py): fp32 inside, one cast back to the model dtype."""
-    return situ(g.float(), u.float(), beta, linear_beta).to(g.dtype)
 
 
 def situ_act(beta: float = K3_SITU_BETA, linear_beta: float = K3_SITU_LINEAR_BETA) -> str:

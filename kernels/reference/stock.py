@@ -3,7 +3,8 @@
 The kill switch and the call guard run these instead of a fused implementation, so "disabled"
 reproduces the unfused model: projections with F.linear in the model dtype, the functional
 all-reduce / all-gather on the group named in the graph, adds in the model dtype, RMSNorm with the
-variance in fp32 and the result cast back (the spelling of k3fuse/model/layers.py).
+variance in fp32 and the result cast back (the spelling of k3fuse/model/layers.py: the math is
+k3fuse.spelling's, the model's own functions).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from k3fuse import compat
+from k3fuse.spelling import delta_rule, rms_norm
 
 from .. import streams
 from . import shared_expert
@@ -27,12 +29,6 @@ def all_gather_last_dim(t: torch.Tensor, group_name: str, world_size: int) -> to
         return t
     gathered = compat.WAIT_TENSOR(compat.ALL_GATHER(t.contiguous(), world_size, group_name))
     return torch.cat(gathered.chunk(world_size, dim=0), dim=-1)  # [ws*T, n] -> [T, ws*n]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.float()).to(x.dtype)
 
 
 def gemm_ar_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
@@ -83,9 +79,5 @@ def l2_prefetch(anchor: torch.Tensor, weights: list[torch.Tensor], budget_bytes:
 
 def kda_delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stock: the model's delta-rule step (k3fuse/model/layers.py `delta_rule`), op for op."""
-    S = recurrent * torch.exp(g).unsqueeze(-1)
-    e = beta.unsqueeze(-1) * (v - torch.einsum("thkv,thk->thv", S, k))
-    S = S + k.unsqueeze(-1) * e.unsqueeze(-2)
-    o = torch.einsum("thkv,thk->thv", S, q)
-    return S, o
+    """Stock: the model's delta-rule step (k3fuse.spelling `delta_rule`, the model's), op for op."""
+    return delta_rule(recurrent, g, beta, k, v, q)

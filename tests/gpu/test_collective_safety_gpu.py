@@ -18,9 +18,7 @@ Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m pytest -m g
 from __future__ import annotations
 
 import os
-import socket
 import time
-import traceback
 
 import pytest
 import torch
@@ -36,42 +34,25 @@ PROTOCOLS = {"lamport": "cute.oneshot_ar", "flags": "cute.oneshot_ar.flags"}
 ENV = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
 
 
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+def _entry(rank, world, fn_name, gpu_of_rank):
+    """One rank under k3fuse.dist.launch (process group up, env inherited from _spawn)."""
+    import torch.distributed as dist
 
-
-def _entry(rank, world, port, errfile, fn_name, env, gpu_of_rank, backend):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **ENV, **env)
-        dev = gpu_of_rank[rank]
-        torch.cuda.set_device(dev)
-        import torch.distributed as dist
-
-        kw = {} if backend != "nccl" else {"device_id": torch.device("cuda", dev)}
-        dist.init_process_group(backend, rank=rank, world_size=world, **kw)
-        globals()[fn_name](rank, world, dist)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{errfile}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    torch.cuda.set_device(gpu_of_rank[rank])  # launch picks GPU `rank` for NCCL; gloo ranks pick here
+    globals()[fn_name](rank, world, dist)
+    dist.barrier()
 
 
 def _spawn(tmp_path, fn_name, env=None, nprocs=2, gpu_of_rank=(0, 1), backend="nccl"):
-    import torch.multiprocessing as mp
+    from k3fuse.dist import RankFailedError, launch
 
-    errfile = str(tmp_path / "err")
-    try:
-        mp.spawn(_entry, args=(nprocs, _port(), errfile, fn_name, env or {}, list(gpu_of_rank), backend),
-                 nprocs=nprocs, join=True)
-    except Exception:
-        msgs = [open(f"{errfile}.{r}").read() for r in range(nprocs) if os.path.exists(f"{errfile}.{r}")]
-        pytest.fail("worker failed:\n" + "\n".join(msgs))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {**ENV, **(env or {})}.items():
+            mp.setenv(key, value)  # the ranks inherit the environment
+        try:
+            launch(_entry, nprocs, backend=backend, args=(fn_name, list(gpu_of_rank)), timeout_s=900)
+        except RankFailedError as exc:
+            pytest.fail(f"worker failed:\n{exc}")
 
 
 # --- helpers used inside the workers ----------------------------------------------------------------

@@ -19,23 +19,13 @@ from k3fuse import runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
 from k3fuse.kernels.cute import compat, decode_gemv  # noqa: E402
 from k3fuse.kernels.triton import splitk_gemm  # noqa: E402
+from k3fuse.model.shapes import DECODE_GEMM_BENCH_SITES, gemm_site, gemm_sites  # noqa: E402
 
-# (name, N, K, out dtype): K3 per-rank shapes at TP 1, 2, 8, 16 plus the replicated MoE front/tail
-SHAPES = [
-    ("oproj_tp1", 7168, 12288, torch.bfloat16),
-    ("oproj_tp2", 7168, 6144, torch.bfloat16),
-    ("oproj_tp8", 7168, 1536, torch.bfloat16),
-    ("oproj_tp16", 7168, 768, torch.bfloat16),
-    ("router", 896, 7168, torch.float32),
-    ("w_down", 3584, 7168, torch.bfloat16),
-    ("w_up", 7168, 3584, torch.bfloat16),
-    # the rest of the K3 layer at TP 2: q/k/v/g, the gate's low-rank pair, and W_b's 48 rows
-    # (a skinny N the split-K kernel serves with masked 16-column tiles)
-    ("qkvg_tp2", 6144, 7168, torch.bfloat16),
-    ("w_fa", 128, 7168, torch.bfloat16),
-    ("w_fb_tp2", 6144, 128, torch.bfloat16),
-    ("w_b_tp2", 48, 7168, torch.bfloat16),
-]
+# (name, N, K, out dtype): K3 per-rank shapes at TP 1, 2, 8, 16 plus the replicated MoE front/tail,
+# then the rest of the K3 layer at TP 2: q/k/v/g, the gate's low-rank pair, and W_b's 48 rows
+# (a skinny N the split-K kernel serves with masked 16-column tiles); k3fuse/model/shapes.py
+SHAPES = gemm_sites(*DECODE_GEMM_BENCH_SITES, "qkvg_tp2", "w_fa", "w_fb_tp2", "w_b_tp2")
+ROUTER, OPROJ_TP2 = gemm_site("router"), gemm_site("oproj_tp2")
 DEV = "cuda"
 _weights: dict = {}
 
@@ -92,10 +82,10 @@ def test_op_strict_no_fallback(name, N, K, out_dtype):
 
 
 def test_bias_and_batch_dims():
-    w = _weight(896, 7168)
-    b = torch.randn(896, device=DEV, dtype=torch.bfloat16)
+    w = _weight(ROUTER.n, ROUTER.k)
+    b = torch.randn(ROUTER.n, device=DEV, dtype=torch.bfloat16)
     for M in (1, 2, 5, 33):
-        x = torch.randn(1, M, 7168, device=DEV, dtype=torch.bfloat16)
+        x = torch.randn(1, M, ROUTER.k, device=DEV, dtype=torch.bfloat16)
         with runtime.strict():
             y = torch.ops.k3fuse.decode_gemm(x, w, b, torch.float32)
         ref = x.double().reshape(M, -1) @ w.double().T + b.double()
@@ -104,7 +94,7 @@ def test_bias_and_batch_dims():
 
 @pytest.mark.parametrize("M", [1, 2, 16, 64])
 def test_cuda_graph_1000_replays(M):
-    N, K = 7168, 6144
+    N, K = OPROJ_TP2.n, OPROJ_TP2.k
     w = _weight(N, K)
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
     dispatch.warmup("decode_gemm", [{"M": M, "N": N, "K": K, "dtype": torch.bfloat16}])

@@ -12,8 +12,6 @@ must name the protocol's implementation. K3FUSE_TEST_AR_TOKENS=1,2,7 limits the 
 from __future__ import annotations
 
 import os
-import socket
-import traceback
 
 import pytest
 import torch
@@ -23,20 +21,17 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
-H, P = 7168, 6144  # out-projection per rank at TP 2: [H, P/2] with P/2 = 6144
+from k3fuse.bench.timing import median, slowest_rank, time_graph  # noqa: E402
+from k3fuse.dist import RankFailedError, launch  # noqa: E402
+from k3fuse.model.shapes import gemm_site  # noqa: E402
+
+_OPROJ = gemm_site("oproj_tp2")  # out-projection per rank at TP 2: [H, P/2] with P/2 = 6144
+H, P = _OPROJ.n, _OPROJ.k
 MAX_T = 64
 EPS = 1e-5
 PROTOCOLS = {"lamport": "cute.oneshot_ar", "flags": "cute.oneshot_ar.flags"}
 TOKENS = [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",") if t.strip()] \
     or list(range(1, MAX_T + 1))
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _poison(shape, dtype, device):
@@ -47,22 +42,12 @@ def _poison(shape, dtype, device):
     del t
 
 
-def _worker(rank: int, world: int, port: int, errfile: str, protocol: str) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
-                          NVSHMEM_DISABLE_NVLS="1", K3FUSE_AR_PROTOCOL=protocol)
-        torch.cuda.set_device(rank)
-        import torch.distributed as dist
+def _worker(rank: int, world: int, protocol: str) -> None:
+    """One rank under k3fuse.dist.launch (NCCL group up, GPU `rank` current, env from _spawn)."""
+    import torch.distributed as dist
 
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        _body(rank, world, dist, protocol)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{errfile}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    _body(rank, world, dist, protocol)
+    dist.barrier()
 
 
 def _body(rank, world, dist, protocol):
@@ -175,19 +160,11 @@ def _body(rank, world, dist, protocol):
                     check(normed, nref, f"graph T={T} replay {i} normed")
                     same_on_all_ranks(normed, f"graph T={T} replay {i}")
             torch.cuda.synchronize()
-            # rough timing (not a benchmark: one op per graph, the same weight every replay,
-            # back-to-back replays): µs per replay, the slower rank
-            dist.barrier()
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record()
-            for _ in range(200):
-                g.replay()
-            ev1.record()
-            ev1.synchronize()
-            us = torch.tensor([ev0.elapsed_time(ev1) * 1e3 / 200], device=dev, dtype=torch.float64)
-            dist.all_reduce(us, op=dist.ReduceOp.MAX)
+            # rough timing (not a benchmark: one op per graph, the same weight every replay):
+            # median µs per replay over 200 (k3fuse.bench.timing), the slower rank
+            us = slowest_rank(median(time_graph(g, 1, 200)), dev)
             if rank == 0:
-                print(f"TIMING {protocol} T={T}: {us.item():.2f} us per graph replay", flush=True)
+                print(f"TIMING {protocol} T={T}: {us:.2f} us per graph replay", flush=True)
             del g
 
     st = runtime.stats()
@@ -220,39 +197,29 @@ def _timeout_body(rank, world, dist):
     dist.barrier()
 
 
-def _timeout_worker(rank, world, port, errfile, protocol):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
-                          NVSHMEM_DISABLE_NVLS="1", K3FUSE_AR_PROTOCOL=protocol)
-        torch.cuda.set_device(rank)
-        import torch.distributed as dist
+def _timeout_worker(rank, world, protocol):
+    import torch.distributed as dist
 
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        _timeout_body(rank, world, dist)
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{errfile}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    _timeout_body(rank, world, dist)
 
 
-def _spawn(fn, tmp_path, protocol):
-    import torch.multiprocessing as mp
-
-    errfile = str(tmp_path / "err")
-    try:
-        mp.spawn(fn, args=(2, _port(), errfile, protocol), nprocs=2, join=True)
-    except Exception:
-        msgs = [open(f"{errfile}.{r}").read() for r in range(2) if os.path.exists(f"{errfile}.{r}")]
-        pytest.fail("worker failed:\n" + "\n".join(msgs))
+def _spawn(fn, protocol):
+    """fn(rank, 2, protocol) on 2 GPUs (k3fuse.dist.launch, NCCL); the ranks inherit the env."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
+                               NVSHMEM_DISABLE_NVLS="1", K3FUSE_AR_PROTOCOL=protocol).items():
+            mp.setenv(key, value)
+        try:
+            launch(fn, 2, backend="nccl", args=(protocol,), timeout_s=900)
+        except RankFailedError as exc:
+            pytest.fail(f"worker failed:\n{exc}")
 
 
 @pytest.mark.parametrize("protocol", ["flags", "lamport"])
-def test_fused_ar_tp2(tmp_path, protocol):
-    _spawn(_worker, tmp_path, protocol)
+def test_fused_ar_tp2(protocol):
+    _spawn(_worker, protocol)
 
 
 @pytest.mark.parametrize("protocol", ["flags", "lamport"])
-def test_debug_spin_timeout(tmp_path, protocol):
-    _spawn(_timeout_worker, tmp_path, protocol)
+def test_debug_spin_timeout(protocol):
+    _spawn(_timeout_worker, protocol)

@@ -36,10 +36,13 @@ from k3fuse import runtime  # noqa: E402
 from k3fuse.kernels import cuda_shared_expert, dispatch, streams  # noqa: E402
 from k3fuse.kernels.reference import shared_expert  # noqa: E402
 from k3fuse.kernels.reference.shared_expert import situ_act  # noqa: E402
+from k3fuse.model.shapes import gemm_site  # noqa: E402
+from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
-H, S_TP2 = 7168, 3072
+_SHARED_GATE = gemm_site("shared_gate_tp2")  # one rank's gate (and up) rows at TP 2: [S/2, H]
+H, S_TP2 = _SHARED_GATE.k, _SHARED_GATE.n
 TOKENS = sorted(set(range(1, 64, 2)) | {2, 8, 64})
 ops = torch.ops.k3fuse
 SLEEP_CYCLES = 50_000_000  # ~25 ms at H200 clocks: far longer than the main-stream work between fork and join
@@ -72,7 +75,7 @@ def _k3_weights():
     return _weights["wg"], _weights["wu"], _weights["wd"]
 
 
-def _situ64(g, u, beta=4.0, linear_beta=25.0):
+def _situ64(g, u, beta=K3_SITU_BETA, linear_beta=K3_SITU_LINEAR_BETA):
     return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
 
 

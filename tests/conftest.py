@@ -1,0 +1,14 @@
+"""Fixtures shared by the test modules (nothing here is autouse: a module asks for what it needs)."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def with_weight_prefetch():
+    """weight_prefetch is off by default (measured slower in the layer, docs/perf.md); modules whose
+    tests cover its rewrites too name it (the ranks inherit the environment). Use it module-wide
+    with `pytestmark = pytest.mark.usefixtures("with_weight_prefetch")`."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("K3FUSE_RULES", "+weight_prefetch")
+        yield
