@@ -19,12 +19,12 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, failures, is_static, kernel_covers, site_tokens,
                            static_weight, token_count)
+from k3fuse.ir import node_order
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
 from ._spelling import cast_free, per_dtype, randn, trunk_dtype
-from k3fuse.ir import node_order
 
 T, K, N = 4, 16, 8  # example shapes
 

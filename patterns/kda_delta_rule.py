@@ -5,7 +5,7 @@ Inductor splits it at the first reduction (S^T k), so its two pointwise kernels 
 (~380 us at 64 tokens on H200). Value column j of the update needs only column j of S, so one
 kernel that owns (token, head, block of value columns) reads S once and writes it once.
 
-Spelling: `delta_rule` of k3fuse/model/layers.py, imported and traced as is (the model calls the
+Spelling: `delta_rule` of k3fuse/spelling.py, imported and traced as is (the model calls the
 same function, so the two cannot drift):
     S = recurrent * torch.exp(g).unsqueeze(-1)
     e = beta.unsqueeze(-1) * (vc - torch.einsum("thkv,thk->thv", S, kc))
@@ -32,12 +32,12 @@ import torch.fx as fx
 
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, kernel_covers, shape_of, token_count
+from k3fuse.ir import node_order
 from k3fuse.matcher import compiled_patterns, find_matches
-from k3fuse.model.layers import delta_rule
 from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.spelling import delta_rule
 
 from ._spelling import randn
-from k3fuse.ir import node_order
 
 D = 8  # example head dim (the pattern is shape-agnostic except for which dims are 1)
 

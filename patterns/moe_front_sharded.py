@@ -36,9 +36,9 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures, shape_of, static_weight,
                            token_count, tp_at_least)
+from k3fuse.ir import node_order
 from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forward_users, op_name
 from k3fuse.normalize import skip_transparent, value_root
-from k3fuse.ir import node_order
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 
 from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype

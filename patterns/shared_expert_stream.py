@@ -43,12 +43,11 @@ from torch._ops import OpOverload
 from k3fuse import compat
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, static_weight
+from k3fuse.ir import node_order, op_qualname
 from k3fuse.normalize import CAST_OPS, VIEW_LIKE, canonical, cast_dtype, is_metadata_check, skip_transparent
 from k3fuse.rule import Match, Rule, fake_call
-from k3fuse.ir import op_qualname
 
 from ._spelling import erase_dead, trunk_dtype
-from k3fuse.ir import node_order
 
 aten = torch.ops.aten
 _FUSED_REDUCTION = {"k3fuse::gemm_ar_residual", "k3fuse::gemm_ar_residual_rmsnorm"}

@@ -23,9 +23,9 @@ import torch.fx as fx
 from k3fuse import compat
 from k3fuse.context import ContextError, DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, token_count
+from k3fuse.ir import is_collective, is_sync, op_qualname
 from k3fuse.normalize import canonical, is_transparent
 from k3fuse.rule import Match, PatternSpec, Rule
-from k3fuse.ir import is_collective, is_sync, op_qualname
 
 #: half of an H100/H200 L2 (50 MB): room for the weights without evicting the activations
 DEFAULT_BUDGET_BYTES = 24 << 20

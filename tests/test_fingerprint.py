@@ -45,10 +45,10 @@ def test_editing_an_unrelated_module_keeps_the_uuid(monkeypatch):
     assert _uuid() == before
 
 
-def test_the_kda_rule_depends_on_the_model_code_it_traces():
+def test_the_kda_rule_depends_on_the_spelling_it_traces():
     from k3fuse.patterns import KDADeltaRule
 
-    assert "k3fuse.model.layers" in KDADeltaRule().source_modules()
+    assert "k3fuse.spelling" in KDADeltaRule().source_modules()
 
 
 def test_settings_change_the_fingerprint_and_the_uuid():
