@@ -24,7 +24,7 @@ def _env_debug() -> bool:
     from . import settings
 
     try:
-        return settings.current().debug
+        return settings.get("K3FUSE_DEBUG")
     except settings.SettingsError:
         return True
 

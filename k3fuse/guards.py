@@ -23,11 +23,10 @@ if TYPE_CHECKING:
 GuardLevel = Literal["contract", "site", "call"]
 
 
-
 @dataclass(frozen=True)
 class KernelCatalog:
-    """What the guards ask of the kernel registry, installed by the package root (`k3fuse.load`
-    wires kernels.dispatch in), so the framework never imports the kernels.
+    """What the guards ask of the kernel registry, installed by k3fuse.wiring (kernels.dispatch),
+    so the framework never imports the kernels.
 
     ops_without_kernel(ops): the ops with no CUDA kernel in this build.
     import_errors(): kernel modules that failed to import, {module: error}.
@@ -44,14 +43,14 @@ _catalog: KernelCatalog | None = None
 
 
 def install_kernel_catalog(catalog: KernelCatalog) -> None:
-    """Called once by the package root."""
+    """Called by k3fuse.wiring (the package root and the doors)."""
     global _catalog
     _catalog = catalog
 
 
 def _kernel_catalog() -> KernelCatalog:
     if _catalog is None:
-        raise RuntimeError("no kernel registry installed: call k3fuse.load() (import k3fuse does)")
+        raise RuntimeError("no kernel registry installed: call k3fuse.wiring.wire_defaults() (import k3fuse does)")
     return _catalog
 
 

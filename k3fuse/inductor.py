@@ -90,7 +90,7 @@ class K3FusePass(CustomGraphPass):
         h.update(str(self.ctx.multicast_status()).encode())
         h.update(torch.__version__.encode())
         # which rules run and whether any does: K3FUSE_RULES and the kill switch change the rewrite
-        h.update(f"{settings.current().rules}|{runtime.is_disabled()}".encode())
+        h.update(f"{settings.get('K3FUSE_RULES')}|{runtime.is_disabled()}".encode())
         if self.chain is not None:
             chained = self.chain.uuid() if hasattr(self.chain, "uuid") else repr(self.chain)
             h.update(chained if isinstance(chained, bytes) else str(chained).encode())

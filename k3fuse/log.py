@@ -209,7 +209,7 @@ class RewriteLog:
     """Events in decision order; optionally streamed to a JSONL file as they arrive."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, rank: int = 0):
-        env_path = settings.current().log_path
+        env_path = settings.get("K3FUSE_LOG")
         self.path: Path | None = Path(path) if path is not None else (Path(env_path) if env_path else None)
         self.rank = rank
         self.events: list[RewriteEvent] = []

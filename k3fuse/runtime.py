@@ -25,12 +25,12 @@ class K3FuseFallbackError(RuntimeError):
 
 def is_strict() -> bool:
     """Strict mode from `strict()` or, if unset, from K3FUSE_STRICT."""
-    return _strict_override if _strict_override is not None else settings.current().strict
+    return _strict_override if _strict_override is not None else settings.get("K3FUSE_STRICT")
 
 
 def is_disabled() -> bool:
     """The kill switch from `disable()` or, if unset, from K3FUSE_DISABLE."""
-    return _disabled_override if _disabled_override is not None else settings.current().disable
+    return _disabled_override if _disabled_override is not None else settings.get("K3FUSE_DISABLE")
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
 """Every K3FUSE_* environment variable, parsed in one place into one typed object.
 
 Why one module: a switch read in several files with several parsers drifts ("1" on, "true" off).
-`current()` parses the environment once per distinct set of K3FUSE_* values (so a test or a user
-that changes a variable sees the change on the next read) and returns a frozen `Settings`. A value
-that does not parse raises `SettingsError` naming the variable, the value and what it accepts.
+`get(name)` returns one variable's parsed value: a dict lookup plus a parse cached per raw string,
+cheap enough for every fused-op call (the kill switch is read per call); a test or a user that
+changes a variable sees the change on the next read. `current()` is all of them as a frozen
+`Settings`. A value that does not parse raises `SettingsError` naming the variable, the value and
+what it accepts.
 
 A leaf: imports nothing from k3fuse, so the kernels can read it without reaching into the
 framework. The README's "Settings" table lists the same variables (`VARIABLES`); a test keeps them
@@ -167,14 +169,33 @@ def parse(env: Mapping[str, str]) -> Settings:
     return Settings(**values)
 
 
-@functools.lru_cache(maxsize=32)
-def _parse_cached(items: tuple[tuple[str, str], ...]) -> Settings:
-    return parse(dict(items))
+_BY_ENV = {v.env: v for v in VARIABLES}
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_one(name: str, raw: str | None) -> Any:
+    var = _BY_ENV[name]
+    return var.default if raw is None else var.parse(name, raw)
+
+
+def get(name: str) -> Any:
+    """The parsed value of one K3FUSE_* variable in the current environment (its default when unset)."""
+    if name not in _BY_ENV:
+        raise KeyError(f"{name} is not a k3fuse setting; known: {', '.join(_BY_ENV)}")
+    return _parse_one(name, os.environ.get(name))
 
 
 def current() -> Settings:
-    """The settings of the current environment (parsed once per distinct K3FUSE_* values)."""
-    return _parse_cached(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("K3FUSE_"))))
+    """Every setting of the current environment."""
+    return Settings(**{v.field: get(v.env) for v in VARIABLES})
+
+
+def spin_timeout_s() -> float:
+    """The fused collectives' spin bound (read per call): K3FUSE_AR_TIMEOUT_S, else _MS, else 5 s."""
+    seconds = get("K3FUSE_AR_TIMEOUT_S")
+    if seconds is None:
+        seconds = get("K3FUSE_AR_TIMEOUT_MS")
+    return DEFAULT_AR_TIMEOUT_S if seconds is None else seconds
 
 
 def is_on(env: Mapping[str, str], name: str) -> bool:
@@ -182,5 +203,5 @@ def is_on(env: Mapping[str, str], name: str) -> bool:
     return _flag(name, env.get(name, ""))
 
 
-__all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "current", "parse", "is_on",
+__all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "get", "current", "parse", "is_on", "spin_timeout_s",
            "DEFAULT_AR_TIMEOUT_S", "ArProtocol"]

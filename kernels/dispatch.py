@@ -47,8 +47,7 @@ REFERENCE = "reference"
 ALL_DEVICES: tuple[str, ...] = ("cpu", "cuda")
 KERNEL_PACKAGES: tuple[str, ...] = ("k3fuse.kernels.cute", "k3fuse.kernels.triton")
 # K3FUSE_DISABLE_CUTE=1 / K3FUSE_DISABLE_TRITON=1 skip importing that family (e.g. a broken toolchain).
-_PACKAGE_SWITCHES = {"k3fuse.kernels.cute": ("K3FUSE_DISABLE_CUTE", "disable_cute"),
-                     "k3fuse.kernels.triton": ("K3FUSE_DISABLE_TRITON", "disable_triton")}
+_PACKAGE_SWITCHES = {"k3fuse.kernels.cute": "K3FUSE_DISABLE_CUTE", "k3fuse.kernels.triton": "K3FUSE_DISABLE_TRITON"}
 
 
 @dataclass(frozen=True)
@@ -156,8 +155,8 @@ def load_gpu_impls() -> None:
         _gpu_loaded = True
         for package in KERNEL_PACKAGES:
             switch = _PACKAGE_SWITCHES.get(package)
-            if switch and getattr(settings.current(), switch[1]):
-                _import_errors[package] = f"disabled by {switch[0]}=1"
+            if switch and settings.get(switch):
+                _import_errors[package] = f"disabled by {switch}=1"
                 continue
             try:
                 pkg = importlib.import_module(package)

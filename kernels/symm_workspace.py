@@ -75,7 +75,7 @@ class WorkspaceStreamError(CollectiveError):
 def timeout_s() -> float:
     """Bound of every spin, in seconds: K3FUSE_AR_TIMEOUT_S (default 5), or the older
     K3FUSE_AR_TIMEOUT_MS. Read per call (a runtime kernel argument, no recompile)."""
-    return settings.current().spin_timeout_s
+    return settings.spin_timeout_s()
 
 
 def timeout_ns() -> int:
@@ -84,7 +84,7 @@ def timeout_ns() -> int:
 
 def start_generation() -> int:
     """K3FUSE_AR_START_GENERATION (default 0): the first epoch of a new workspace (tests)."""
-    return settings.current().ar_start_generation
+    return settings.get("K3FUSE_AR_START_GENERATION")
 
 
 # --- the protocol's generation arithmetic, as the kernels do it (pure Python, for CPU tests) -------

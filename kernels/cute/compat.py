@@ -68,7 +68,7 @@ def available() -> bool:
     """CuTe kernels may run: the DSL imports and K3FUSE_DISABLE_CUTE is not set."""
     from k3fuse import settings
 
-    return HAVE_CUTE and not settings.current().disable_cute
+    return HAVE_CUTE and not settings.get("K3FUSE_DISABLE_CUTE")
 
 
 if HAVE_CUTE:

@@ -19,7 +19,7 @@ GEMV_MAX_M_BY_SHAPE = {(896, 7168): 4}
 
 
 def gemv_max_m(N: int, K: int) -> int:
-    forced = settings.current().gemv_max_m  # K3FUSE_GEMV_MAX_M overrides the measured crossover
+    forced = settings.get("K3FUSE_GEMV_MAX_M")  # K3FUSE_GEMV_MAX_M overrides the measured crossover
     if forced is not None:
         return forced
     return GEMV_MAX_M_BY_SHAPE.get((N, K), GEMV_MAX_M)

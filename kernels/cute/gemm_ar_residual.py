@@ -32,7 +32,7 @@ _PROTOCOL: list[str] = []
 def protocol() -> str:
     """K3FUSE_AR_PROTOCOL (lamport | flags), read on first use and then fixed for the process."""
     if not _PROTOCOL:
-        _PROTOCOL.append(settings.current().ar_protocol)
+        _PROTOCOL.append(settings.get("K3FUSE_AR_PROTOCOL"))
     return _PROTOCOL[0]
 
 
@@ -104,7 +104,7 @@ def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) ->
 
 def _pdl(path: str | None) -> bool:
     # never with flags: the epilogue's flag store must follow the whole GEMM push
-    return path == "gemv" and settings.current().ar_pdl and protocol() == "lamport"
+    return path == "gemv" and settings.get("K3FUSE_AR_PDL") and protocol() == "lamport"
 
 
 def _gemm_path(T: int, N: int, K: int, dtype, *, cute_ok: bool | None = None,
