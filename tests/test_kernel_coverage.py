@@ -11,7 +11,7 @@ import k3fuse
 from k3fuse.guards import kernel_covers
 from k3fuse.kernels import dispatch
 from k3fuse.model import K3DecodeStack, get_config
-from k3fuse.model.shapes import gemm_sites
+from k3fuse.model.shapes import k3_gemm_sites
 
 pytest.importorskip("triton")  # CI installs Triton: the split-K kernel's limits are what is tested
 
@@ -23,13 +23,14 @@ def _gemm(N: int, K: int, dtype: torch.dtype = BF16, out_dtype: torch.dtype = BF
     return {"N": N, "K": K, "dtype": dtype, "out_dtype": out_dtype, "bias": False}
 
 
-TP2_SITES = gemm_sites("w_b_tp2", "qkvg_tp2", "router", "w_up", "w_fb_tp2")
+TP2_SITES = k3_gemm_sites(2)
 
 
 @pytest.mark.parametrize("name,N,K,out", TP2_SITES, ids=[s.name for s in TP2_SITES])
 def test_k3_tp2_decode_shapes_are_covered_at_every_token_count(name, N, K, out):
-    """Every decode_gemm site of the K3 layer at TP 2, W_b's 48 rows included (masked tiles);
-    the router's logits are fp32 (shapes: k3fuse/model/shapes.py)."""
+    """Every decode GEMM of the K3 layer at TP 2 (k3fuse/model/shapes.py: the projections decode_gemm
+    takes, the shared expert's on the side stream, the out-projection's GEMM inside the fused
+    all-reduce), W_b's 48 rows included (masked tiles); the router's logits are fp32."""
     assert dispatch.coverage("decode_gemm", _gemm(N, K, out_dtype=out), range(1, 65)) == {}
 
 
