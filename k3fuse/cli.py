@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .console import print_reasons, print_rewrite_summary, print_runs, wide_console  # noqa: F401
+from .console import print_reasons, print_rewrite_summary, print_runs
 from .usage import UsageError
 
 
