@@ -89,3 +89,14 @@ def kda_delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     S = S + k.unsqueeze(-1) * e.unsqueeze(-2)
     o = torch.einsum("thkv,thk->thv", S, q)
     return S, o
+
+
+def route_topk(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling: float,
+               eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock: the model's `route` op for op (sigmoid, torch.topk, gather, sum, div, mul); ties go
+    to torch.topk's order."""
+    scores = torch.sigmoid(logits.float())
+    _, idx = torch.topk(scores + b_corr, top_k, dim=-1)
+    weights = scores.gather(-1, idx)
+    weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return weights * routed_scaling, idx
