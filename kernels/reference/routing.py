@@ -24,8 +24,8 @@ import torch
 
 def select_topk(biased: torch.Tensor, top_k: int) -> torch.Tensor:
     """Indices of the top_k largest entries of `biased` along the last dim, in descending order,
-    ties to the lowest index (stable sort)."""
-    return torch.sort(biased, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    ties to the lowest index (stable sort); contiguous, as the fake impl promises."""
+    return torch.sort(biased, dim=-1, descending=True, stable=True).indices[..., :top_k].contiguous()
 
 
 def ordered_sum(w: torch.Tensor) -> torch.Tensor:
