@@ -284,6 +284,12 @@ def test_rule_is_off_unless_named():
     assert "K3FUSE_RULES=+fused_routing" in e.reason
 
 
+def test_rule_runs_when_named_in_the_environment(monkeypatch):
+    monkeypatch.setenv("K3FUSE_RULES", "+fused_routing")
+    _, log = k3fuse.apply(torch.export.export(Front(), (torch.randn(4, 32),)), k3fuse.DecodeContext())
+    assert log.applied(RULE) == 1
+
+
 def test_softmax_router_is_not_matched_with_the_reason():
     _, log = k3fuse.apply(torch.export.export(Front(softmax=True), (torch.randn(4, 32),)), _named())
     assert log.applied(RULE) == 0 and not log.rejected(RULE)
