@@ -66,5 +66,23 @@ def delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kc:
     return S, o
 
 
-__all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "linear", "all_reduce_sum", "rms_norm", "situ",
+#: the guard against an all-zero sum in the router's renormalisation
+ROUTE_EPS = 1e-20
+
+
+def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling: float,
+          eps: float = ROUTE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with bias-corrected top-k: the bias picks experts but never weights them.
+
+    Returns (weights fp32 [T, k], expert ids int64 [T, k]); weights = sigma_e / sum_sel sigma,
+    times routed_scaling. Ties go to torch.topk's order (identical on every rank).
+    """
+    scores = torch.sigmoid(logits.float())
+    _, idx = torch.topk(scores + b_corr, top_k, dim=-1)
+    weights = scores.gather(-1, idx)
+    weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return weights * routed_scaling, idx
+
+
+__all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
            "situ_glu", "delta_rule"]

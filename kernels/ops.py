@@ -28,6 +28,8 @@ arguments in schema order without `strict` (supports and run get the same), and 
   l2_prefetch               (anchor, weights, budget_bytes) -> None (never read `anchor`: its
                              collective may still be in flight)
   decode_gemm               (x, weight, bias, out_dtype) -> y
+  route_topk                (logits, b_corr, top_k, routed_scaling, eps) -> (weights fp32 [T, k],
+                             idx int64 [T, k]); ties to the lowest expert index (reference/routing.py)
 The op itself returns the fork's x_pass and performs the join (streams.join), so neither is an impl.
 Collective ops: every rank must pick the same implementation (supports must decide from shapes,
 dtypes and world size only), or the ranks would run different collectives.
@@ -46,7 +48,7 @@ from k3fuse.ir import OpTraits, declare_op_traits
 
 from . import dispatch as _dispatch
 from . import streams
-from .reference import allreduce, kda_delta, linear, moe_front, prefetch, shared_expert, stock
+from .reference import allreduce, kda_delta, linear, moe_front, prefetch, routing, shared_expert, stock
 
 NAMESPACE = "k3fuse"
 REFERENCE_PRIORITY = -100
@@ -156,6 +158,22 @@ def _kda_delta_rule_fake(recurrent, g, beta, k, v, q, strict=False):
             recurrent.new_empty((T, h, dv), dtype=torch.float32))
 
 
+def _route_topk_fake(logits, b_corr, top_k, routed_scaling, eps=1e-20, strict=False):
+    torch._check(logits.dim() == 2, lambda: f"k3fuse.route_topk: logits must be [T, E], got {tuple(logits.shape)}")
+    torch._check(logits.dtype == torch.float32,
+                 lambda: f"k3fuse.route_topk: logits must be float32 (the fp32 router), got {logits.dtype}")
+    E = logits.shape[1]
+    torch._check(b_corr.dim() == 1 and b_corr.shape[0] == E,
+                 lambda: f"k3fuse.route_topk: b_corr is {tuple(b_corr.shape)}, expected [E] = ({E},)")
+    torch._check(b_corr.dtype == torch.float32,
+                 lambda: f"k3fuse.route_topk: b_corr must be float32, got {b_corr.dtype}")
+    torch._check(1 <= top_k, lambda: f"k3fuse.route_topk: top_k={top_k} must be at least 1")
+    torch._check(top_k <= E, lambda: f"k3fuse.route_topk: top_k={top_k} exceeds the {E} experts")
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.float32),
+            logits.new_empty((T, top_k), dtype=torch.int64))
+
+
 # --- eager bodies that are more than a dispatch -------------------------------------------------
 def _shared_expert_fork(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
     """Launch the shared-expert branch for `site` (side stream on CUDA); return x_pass, a copy of x."""
@@ -226,6 +244,14 @@ DECLARATIONS: tuple[OpDecl, ...] = (
            "(Tensor recurrent, Tensor g, Tensor beta, Tensor k, Tensor v, Tensor q, "
            "bool strict=False) -> (Tensor, Tensor)",
            _kda_delta_rule_fake, stock.kda_delta_rule, kda_delta.kda_delta_rule),
+    # the model's `route` in one op: scores = sigmoid(logits); idx = top-k of scores + b_corr (ties to
+    # the lowest expert index); weights = scores[idx] / (sum + eps) * routed_scaling, the sum taken in
+    # selection order. logits fp32 [T, E], b_corr fp32 [E] -> (weights fp32 [T, k], idx int64 [T, k]).
+    # Not a collective: every rank computes it from the same (all-gathered) logits, same bits.
+    OpDecl("route_topk",
+           "(Tensor logits, Tensor b_corr, int top_k, float routed_scaling, float eps=1e-20, "
+           "bool strict=False) -> (Tensor, Tensor)",
+           _route_topk_fake, stock.route_topk, routing.route_topk),
 )
 
 _lib = torch.library.Library(NAMESPACE, "DEF")

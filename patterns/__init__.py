@@ -2,15 +2,18 @@
 
 1. oproj_allreduce_residual  row-parallel projection -> all_reduce -> residual add [-> RMSNorm]
 2. moe_front_sharded         replicated router + latent down-projection -> sharded GEMM + all-gather
-3. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
-4. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
-5. decode_gemm               remaining static-weight projections -> decode GEMM
-6. weight_prefetch           native collectives left -> L2 prefetch of the next static weights
+3. fused_routing             router tail (sigmoid, bias, top-k, renormalise, scale) -> one kernel
+                             (off by default: no H200 measurement yet, issue 9)
+4. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
+5. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
+6. decode_gemm               remaining static-weight projections -> decode GEMM
+7. weight_prefetch           native collectives left -> L2 prefetch of the next static weights
 
-The order matters: 1 takes the shared down-projection into the MoE reduction before 3 moves the
-rest of the shared MLP to the side stream; 4 touches no projection or collective, so it does not
-interact with the others; 5 takes only what 1-3 left; 6 runs last so it sees the final ops after
-each remaining wait (e.g. decode_gemm(W_up) after the latent all-reduce).
+The order matters: 1 takes the shared down-projection into the MoE reduction before 4 moves the
+rest of the shared MLP to the side stream; 3 runs after 2 (2 finds the router by walking back from
+the expert top-k, which 3 replaces) and reads the logits 2 produces; 5 touches no projection or
+collective, so it does not interact with the others; 6 takes only what 1-4 left; 7 runs last so it
+sees the final ops after each remaining wait (e.g. decode_gemm(W_up) after the latent all-reduce).
 """
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ from .decode_gemm import DecodeGemm
 from .kda_delta_rule import KDADeltaRule
 from .moe_front_sharded import MoEFrontSharded
 from .oproj_allreduce_residual import OProjAllReduceResidual
+from .route_topk_rule import FusedRouting
 from .shared_expert_stream import SharedExpertStream
 from .weight_prefetch import WeightPrefetch
 
-RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoEFrontSharded, SharedExpertStream, KDADeltaRule,
-                                        DecodeGemm, WeightPrefetch)
+RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoEFrontSharded, FusedRouting, SharedExpertStream,
+                                        KDADeltaRule, DecodeGemm, WeightPrefetch)
 
 
 def all_rules() -> list[Rule]:
@@ -43,4 +47,4 @@ def describe() -> list[tuple[str, str]]:
 
 
 __all__ = ["all_rules", "default_rules", "describe", "RULE_CLASSES", "OProjAllReduceResidual", "MoEFrontSharded",
-           "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]
+           "FusedRouting", "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]

@@ -22,7 +22,7 @@ from torch import nn
 
 # the K3 math, written once (rms_norm, situ_glu, delta_rule are this module's names too: the rules
 # and the tests import them from here)
-from ..spelling import all_reduce_sum, delta_rule, rms_norm, situ_glu
+from ..spelling import all_reduce_sum, delta_rule, rms_norm, route, situ_glu
 from .config import K3Config
 
 
@@ -180,20 +180,6 @@ class KDADecode(nn.Module):
 
 
 # --- MoE ----------------------------------------------------------------------------------------
-def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling: float
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid router with bias-corrected top-k: the bias picks experts but never weights them.
-
-    Returns (weights fp32 [T, k], expert ids int64 [T, k]); weights = sigma_e / sum_sel sigma,
-    times routed_scaling. Ties go to torch.topk's order (identical on every rank).
-    """
-    scores = torch.sigmoid(logits.float())
-    _, idx = torch.topk(scores + b_corr, top_k, dim=-1)
-    weights = scores.gather(-1, idx)
-    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling, idx
-
-
 def use_grouped_mm(a: torch.Tensor) -> bool:
     """Route the experts through torch._grouped_mm: CUDA, Hopper or newer, a 16-bit trunk, and a
     torch that has the op (2.8+; the CPU build has no fast kernel for it)."""

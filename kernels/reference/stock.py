@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from k3fuse import compat
-from k3fuse.spelling import delta_rule, rms_norm
+from k3fuse.spelling import ROUTE_EPS, delta_rule, rms_norm, route
 
 from .. import streams
 from . import shared_expert
@@ -81,3 +81,9 @@ def kda_delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    v: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock: the model's delta-rule step (k3fuse.spelling `delta_rule`, the model's), op for op."""
     return delta_rule(recurrent, g, beta, k, v, q)
+
+
+def route_topk(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling: float,
+               eps: float = ROUTE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock: the model's `route` (k3fuse.spelling), op for op; ties go to torch.topk's order."""
+    return route(logits, b_corr, top_k, routed_scaling, eps)
