@@ -10,10 +10,9 @@ function, so the two cannot drift):
     scores = torch.sigmoid(logits.float())
     _, idx = torch.topk(scores + b_corr, top_k, dim=-1)
     weights = scores.gather(-1, idx)
-    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    weights = weights / (weights.sum(-1, keepdim=True) + eps)
     return weights * routed_scaling, idx
-top_k and routed_scaling are literal wildcards (captured from the graph); the 1e-20 is a literal
-of `route` itself and is matched as such. The example logits are meta tensors with 2^30 experts:
+top_k, routed_scaling and eps (1e-20 in the model) are literal wildcards captured from the graph. The example logits are meta tensors with 2^30 experts:
 the int wildcard's sentinel is traced as topk's k, which must not exceed E even in a fake trace.
 Runs after moe_front_sharded, which replaces the logits' producer (a top-k it can still walk to
 from the router linear); the routed output that shared_expert_stream anchors its join on is
@@ -47,7 +46,7 @@ T, E = 4, 1 << 30
 
 
 def _example() -> tuple:
-    return (torch.empty(T, E, device="meta"), torch.empty(E, device="meta"), 16, 2.5)
+    return (torch.empty(T, E, device="meta"), torch.empty(E, device="meta"), 16, 2.5, 1e-20)
 
 
 aten = torch.ops.aten
@@ -63,9 +62,9 @@ def _score_kind(node: fx.Node) -> str:
 
 
 def _operand_failure(match: Match) -> GuardFailure | None:
-    """logits fp32 [T, E], b_corr fp32 [E], 1 <= top_k <= E, a numeric routed_scaling."""
+    """logits fp32 [T, E], b_corr fp32 [E], 1 <= top_k <= E, numeric routed_scaling and eps."""
     logits, b_corr = shape_of(match["logits"]), shape_of(match["b_corr"])
-    top_k, scale = match.scalars.get("top_k"), match.scalars.get("routed_scaling")
+    top_k = match.scalars.get("top_k")
     values = {"logits": [str(d) for d in logits] if logits is not None else None,
               "b_corr": [str(d) for d in b_corr] if b_corr is not None else None,
               "logits_dtype": str(dtype_of(match["logits"])), "b_corr_dtype": str(dtype_of(match["b_corr"])),
@@ -77,9 +76,10 @@ def _operand_failure(match: Match) -> GuardFailure | None:
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not isinstance(logits[1], int) \
             or not 1 <= top_k <= logits[1]:
         return GuardFailure("site", "top_k", "top_k is not a literal between 1 and E", values)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        return GuardFailure("site", "routed_scaling", "routed_scaling is not a numeric literal",
-                            {**values, "routed_scaling": repr(scale)})
+    for name in ("routed_scaling", "eps"):
+        value = match.scalars.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return GuardFailure("site", name, f"{name} is not a numeric literal", {**values, name: repr(value)})
     return None
 
 
@@ -129,7 +129,7 @@ class FusedRouting(Rule):
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         fused = match.insert(torch.ops.k3fuse.route_topk.default,
                              (match["logits"], match["b_corr"], match["top_k"], float(match["routed_scaling"]),
-                              1e-20, ctx.strict))
+                              float(match["eps"]), ctx.strict))
         weights = match.insert(operator.getitem, (fused, 0))
         idx = match.insert(operator.getitem, (fused, 1))
         match.replace([weights, idx])
