@@ -68,7 +68,7 @@ class _PrefetchAlso(WeightPrefetch):
     def find(self, graph, ctx):
         matches = super().find(graph, ctx)[:1]
         extra = next(n for n in graph.nodes if n.name == self.extra)
-        self._weights[id(matches[0])] = [*self._weights[id(matches[0])], extra]
+        matches[0].payload = [*matches[0].payload, extra]  # the weights the rewrite will prefetch
         return matches
 
 
