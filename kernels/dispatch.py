@@ -95,6 +95,7 @@ class K3FuseCollectiveError(RuntimeError):
 
 _lock = threading.RLock()
 _ops: dict[str, _OpEntry] = {}
+_declared: set[str] = set()  # ops declared in kernels/ops.py; implementations register against these
 _gpu_loaded = False
 _import_errors: dict[str, str] = {}  # module -> "ExcType: message"
 
@@ -107,8 +108,21 @@ def _entry(op: str) -> _OpEntry:
         return _ops.setdefault(op, _OpEntry())
 
 
+def declare(op: str) -> None:
+    """Open `op` for implementations (kernels/ops.py `declare`, from the op's OpDecl)."""
+    with _lock:
+        _declared.add(op)
+
+
+def _check_declared(op: str) -> None:
+    if op not in _declared:
+        raise KeyError(f"k3fuse op {op!r} is not declared: declare it once in kernels/ops.py (OpDecl), then "
+                       f"register implementations against it; declared ops: {', '.join(sorted(_declared))}")
+
+
 def register_impl(op: str, impl: Impl) -> None:
-    """Add (or replace, by name) an implementation of `op`; order is by priority, then age."""
+    """Add (or replace, by name) an implementation of declared `op`; order is by priority, then age."""
+    _check_declared(op)
     with _lock:
         entry = _entry(op)
         # a new list, sorted before it is published: dispatch iterates entry.impls without the lock
@@ -127,6 +141,7 @@ def unregister_impl(op: str, name: str) -> None:
 
 def register_stock(op: str, fn: Callable[..., Any]) -> None:
     """The unfused torch sequence `op` replaced; run by the kill switch and the call guard."""
+    _check_declared(op)
     _entry(op).stock = fn
 
 
@@ -340,6 +355,6 @@ def _reset_for_tests() -> None:
             entry.broken.clear()
 
 
-__all__ = ["Impl", "REFERENCE", "COLLECTIVE_OPS", "K3FuseCollectiveError", "register_impl", "unregister_impl",
+__all__ = ["Impl", "REFERENCE", "COLLECTIVE_OPS", "K3FuseCollectiveError", "declare", "register_impl", "unregister_impl",
            "register_stock", "dispatch", "implementations", "import_errors", "load_gpu_impls", "warmup", "coverage",
            "token_count"]

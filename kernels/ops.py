@@ -286,6 +286,7 @@ def declare(decl: OpDecl) -> None:
     # torch.compile trace a backward; outputs never require grad.
     _lib.impl(decl.name, torch.library.fallthrough_kernel, "Autograd")
     declare_op_traits(decl.qualname, decl.traits)
+    _dispatch.declare(decl.name)
     if decl.collective:
         _dispatch.COLLECTIVE_OPS.add(decl.name)
     if decl.stock is not None:

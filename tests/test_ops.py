@@ -606,3 +606,15 @@ def test_gemm_ar_residual_keeps_an_hf_style_3d_residual_shape(impl):
     assert got.shape == got_n.shape == (3, 1, 8)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_n, want)
+
+
+def test_implementations_register_only_against_declared_ops():
+    """An op is declared once (kernels/ops.py OpDecl); a kernel for an op nobody declared is a
+    mistake (a typo would otherwise register an Impl that never runs)."""
+    from k3fuse.kernels import dispatch, ops
+
+    assert set(ops.OPS) == {d.name for d in ops.DECLARATIONS}
+    with pytest.raises(KeyError, match="'decode_gem' is not declared: declare it once in kernels/ops.py"):
+        dispatch.register_impl("decode_gem", dispatch.Impl("typo", lambda *a: None, lambda *a: None))
+    with pytest.raises(KeyError, match="not declared"):
+        dispatch.register_stock("decode_gem", lambda *a: None)
