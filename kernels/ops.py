@@ -10,8 +10,8 @@ turns that into the torch.library op, whose one CompositeExplicitAutograd impl (
 the arguments, minus `strict`, to `kernels.dispatch.dispatch`, which picks and counts the
 implementation. Kernel backends (cute/, triton/) register further `Impl`s against the op's name.
 
-Ops are inference-only (Autograd falls through: outputs never require grad). Registration happens once, on import of
-k3fuse.kernels.
+Ops are inference-only (Autograd falls through: outputs never require grad). Registration happens
+once, on import of k3fuse.kernels; `dispatch.register_impl` refuses an op that is not declared here.
 
 What an implementation registered with `dispatch.register_impl(op, Impl(...))` receives: the op's
 arguments in schema order without `strict` (supports and run get the same), and what run returns:
@@ -30,6 +30,7 @@ arguments in schema order without `strict` (supports and run get the same), and 
   decode_gemm               (x, weight, bias, out_dtype) -> y
   route_topk                (logits, b_corr, top_k, routed_scaling, eps) -> (weights fp32 [T, k],
                              idx int64 [T, k]); ties to the lowest expert index (reference/routing.py)
+  kda_delta_rule            (recurrent, g, beta, k, v, q) -> (S_new, o), both new fp32 tensors
 The op itself returns the fork's x_pass and performs the join (streams.join), so neither is an impl.
 Collective ops: every rank must pick the same implementation (supports must decide from shapes,
 dtypes and world size only), or the ranks would run different collectives.
