@@ -24,6 +24,7 @@ measured on H200.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -32,12 +33,15 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count, tp_at_least)
+from k3fuse.matcher import forward_users, op_name
 from k3fuse.normalize import is_metadata_check
 from k3fuse.rule import Match, PatternSpec, Rule
 
 from ._spelling import GROUP, all_reduce_sum, dtype_of, per_dtype, randn, rms_norm, trunk_dtype
 
 T, L = 4, 16  # example shapes: tokens, latent width
+aten = torch.ops.aten
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _tail(x: Tensor, norm_weight: Tensor, eps: float, group_name: str) -> tuple[Tensor, Tensor]:
@@ -74,6 +78,32 @@ class MoETailAllReduceNorm(Rule):
 
     def patterns(self) -> list[PatternSpec]:
         return per_dtype("norm", _tail, lambda d: (randn(T, L, dtype=d), randn(L, dtype=d), 1e-5, GROUP))
+
+    def explain_miss(self, graph: fx.Graph, ctx: DecodeContext) -> tuple[str, dict[str, Any]] | None:
+        """Each all-reduce's waited value and what reads it: the closest site is one whose reader is
+        an RMSNorm-like pow (then the norm differs from k3fuse.spelling.rms_norm), else the first
+        all-reduce and its readers. (The matcher's generic near-miss starts from the pattern's
+        first output, here the all-reduced sum itself, so it has nothing to follow.)"""
+        best: tuple[int, str, dict[str, Any]] | None = None
+        for node in graph.nodes:
+            if node.target is not self.anchor:
+                continue
+            for wait in (u for u in node.users if u.target is _WAIT):
+                readers = forward_users(wait)
+                names = [f"{op_name(u)} ({u.name})" for u in readers]
+                values = {"all_reduce": node.name, "wait": wait.name, "readers": [op_name(u) for u in readers]}
+                if any(u.target is aten.pow.Tensor_Scalar for u in readers):
+                    cand = (2, f"norm: the all-reduced {wait.name} is squared ({', '.join(names)}) but the rest is "
+                               "not k3fuse.spelling.rms_norm (weight, casts, mean over the last dim, eps literal)",
+                            values)
+                else:
+                    cand = (1, f"norm: the all-reduced {wait.name} (from {node.name}) feeds "
+                               f"{', '.join(names) or 'nothing'}, not an RMSNorm (aten.pow -> mean -> rsqrt)", values)
+                if best is None or cand[0] > best[0]:
+                    best = cand
+        if best is None:
+            return "norm: no _c10d_functional.all_reduce in the graph (TP 1, or the collective is spelled otherwise)", {}
+        return best[1], best[2]
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
         return failures(tp_at_least(ctx, 2), decode_token_range(ctx))
