@@ -260,3 +260,24 @@ def test_rule_runs_when_named_in_the_environment(monkeypatch):
     _, log = k3fuse.apply(torch.export.export(model, (x, model.init_state(BATCH))), k3fuse.DecodeContext())
     (e,) = log.rejected(RULE)
     assert e.guard == "tp_size"   # enabled by the environment, then refused by its contract at TP 1
+
+
+def test_cuda_impl_registers_and_covers_k3_latent():
+    """The CUDA module imports on CPU (registers both protocol Impls when the DSL is there) and
+    its compile-time limits cover K3's latent at every decode token count."""
+    from k3fuse.kernels.cute import allreduce_rmsnorm as cuda_impl
+    from k3fuse.kernels.cute import compat
+
+    shape = {"L": L, "dtype": torch.bfloat16, "w_dtype": torch.bfloat16, "world_size": 2, "max_tokens": 64}
+    assert all(cuda_impl.covers(dict(shape, M=m)) is None for m in range(1, 65))
+    assert "L=3583" in cuda_impl.covers(dict(shape, L=3583, M=1))
+    assert "dtype" in cuda_impl.covers(dict(shape, dtype=torch.float32, M=1))
+    assert cuda_impl.decide(3, L, torch.bfloat16, (L,), torch.bfloat16, 2, 64, cute_ok=True, triton_ok=True,
+                            dist_ok=True) is None
+    assert "tokens 65" in cuda_impl.decide(65, L, torch.bfloat16, (L,), torch.bfloat16, 2, 64, cute_ok=True,
+                                           triton_ok=True, dist_ok=True)
+    if compat.HAVE_CUTE:
+        from k3fuse.kernels import dispatch
+
+        names = {i.name for i in dispatch.implementations(OP)}
+        assert {"cute.allreduce_rmsnorm", "cute.allreduce_rmsnorm.flags", "reference"} <= names
