@@ -103,8 +103,6 @@ def _op_checks(rank: int, world: int) -> dict:
             s64 = sum(p.double() for p in parts)
             n64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
             s0, n0 = stock.allreduce_rmsnorm(x, w, EPS, group, world)
-            r_model = all_reduce_sum(x, group).wait() if hasattr(all_reduce_sum(x, group), "wait") else None
-            del r_model
             model = rms_norm(torch.ops._c10d_functional.wait_tensor(
                 torch.ops._c10d_functional.all_reduce(x, "sum", group)), w, EPS)
             out[(str(dtype), T)] = {
