@@ -18,6 +18,8 @@ arguments in schema order without `strict` (supports and run get the same), and 
   gemm_ar_residual          (x, weight, residual, addend, group_name, world_size, max_tokens=) -> out
   gemm_ar_residual_rmsnorm  (x, weight, residual, addend, norm_weight, eps, group_name, world_size,
                              max_tokens=) -> (out, normed)
+  allreduce_rmsnorm         (x, norm_weight, eps, group_name, world_size, max_tokens=)
+                             -> (summed, normed), both [T, L] in x.dtype
   moe_front_sharded         (x, router_w, down_w, group_name, world_size, max_tokens=)  (full
                              replicated weights; an impl slices this rank's rows itself)
                              -> (logits fp32 [T, E], latent [T, L] x.dtype); down_w None is the
@@ -105,6 +107,17 @@ def _gemm_ar_residual_rmsnorm_fake(x, weight, residual, addend, norm_weight, eps
                                    world_size, max_tokens=64, strict=False):
     _check_gemm(x, weight, "gemm_ar_residual_rmsnorm")
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+def _allreduce_rmsnorm_fake(x, norm_weight, eps, group_name, world_size, max_tokens=64, strict=False):
+    torch._check(x.dim() >= 1, lambda: "k3fuse.allreduce_rmsnorm: x must be [..., L], got a scalar")
+    torch._check(norm_weight.dim() == 1 and norm_weight.shape[0] == x.shape[-1],
+                 lambda: f"k3fuse.allreduce_rmsnorm: norm_weight is {tuple(norm_weight.shape)}, expected "
+                         f"[L] = ({x.shape[-1]},) (x is {tuple(x.shape)})")
+    torch._check(x.dtype.is_floating_point,
+                 lambda: f"k3fuse.allreduce_rmsnorm: x must be floating point, got {x.dtype}")
+    torch._check(world_size >= 1, lambda: f"k3fuse.allreduce_rmsnorm: world_size={world_size} must be >= 1")
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 def _moe_front_sharded_fake(x, router_w, down_w, group_name, world_size, max_tokens=64,
@@ -212,6 +225,13 @@ DECLARATIONS: tuple[OpDecl, ...] = (
            "(Tensor x, Tensor weight, Tensor residual, Tensor? addend, Tensor norm_weight, float eps, "
            "str group_name, int world_size, int max_tokens=64, bool strict=False) -> (Tensor, Tensor)",
            _gemm_ar_residual_rmsnorm_fake, stock.gemm_ar_residual_rmsnorm, allreduce.gemm_ar_residual_rmsnorm,
+           traits=SYNC, collective=True),
+    # the MoE tail: the latent partial [T, L] all-reduced and RMSNorm'd in one op; returns the sum too
+    # (the graph may read it elsewhere): (summed, rms_norm(summed) * norm_weight), both in x.dtype
+    OpDecl("allreduce_rmsnorm",
+           "(Tensor x, Tensor norm_weight, float eps, str group_name, int world_size, int max_tokens=64, "
+           "bool strict=False) -> (Tensor, Tensor)",
+           _allreduce_rmsnorm_fake, stock.allreduce_rmsnorm, allreduce.allreduce_rmsnorm,
            traits=SYNC, collective=True),
     # takes the FULL replicated W_r [E, H] and W_down [L, H]; each rank computes its 1/world_size
     # rows (rank from the group at run time), so one rewritten graph serves every rank

@@ -1,19 +1,24 @@
 """The Kimi K3 decode rules (k3fuse.patterns), one fusion family per file, in pipeline order.
 
 1. oproj_allreduce_residual  row-parallel projection -> all_reduce -> residual add [-> RMSNorm]
-2. moe_front_sharded         replicated router + latent down-projection -> sharded GEMM + all-gather
-3. fused_routing             router tail (sigmoid, bias, top-k, renormalise, scale) -> one kernel
+2. moe_tail_allreduce_norm   MoE latent all_reduce -> latent RMSNorm -> one op (off by default: no H200
+                             measurement yet, issue 9)
+3. moe_front_sharded         replicated router + latent down-projection -> sharded GEMM + all-gather
+4. fused_routing             router tail (sigmoid, bias, top-k, renormalise, scale) -> one kernel
                              (off by default: no H200 measurement yet, issue 9)
-4. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
-5. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
-6. decode_gemm               remaining static-weight projections -> decode GEMM
-7. weight_prefetch           native collectives left -> L2 prefetch of the next static weights
+5. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
+6. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
+7. decode_gemm               remaining static-weight projections -> decode GEMM
+8. weight_prefetch           native collectives left -> L2 prefetch of the next static weights
 
-The order matters: 1 takes the shared down-projection into the MoE reduction before 4 moves the
-rest of the shared MLP to the side stream; 3 runs after 2 (2 finds the router by walking back from
-the expert top-k, which 3 replaces) and reads the logits 2 produces; 5 touches no projection or
-collective, so it does not interact with the others; 6 takes only what 1-4 left; 7 runs last so it
-sees the final ops after each remaining wait (e.g. decode_gemm(W_up) after the latent all-reduce).
+The order matters: 1 takes the shared down-projection into the MoE reduction before 5 moves the
+rest of the shared MLP to the side stream; 2 runs after 1 (1's patterns start at a linear and go
+through a residual add, the latent all-reduce has neither, so 1 never takes 2's site) and touches
+only the latent all-reduce and its norm; 4 runs after 3 (3 finds the router by walking back from
+the expert top-k, which 4 replaces) and reads the logits 3 produces; 6 touches no projection or
+collective, so it does not interact with the others; 7 takes only what 1-5 left (W_up reads 2's
+normed output); 8 runs last so it sees the final ops after each remaining wait (e.g.
+decode_gemm(W_up) after the latent all-reduce, when 2 is off).
 """
 from __future__ import annotations
 
@@ -22,13 +27,14 @@ from k3fuse.rule import Rule
 from .decode_gemm import DecodeGemm
 from .kda_delta_rule import KDADeltaRule
 from .moe_front_sharded import MoEFrontSharded
+from .moe_tail_rule import MoETailAllReduceNorm
 from .oproj_allreduce_residual import OProjAllReduceResidual
 from .route_topk_rule import FusedRouting
 from .shared_expert_stream import SharedExpertStream
 from .weight_prefetch import WeightPrefetch
 
-RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoEFrontSharded, FusedRouting, SharedExpertStream,
-                                        KDADeltaRule, DecodeGemm, WeightPrefetch)
+RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoETailAllReduceNorm, MoEFrontSharded, FusedRouting,
+                                        SharedExpertStream, KDADeltaRule, DecodeGemm, WeightPrefetch)
 
 
 def all_rules() -> list[Rule]:
@@ -46,5 +52,6 @@ def describe() -> list[tuple[str, str]]:
     return [(cls.name, cls.description) for cls in RULE_CLASSES]
 
 
-__all__ = ["all_rules", "default_rules", "describe", "RULE_CLASSES", "OProjAllReduceResidual", "MoEFrontSharded",
+__all__ = ["all_rules", "default_rules", "describe", "RULE_CLASSES", "OProjAllReduceResidual", "MoETailAllReduceNorm",
+           "MoEFrontSharded",
            "FusedRouting", "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]

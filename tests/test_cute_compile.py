@@ -282,3 +282,56 @@ def test_glu_activation_compiles_for_sm90():
         constexprs={"BLOCK": 1024})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert "ld.global" in ptx and "st.global" in ptx
+
+
+@needs_cute
+@pytest.mark.parametrize("world,flags_rank", [(2, None), (8, None), (2, 1)])
+def test_oneshot_ar_without_residual_compiles_to_ptx(world, flags_rank, tmp_path):
+    """allreduce_rmsnorm's epilogue (has_residual=False, L = 3584): the same poll / flags, sum and
+    norm, no residual load; the residual variants' cache keys are unchanged."""
+    from k3fuse.kernels.cute import oneshot_ar
+
+    L = 3584
+    args = (world, L, 64, False, True, torch.bfloat16, torch.bfloat16, False, flags_rank)
+    key, build = oneshot_ar.builder(*args, has_residual=False)
+    assert key[-1] == "nores" and key[:-1] == oneshot_ar.builder(*args)[0]
+    assert oneshot_ar.builder(*args, has_residual=True)[0] == oneshot_ar.builder(*args)[0]
+    ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
+    ops = _ops(ptx)
+    vpt = L // 4 // oneshot_ar.pick_threads(L)
+    assert ops["ld.volatile.v4"] == vpt * world, ops
+    assert ops["atom"] == 1 and ops["globaltimer"] >= 2 and "nanosleep" in ptx, ops
+    assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, ops
+    if flags_rank is None:
+        assert ops["st.v4.sentinel"] >= vpt * world, ops
+    else:
+        assert ops["st.release.sys"] == world and ops["ld.acquire.sys"] == 1, ops
+    _assert_wrap_safe_indexing(ptx)
+    # no residual: the with-residual build of the same shape loads one more bf16 vector per chunk
+    _, build_res = oneshot_ar.builder(*args)
+    ptx_res = compat.compile_to_ptx_on_cpu(oneshot_ar.builder(*args)[0], build_res, str(tmp_path / "res"))
+    n_ld = lambda p: len(re.findall(r"\bld\.global\b(?!\.v4\.u32)", p))  # noqa: E731
+    assert n_ld(ptx) < n_ld(ptx_res), (n_ld(ptx), n_ld(ptx_res))
+
+
+def test_lamport_push_compiles_for_sm90():
+    """The MoE tail's push (allreduce_rmsnorm): buffer index from the int64 word gen[3] on the
+    device (no remainder), -0.0 canonicalised, one store per destination rank, no multicast."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from k3fuse.kernels.triton import lamport_push
+
+    sig = {"x_ptr": "*bf16", "push_ptr": "*i64", "gen_ptr": "*i64", "n": "i32", "WORLD": "constexpr",
+           "RANK": "constexpr", "MAXT": "constexpr", "H": "constexpr", "BLOCK": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2)}
+    for world, rank in ((2, 0), (2, 1), (8, 5)):
+        src = triton.compiler.ASTSource(fn=lamport_push._push_kernel, signature=sig, attrs=attrs,
+                                        constexprs={"WORLD": world, "RANK": rank, "MAXT": 64, "H": 3584,
+                                                    "BLOCK": lamport_push.BLOCK})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert not re.search(r"\brem\.", ptx), "the buffer index must be the rotated word, not a remainder"
+        assert re.search(r"ld\.global(\.\w+)*\.(b|u|s)64", ptx), "gen[3] and the peer pointers are 64-bit loads"
+        assert re.search(r"setp\.(eq|neu)\.(f32|bf16)", ptx) and "selp" in ptx, "-0.0 -> +0.0 is kept"
+        assert len(re.findall(r"st\.global(\.\w+)*\.(b32|f32)", ptx)) >= world, "a store per destination rank"
+        assert "multimem" not in ptx and "atom." not in ptx and ".local" not in ptx

@@ -54,8 +54,14 @@ if compat.HAVE_CUTE:
 
         def __init__(self, world: int, hidden: int, max_tokens: int, threads: int,
                      has_addend: bool, has_norm: bool, pdl: bool = False,
-                     flags_rank: int | None = None):
+                     flags_rank: int | None = None, has_residual: bool = True):
             assert 1 <= world <= MAX_WORLD and hidden % (VEC * threads) == 0
+            # has_residual=False: out = the sum itself (allreduce_rmsnorm, the MoE tail); the
+            # residual argument is then only the row count of the grid (pass `out`), never read
+            assert has_residual or not has_addend
+            self.has_residual = has_residual
+            # err[2] on a timeout: which op spun (symm_workspace.ArWorkspace.describe)
+            self.err_kind = 2 if not has_residual else (1 if has_norm else 0)
             self.world, self.H, self.max_t = world, hidden, max_tokens
             self.threads, self.vpt = threads, hidden // (VEC * threads)
             self.has_addend, self.has_norm = has_addend, has_norm
@@ -157,7 +163,7 @@ if compat.HAVE_CUTE:
                             if compat.globaltimer_ns() - fstart > tmo:
                                 if failed == 0:                # first failure: record it
                                     err[1] = tidx              # the source rank that never arrived
-                                    err[2] = Int32(1 if self.has_norm else 0)
+                                    err[2] = Int32(self.err_kind)
                                     err[3] = t
                                     err[0] = Int32(1)
                                 waiting = Int32(0)
@@ -210,7 +216,7 @@ if compat.HAVE_CUTE:
                                         q = (ci * W + src) * VEC
                                         if compat.any_sentinel4(raw[q], raw[q + 1], raw[q + 2], raw[q + 3]) != 0:
                                             err[1] = Int32(src)
-                                err[2] = Int32(1 if self.has_norm else 0)
+                                err[2] = Int32(self.err_kind)
                                 err[3] = t
                                 err[0] = Int32(1)
                             failed = Int32(1)
@@ -233,9 +239,10 @@ if compat.HAVE_CUTE:
                         for e in cutlass.range_constexpr(VEC):
                             acc[e] = compat.b32_as_f32(Int32(0x7FC00000))
                     s = acc.load()
-                    res = cute.make_rmem_tensor((VEC,), residual.element_type)
-                    cute.autovec_copy(rrow[None, c], res)
-                    s = res.load().to(Float32) + s
+                    if const_expr(self.has_residual):
+                        res = cute.make_rmem_tensor((VEC,), residual.element_type)
+                        cute.autovec_copy(rrow[None, c], res)
+                        s = res.load().to(Float32) + s
                     if const_expr(self.has_addend):
                         ad = cute.make_rmem_tensor((VEC,), addend.element_type)
                         cute.autovec_copy(arow[None, c], ad)
@@ -293,14 +300,16 @@ def pick_threads(hidden: int) -> int | None:
 
 
 def builder(world, hidden, max_tokens, has_addend, has_norm, io_dtype, w_dtype, pdl=False,
-            flags_rank=None):
+            flags_rank=None, has_residual=True):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu.
 
     flags_rank=None: Lamport protocol; flags_rank=r: acquire/release flag protocol of rank r.
+    has_residual=False: no residual (allreduce_rmsnorm; `out` is the sum); the key of every
+    residual variant is unchanged, the residual-free one ends with "nores".
     Every build has the bounded spin (timeout_ns is a runtime argument, K3FUSE_AR_TIMEOUT_S)."""
     th = pick_threads(hidden)
     key = ("lamport_ar" if flags_rank is None else "flag_ar", 2, world, hidden, max_tokens, th,
-           has_addend, has_norm, io_dtype, w_dtype, pdl, flags_rank)
+           has_addend, has_norm, io_dtype, w_dtype, pdl, flags_rank) + (() if has_residual else ("nores",))
 
     def build():
         C = compat.TORCH2CUTE
@@ -313,7 +322,7 @@ def builder(world, hidden, max_tokens, has_addend, has_norm, io_dtype, w_dtype, 
         err = ft(cutlass.Int32, (4,), (1,), align=4)          # code, missing peer, norm?, row
         flg = [ft(cutlass.Int64, (world, MT), (MT, 1), align=8) for _ in range(MAX_WORLD)]  # int64 epochs
         k = LamportArResidualNorm(world, hidden, max_tokens, th, has_addend, has_norm, pdl,
-                                  flags_rank)
+                                  flags_rank, has_residual)
         return (k, data, *flg, gen, row(io_dtype), row(io_dtype), nw, row(io_dtype), row(io_dtype), err,
                 Float32(1e-5), Int64(0), compat.fake_stream())
 

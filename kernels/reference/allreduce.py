@@ -1,8 +1,12 @@
-"""Reference out-projection + all-reduce + residual (+ RMSNorm).
+"""Reference out-projection + all-reduce + residual (+ RMSNorm), and the MoE tail's all-reduce +
+RMSNorm.
 
 One fp32 pipeline: partial = x @ W.T (fp32), all-reduce the fp32 partial (sum), add the residual
 (and the addend) in fp32, round once. The RMSNorm variant normalises the fp32 sum (before that
-rounding), as a fused kernel holding the sum in registers does.
+rounding), as a fused kernel holding the sum in registers does. `allreduce_rmsnorm` is the same
+without the GEMM and the residual: the fp32 sum of the partials, rounded once to x's dtype, and
+RMSNorm of the fp32 sum in the K3 spelling's order (variance in fp32, times rsqrt, times the weight
+in fp32, one cast back to x's dtype).
 """
 from __future__ import annotations
 
@@ -42,3 +46,12 @@ def gemm_ar_residual_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: to
     total = _residual_sum(x, weight, residual, addend, group_name, world_size)
     normed = rms_norm_acc(total, norm_weight, eps)
     return total.to(residual.dtype), normed.to(residual.dtype)
+
+
+def allreduce_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_name: str,
+                      world_size: int, max_tokens: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over ranks of x, RMSNorm(sum) * norm_weight), both in x's dtype, summed in fp32."""
+    acc = accumulation_dtype(x, norm_weight)
+    total = all_reduce_sum(x.to(acc, copy=True).contiguous(), group_name, world_size)  # never x itself
+    normed = rms_norm_acc(total, norm_weight, eps)
+    return total.to(x.dtype), normed.to(x.dtype)

@@ -48,6 +48,14 @@ def gemm_ar_residual_rmsnorm(x: torch.Tensor, weight: torch.Tensor, residual: to
     return out, rms_norm(out, norm_weight, eps)
 
 
+def allreduce_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_name: str,
+                      world_size: int, max_tokens: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock: the MoE tail as the model runs it, the functional all-reduce in x's dtype, then the
+    model's rms_norm of the rounded sum."""
+    r = all_reduce(x, group_name, world_size)
+    return r, rms_norm(r, norm_weight, eps)
+
+
 def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor | None,
                       group_name: str, world_size: int, max_tokens: int = 64
                       ) -> tuple[torch.Tensor, torch.Tensor]:
