@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 import k3fuse
@@ -26,6 +25,7 @@ from k3fuse.kernels.reference import allreduce as ref_allreduce
 from k3fuse.kernels.reference import stock
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.spelling import all_reduce_sum, rms_norm
+from stack_helpers import max_diff, strict_steps
 
 RULE, OP = "moe_tail_allreduce_norm", "allreduce_rmsnorm"
 N_LAYERS, STEPS, BATCH = 2, 2, 3
@@ -79,9 +79,6 @@ def test_reference_does_not_write_its_input():
 
 
 # --- TP 2 over gloo: op vs float64, stock, the rule on the K3 stack ---------------------------------------
-def _max_diff(a, b) -> float:
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(pytree.tree_leaves(a),
-                                                                             pytree.tree_leaves(b)))
 
 
 def _op_checks(rank: int, world: int) -> dict:
@@ -112,21 +109,9 @@ def _op_checks(rank: int, world: int) -> dict:
                 "s_err": float(((s.double() - s64).abs() / (s64.abs() + 1)).max()),
                 "n_err": float(((n.double() - n64).abs() / (n64.abs() + 1)).max()),
                 "stock_is_model": bool(torch.equal(n0, model)),
-                "vs_stock": _max_diff((s, n), (s0, n0)),
+                "vs_stock": max_diff((s, n), (s0, n0)),
             }
     return out
-
-
-def _strict_steps(fn, model, xs) -> dict:
-    runtime.reset_stats()
-    state_f = state_m = model.init_state(xs[0].shape[0])
-    err = 0.0
-    with runtime.strict():
-        for x in xs:
-            y_f, state_f = fn(x, pytree.tree_map(lambda t: t.contiguous(), state_f))
-            y_m, state_m = model(x, state_m)
-            err = max(err, _max_diff((y_f, state_f), (y_m, state_m)))
-    return {"err": err, "stats": runtime.stats(), "fallbacks": runtime.fallbacks()}
 
 
 class AllReduceAdd(nn.Module):
@@ -156,7 +141,7 @@ def _stack(rank: int, world: int) -> dict:
             torch._dynamo.reset()
             compiled = torch.compile(model, backend="k3fuse", fullgraph=True,
                                      options={"compiler": "eager", "context": ctx, "log": rlog})
-            res = _strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
+            res = strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
             out[("compile", dtype)] = {"summary": rlog.summary(), **res}
         ep = torch.export.export(model, (xs[0], model.init_state(BATCH)))
         new_ep, log = k3fuse.apply(ep, ctx)
@@ -168,7 +153,7 @@ def _stack(rank: int, world: int) -> dict:
                            if n.target is torch.ops.k3fuse.allreduce_rmsnorm.default],
             "events": [(e.variant, e.values.get("eps"), e.values.get("sum_read_elsewhere"), e.shapes)
                        for e in applied],
-            **_strict_steps(new_ep.module(), model, xs)}
+            **strict_steps(new_ep.module(), model, xs)}
         # the same program without the rule: oproj takes the same sites, the latent all-reduce stays native
         base_ep, base_log = k3fuse.apply(ep, ctx.with_(enabled_rules=DEFAULTS))
         out[("export", dtype)]["defaults_summary"] = base_log.summary()

@@ -28,7 +28,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 import k3fuse
@@ -37,6 +36,7 @@ from k3fuse.dist import launch
 from k3fuse.kernels.reference import routing, stock
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.model.layers import route
+from stack_helpers import max_diff, strict_steps
 
 RULE, OP = "fused_routing", "route_topk"
 N_LAYERS = 2
@@ -310,21 +310,9 @@ def test_gpu_context_refuses_experts_no_kernel_covers():
 
 
 # --- the K3 stack: both doors, fp32 and bf16 trunks, TP1 and TP2 ----------------------------------------
-def _max_diff(a, b) -> float:
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(pytree.tree_leaves(a),
-                                                                             pytree.tree_leaves(b)))
-
-
 def _strict_steps(fn, model, xs) -> dict:
-    runtime.reset_stats()
-    state_f = state_m = model.init_state(xs[0].shape[0])
-    err = 0.0
-    with runtime.strict():
-        for x in xs:
-            y_f, state_f = fn(x, pytree.tree_map(lambda t: t.contiguous(), state_f))
-            y_m, state_m = model(x, state_m)
-            err = max(err, _max_diff((y_f, state_f), (y_m, state_m)))
-    return {"err": err, "stats": runtime.stats().get(OP, {}), "fallbacks": runtime.fallbacks()}
+    res = strict_steps(fn, model, xs)
+    return {**res, "stats": res["stats"].get(OP, {})}
 
 
 def _paired(fn_a, fn_b, state, xs) -> float:
@@ -334,7 +322,7 @@ def _paired(fn_a, fn_b, state, xs) -> float:
     for x in xs:
         y_a, state_a = fn_a(x, state_a)
         y_b, state_b = fn_b(x, state_b)
-        err = max(err, _max_diff((y_a, state_a), (y_b, state_b)))
+        err = max(err, max_diff((y_a, state_a), (y_b, state_b)))
     return err
 
 
