@@ -28,10 +28,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
+from ar_helpers import MULTICAST_OFF  # noqa: E402
+
 EPS = 1e-5
 MAX_T = 64
 PROTOCOLS = {"lamport": "cute.oneshot_ar", "flags": "cute.oneshot_ar.flags"}
-ENV = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
+ENV = MULTICAST_OFF
 
 
 def _entry(rank, world, fn_name, gpu_of_rank):

@@ -22,7 +22,7 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 from k3fuse.bench.timing import median, slowest_rank, time_graph  # noqa: E402
-from k3fuse.dist import RankFailedError, launch  # noqa: E402
+from ar_helpers import poison, spawn_two_gpus  # noqa: E402
 from k3fuse.model.shapes import gemm_site  # noqa: E402
 
 _OPROJ = gemm_site("oproj_tp2")  # out-projection per rank at TP 2: [H, P/2] with P/2 = 6144
@@ -34,16 +34,8 @@ TOKENS = [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",")
     or list(range(1, MAX_T + 1))
 
 
-def _poison(shape, dtype, device):
-    """Fill a block with NaN and free it: the caching allocator hands it to the next same-size
-    allocation, so an output element the kernel does not write stays NaN."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    t.fill_(float("nan"))
-    del t
-
-
 def _worker(rank: int, world: int, protocol: str) -> None:
-    """One rank under k3fuse.dist.launch (NCCL group up, GPU `rank` current, env from _spawn)."""
+    """One rank under k3fuse.dist.launch (NCCL group up, GPU `rank` current, env from spawn_two_gpus)."""
     import torch.distributed as dist
 
     _body(rank, world, dist, protocol)
@@ -101,7 +93,7 @@ def _body(rank, world, dist, protocol):
             for norm, use_add in ((True, False), (False, T % 3 == 0), (True, T % 5 == 0)):
                 x, res, add = inputs(T, 1000 * T + 2 * norm + use_add)
                 add = add if use_add else None
-                _poison((T, H), torch.bfloat16, dev)
+                poison((T, H), torch.bfloat16, dev)
                 got = call(x, res, add, norm)
                 tot, normed = reference(x, res, add, norm)
                 if norm:
@@ -118,7 +110,7 @@ def _body(rank, world, dist, protocol):
         os.environ["K3FUSE_AR_PDL"] = "1"
         for T in ((1, 2) if protocol == "lamport" else ()):
             x, res, add = inputs(T, 555 + T)
-            _poison((T, H), torch.bfloat16, dev)
+            poison((T, H), torch.bfloat16, dev)
             got = call(x, res, add, True)
             tot, normed = reference(x, res, add, True)
             check(got[0], tot, f"PDL T={T} out")
@@ -203,23 +195,11 @@ def _timeout_worker(rank, world, protocol):
     _timeout_body(rank, world, dist)
 
 
-def _spawn(fn, protocol):
-    """fn(rank, 2, protocol) on 2 GPUs (k3fuse.dist.launch, NCCL); the ranks inherit the env."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
-                               NVSHMEM_DISABLE_NVLS="1", K3FUSE_AR_PROTOCOL=protocol).items():
-            mp.setenv(key, value)
-        try:
-            launch(fn, 2, backend="nccl", args=(protocol,), timeout_s=900)
-        except RankFailedError as exc:
-            pytest.fail(f"worker failed:\n{exc}")
-
-
 @pytest.mark.parametrize("protocol", ["flags", "lamport"])
 def test_fused_ar_tp2(protocol):
-    _spawn(_worker, protocol)
+    spawn_two_gpus(_worker, protocol)
 
 
 @pytest.mark.parametrize("protocol", ["flags", "lamport"])
 def test_debug_spin_timeout(protocol):
-    _spawn(_timeout_worker, protocol)
+    spawn_two_gpus(_timeout_worker, protocol)

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from k3fuse.dist import RankFailedError, launch
+from ar_helpers import poison, spawn_two_gpus
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -28,13 +28,6 @@ EPS = 1e-5
 PROTOCOLS = {"lamport": "cute.allreduce_rmsnorm", "flags": "cute.allreduce_rmsnorm.flags"}
 TOKENS = [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",") if t.strip()] \
     or list(range(1, MAX_T + 1))
-
-
-def _poison(shape, dtype, device):
-    """Fill a block with NaN and free it: the next same-size allocation gets it."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    t.fill_(float("nan"))
-    del t
 
 
 def _worker(rank: int, world: int, protocol: str) -> None:
@@ -96,7 +89,7 @@ def _body(rank, world, dist, protocol):
     with runtime.strict():
         for T in TOKENS:
             x = inputs(T, 1000 + T, zeros=T % 4 == 0)
-            _poison((T, L), torch.bfloat16, dev)
+            poison((T, L), torch.bfloat16, dev)
             verify(call(x), x, f"T={T}")
 
         # a late rank: rank 1 sleeps on its stream before the op, rank 0 polls in the kernel
@@ -132,18 +125,6 @@ def _body(rank, world, dist, protocol):
     assert impls and set(impls) == {PROTOCOLS[protocol]}, f"{protocol}: {impls}"
 
 
-def _spawn(fn, protocol):
-    """fn(rank, 2, protocol) on 2 GPUs (k3fuse.dist.launch, NCCL); the ranks inherit the env."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
-                               NVSHMEM_DISABLE_NVLS="1", K3FUSE_AR_PROTOCOL=protocol).items():
-            mp.setenv(key, value)
-        try:
-            launch(fn, 2, backend="nccl", args=(protocol,), timeout_s=900)
-        except RankFailedError as exc:
-            pytest.fail(f"worker failed:\n{exc}")
-
-
 @pytest.mark.parametrize("protocol", ["lamport", "flags"])
 def test_allreduce_rmsnorm_tp2(protocol):
-    _spawn(_worker, protocol)
+    spawn_two_gpus(_worker, protocol)
