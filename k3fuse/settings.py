@@ -156,11 +156,7 @@ class Settings:
     @property
     def spin_timeout_s(self) -> float:
         """The fused collectives' spin bound: K3FUSE_AR_TIMEOUT_S, else _MS, else 5 s."""
-        if self.ar_timeout_s is not None:
-            return self.ar_timeout_s
-        if self.ar_timeout_ms_as_s is not None:
-            return self.ar_timeout_ms_as_s
-        return DEFAULT_AR_TIMEOUT_S
+        return _spin_bound(self.ar_timeout_s, self.ar_timeout_ms_as_s)
 
 
 def parse(env: Mapping[str, str]) -> Settings:
@@ -190,12 +186,15 @@ def current() -> Settings:
     return Settings(**{v.field: get(v.env) for v in VARIABLES})
 
 
+def _spin_bound(seconds: float | None, ms_as_seconds: float | None) -> float:
+    if seconds is not None:
+        return seconds
+    return DEFAULT_AR_TIMEOUT_S if ms_as_seconds is None else ms_as_seconds
+
+
 def spin_timeout_s() -> float:
     """The fused collectives' spin bound (read per call): K3FUSE_AR_TIMEOUT_S, else _MS, else 5 s."""
-    seconds = get("K3FUSE_AR_TIMEOUT_S")
-    if seconds is None:
-        seconds = get("K3FUSE_AR_TIMEOUT_MS")
-    return DEFAULT_AR_TIMEOUT_S if seconds is None else seconds
+    return _spin_bound(get("K3FUSE_AR_TIMEOUT_S"), get("K3FUSE_AR_TIMEOUT_MS"))
 
 
 def is_on(env: Mapping[str, str], name: str) -> bool:

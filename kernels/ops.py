@@ -279,19 +279,22 @@ _lib = torch.library.Library(NAMESPACE, "DEF")
 
 
 def _dispatching_eager(decl: OpDecl) -> Callable[..., Any]:
-    """The default eager body: bind the schema's arguments (defaults filled) and hand them to
-    dispatch, positionally without `strict` and `max_tokens` (those go by keyword)."""
+    """The default eager body: the schema's arguments in order (defaults filled in), handed to
+    dispatch positionally, `strict` and `max_tokens` by keyword. The argument layout is worked out
+    once here; a call only indexes."""
     arguments = torch._C.parse_schema(decl.qualname + decl.schema).arguments
     names = [a.name for a in arguments]
-    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
-    keywords = [n for n in ("max_tokens", "strict") if n in names]
+    index = {n: i for i, n in enumerate(names)}
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
+    keyword_positions = [(n, index[n]) for n in ("max_tokens", "strict") if n in index]
+    positions = [i for i, n in enumerate(names) if n not in ("max_tokens", "strict")]
 
     def eager(*args: Any, **kwargs: Any) -> Any:
-        bound = dict(defaults)
-        bound.update(zip(names, args))
-        bound.update(kwargs)
-        positional = [bound[n] for n in names if n not in keywords]
-        return _dispatch.dispatch(decl.name, *positional, **{k: bound[k] for k in keywords})
+        full = [*args, *defaults[len(args):]]
+        for name, value in kwargs.items():
+            full[index[name]] = value
+        return _dispatch.dispatch(decl.name, *[full[i] for i in positions],
+                                  **{n: full[i] for n, i in keyword_positions})
 
     eager.__name__ = f"_{decl.name}"
     return eager
