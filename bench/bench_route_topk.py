@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--warps", default="1,2,4,8", help="num_warps values of the Triton kernel to time")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from k3fuse.model.layers import route
 
     compiled_route = torch.compile(route, fullgraph=True)
+    warps = [int(w) for w in args.warps.split(",") if w]
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         logits = torch.randn(STEPS, T, E, device="cuda") * 2
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         arms = {"eager": lambda: [route(logits[i], b, K, SCALE) for i in range(STEPS)],
                 "compiled": lambda: [compiled_route(logits[i], b, K, SCALE) for i in range(STEPS)],
                 "triton": lambda: [route_topk.run(logits[i], b, K, SCALE, out=out[i]) for i in range(STEPS)]}
+        for w in warps:
+            arms[f"triton_w{w}"] = (lambda w=w: [route_topk.run(logits[i], b, K, SCALE, out=out[i], num_warps=w)
+                                                 for i in range(STEPS)])
         row = {"tokens": T}
         for name, steps in arms.items():
             graph = capture(steps, warmup=3)
@@ -51,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
                                                      refill=lambda: logits.normal_().mul_(2)))
         row["speedup_vs_compiled"] = row["compiled"] / row["triton"]
         rows.append(row)
-    print(f"{'T':>4} {'eager µs':>10} {'compiled µs':>12} {'triton µs':>10} {'vs compiled':>12}")
+    swept = "".join(f" {'w' + str(w) + ' µs':>8}" for w in warps)
+    print(f"{'T':>4} {'eager µs':>10} {'compiled µs':>12} {'triton µs':>10} {'vs compiled':>12}{swept}")
     for r in rows:
         print(f"{r['tokens']:>4} {r['eager']:>10.2f} {r['compiled']:>12.2f} {r['triton']:>10.2f} "
-              f"{r['speedup_vs_compiled']:>11.2f}x")
+              f"{r['speedup_vs_compiled']:>11.2f}x" + "".join(f" {r[f'triton_w{w}']:>8.2f}" for w in warps))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"E": E, "top_k": K, "routed_scaling": SCALE, "device": torch.cuda.get_device_name(),

@@ -378,4 +378,18 @@ def test_compiled_model_profile_shows_side_stream_overlapping_routed_experts(tmp
     side_time = sum(e - s for s, e, _ in side)
     overlapped = _overlap(side, by_stream[main])
     assert overlapped > 0.2 * side_time, (f"side-stream kernels overlap the main stream for {overlapped:.1f} us "
-                                          f"of {side_time:.1f} us")
+                                          f"of {side_time:.1f} us\n{_timeline_summary(by_stream, main)}")
+
+
+def _timeline_summary(by_stream, main) -> str:
+    """Per stream: kernels, busy µs, span, and the first 12 kernels of step 1 (offset from the
+    trace's first kernel, duration, name): what a failed overlap assertion needs to be read."""
+    t0 = min(s for ks in by_stream.values() for s, _, _ in ks)
+    lines = []
+    for stream, ks in sorted(by_stream.items(), key=lambda kv: kv[0] != main):
+        ks = sorted(ks)
+        busy = sum(e - s for s, e, _ in ks)
+        lines.append(f"stream {stream}{' (main)' if stream == main else ''}: {len(ks)} kernels, busy {busy:.1f} us, "
+                     f"span {ks[0][0] - t0:.1f}..{ks[-1][1] - t0:.1f} us")
+        lines += [f"  +{s - t0:8.1f} {e - s:7.1f}  {name[:90]}" for s, e, name in ks[:12]]
+    return "\n".join(lines)
