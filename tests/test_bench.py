@@ -93,3 +93,15 @@ def test_side_stream_overlap_counts_only_time_under_main_stream_work():
     got = side_stream_overlap(main + side)
     assert got == {"side_us": 10.0, "overlapped_us": 8.0, "share": 0.8}
     assert side_stream_overlap(main)["side_us"] == 0.0
+
+
+def test_concurrency_needs_no_stream_ids():
+    from k3fuse.bench.profile import KernelEvent, concurrency
+
+    # a graph replay's stream ids mean nothing: the same timeline under any ids gives the same answer
+    timeline = [(0.0, 10.0), (12.0, 8.0), (5.0, 10.0), (30.0, 2.0)]  # 0-10, 12-20, 5-15, 30-32
+    for ids in ((1, 1, 1, 1), (7, 7, 9, 7), (3, 4, 5, 6)):
+        got = concurrency([KernelEvent("k", i, s, d) for i, (s, d) in zip(ids, timeline)])
+        assert got == {"busy_us": 30.0, "wall_us": 22.0, "concurrent_us": 8.0}
+    assert concurrency([KernelEvent("k", 1, 0.0, 4.0), KernelEvent("k", 1, 4.0, 4.0)])["concurrent_us"] == 0.0
+    assert concurrency([])["concurrent_us"] == 0.0

@@ -45,7 +45,7 @@ class KernelEvent:
         return kind_of(self.name)
 
 
-def _kernel_events(prof: torch.profiler.profile) -> list[KernelEvent]:
+def kernel_events(prof: torch.profiler.profile) -> list[KernelEvent]:
     out: list[KernelEvent] = []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA or _NOT_KERNELS.match(e.name):
@@ -82,6 +82,24 @@ def side_stream_overlap(kernels: list[KernelEvent]) -> dict[str, float]:
     return {"side_us": side, "overlapped_us": overlapped, "share": overlapped / side if side else 0.0}
 
 
+def concurrency(kernels: list[KernelEvent]) -> dict[str, float]:
+    """Kernel time that ran alongside other kernels, whatever streams the profiler names.
+
+    busy = the summed kernel durations, wall = the time at least one kernel ran (union of the
+    intervals), concurrent = busy - wall. Stream ids of kernels replayed from a CUDA graph are the
+    graph executor's own (one per step and branch, changing between steps), so "the busiest stream
+    is the main one" can misread a replay; this measure needs no stream ids. Without a fork it is 0."""
+    busy = sum(k.dur_us for k in kernels)
+    wall = 0.0
+    end = float("-inf")
+    for k in sorted(kernels, key=lambda k: k.start_us):
+        stop = k.start_us + k.dur_us
+        if stop > end:
+            wall += stop - max(k.start_us, end)
+            end = stop
+    return {"busy_us": busy, "wall_us": wall, "concurrent_us": busy - wall}
+
+
 def profile_steps(run: Callable[[], object], n_steps: int) -> dict[str, Any]:
     """Profile one call of `run` (a graph replay of `n_steps` decode steps, or the eager steps).
 
@@ -92,7 +110,7 @@ def profile_steps(run: Callable[[], object], n_steps: int) -> dict[str, Any]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = _kernel_events(prof)
+    kernels = kernel_events(prof)
     per_step = len(kernels) / n_steps if n_steps else 0.0
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_kind: dict[str, float] = defaultdict(float)
@@ -116,7 +134,8 @@ def profile_steps(run: Callable[[], object], n_steps: int) -> dict[str, Any]:
         "timeline": timeline,
         "side_stream": {k: v / max(n_steps, 1) if k != "share" else v
                         for k, v in side_stream_overlap(kernels).items()},
+        "concurrency": {k: v / max(n_steps, 1) for k, v in concurrency(kernels).items()},
     }
 
 
-__all__ = ["profile_steps", "kind_of", "KernelEvent", "KINDS"]
+__all__ = ["profile_steps", "kind_of", "kernel_events", "concurrency", "side_stream_overlap", "KernelEvent", "KINDS"]

@@ -127,16 +127,16 @@ def print_tables(result: dict[str, Any]) -> None:
     table.add_row("  + KDA state r/w", *[_fmt(floor.get(T, {}).get("us_with_state")) for T in tokens])
     console.print(table)
 
-    kt = Table(title=f"at T={tokens[0]}: kernels per step, side-stream overlap; compile time, rewrites")
-    for col in ("arm", "kernels/step", "device µs/step", "side-stream µs (overlapped)", "max rel err vs stock",
+    kt = Table(title=f"at T={tokens[0]}: kernels per step, kernel time run concurrently; compile time, rewrites")
+    for col in ("arm", "kernels/step", "device µs/step", "concurrent µs/step", "max rel err vs stock",
                 "compile s", "passes ms", "applied", "fallbacks", "error"):
         kt.add_column(col)
     for name, arm in arms.items():
         first = arm["rows"][0] if arm["rows"] else {}
         applied = ", ".join(f"{r}:{s['applied']}" for r, s in (arm.get("rewrites") or {}).items() if s["applied"])
-        side = first.get("side_stream") or {}
+        conc = first.get("concurrency") or {}
         kt.add_row(name, _fmt(first.get("kernels_per_step")), _fmt(first.get("device_us_per_step")),
-                   f"{_fmt(side.get('side_us'))} ({_fmt(side.get('overlapped_us'))})" if side else "-",
+                   _fmt(conc.get("concurrent_us")),
                    _fmt(max((r["rel_err_vs_stock"] for r in arm["rows"] if r.get("rel_err_vs_stock") is not None),
                             default=None), ".1e"),
                    _fmt(arm["compile_s"]), _fmt(arm.get("passes_ms")), applied or "-",
