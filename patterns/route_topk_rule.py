@@ -90,8 +90,6 @@ class FusedRouting(Rule):
     emits = ("route_topk",)
     description = ("the router tail (sigmoid, correction bias, top-k, gather, renormalise, scale) -> "
                    "k3fuse.route_topk (one kernel, lowest-index ties, same bits on every rank)")
-    default_on = False
-    default_off_reason = "no H200 measurement yet (issue 9)"
     anchor = torch.ops.aten.topk.default
 
     def patterns(self) -> list[PatternSpec]:

@@ -277,17 +277,13 @@ def test_rule_on_the_router_captures_top_k_and_scale_and_keeps_the_routing():
     torch.testing.assert_close(w, w0, rtol=1e-6, atol=0)
 
 
-def test_rule_is_off_unless_named():
-    _, log = k3fuse.apply(torch.export.export(Front(), (torch.randn(4, 32),)), k3fuse.DecodeContext())
-    (e,) = log.rejected(RULE)
-    assert e.guard == "rule_disabled" and "no H200 measurement yet (issue 9)" in e.reason
-    assert "K3FUSE_RULES=+fused_routing" in e.reason
-
-
-def test_rule_runs_when_named_in_the_environment(monkeypatch):
-    monkeypatch.setenv("K3FUSE_RULES", "+fused_routing")
+def test_rule_runs_by_default_and_the_environment_turns_it_off(monkeypatch):
     _, log = k3fuse.apply(torch.export.export(Front(), (torch.randn(4, 32),)), k3fuse.DecodeContext())
     assert log.applied(RULE) == 1
+    monkeypatch.setenv("K3FUSE_RULES", "-fused_routing")
+    _, log = k3fuse.apply(torch.export.export(Front(), (torch.randn(4, 32),)), k3fuse.DecodeContext())
+    (e,) = log.rejected(RULE)
+    assert log.applied(RULE) == 0 and e.guard == "rule_disabled"
 
 
 def test_softmax_router_is_not_matched_with_the_reason():

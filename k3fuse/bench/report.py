@@ -62,7 +62,8 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
                    "kernels_per_step": prof.get("kernels_per_step"),
                    "device_us_per_step": prof.get("device_us_per_step"),
                    "by_kind_us_per_step": prof.get("by_kind_us_per_step"),
-                   "top_kernels": prof.get("top_kernels"), "side_stream": prof.get("side_stream")}
+                   "top_kernels": prof.get("top_kernels"), "side_stream": prof.get("side_stream"),
+                   "concurrency": prof.get("concurrency")}
             if stock.get(T) and row.get("us"):
                 out["speedup_vs_stock"] = stock[T] / row["us"]
             rows.append(out)

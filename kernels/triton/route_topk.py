@@ -55,6 +55,8 @@ MAX_TOP_K = 32  # K3: 16
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 if HAVE_TRITON:
+    #: tl.gather (Triton >= 3.2) picks the selected scores on chip instead of reloading their logits
+    HAS_GATHER = tl.constexpr(hasattr(tl, "gather"))
 
     if INTERPRET:
         @triton.jit
@@ -78,7 +80,8 @@ if HAVE_TRITON:
         valid = offs < E
         x = tl.load(logits_ptr + t * l_st + offs, mask=valid, other=0.0)
         b = tl.load(bias_ptr + offs, mask=valid, other=0.0)
-        biased = _sigmoid(x) + b
+        scores = _sigmoid(x)
+        biased = scores + b
         # One int64 key per expert whose order is the selection order. High word: the biased score's
         # bits as an order-preserving int32 (negative floats get their magnitude bits flipped; -0.0
         # becomes +0.0 so the two tie; every NaN the largest). Low word: BLOCK_E - 1 - index, so the
@@ -93,14 +96,26 @@ if HAVE_TRITON:
         sel = (BLOCK_E - 1 - (top & (BLOCK_E - 1))).to(tl.int32)
         kofs = tl.arange(0, BLOCK_K)
         kmask = kofs < TOP_K
-        # the selected unbiased scores, recomputed from their logits: the same bits as scores[sel]
-        w = _sigmoid(tl.load(logits_ptr + t * l_st + sel, mask=kmask, other=0.0))
-        total = tl.sum(tl.where(kofs == 0, w, 0.0), axis=0)
+        # the selected unbiased scores: gathered on chip where Triton has tl.gather, else recomputed
+        # from their logits (the same bits either way)
+        if HAS_GATHER:
+            w = tl.gather(scores, sel, 0)
+        else:
+            w = _sigmoid(tl.load(logits_ptr + t * l_st + sel, mask=kmask, other=0.0))
+        # The sum in selection order, one rounding per add. Block reductions of the k values would
+        # each cost a barrier; instead the k scores go to the output row, and every thread reads them
+        # back as scalars and adds them in order (the barriers make the row visible, then keep it
+        # until every thread has read it).
+        row = w_ptr + t * TOP_K
+        tl.store(row + kofs, w, mask=kmask)
+        tl.debug_barrier()
+        total = tl.load(row)
         for i in tl.static_range(1, TOP_K):
-            total = total + tl.sum(tl.where(kofs == i, w, 0.0), axis=0)  # selection order, one rounding per add
+            total = total + tl.load(row + i)
+        tl.debug_barrier()
         denom = total + eps
         weights = tl.math.div_rn(w, tl.full([BLOCK_K], 0.0, tl.float32) + denom) * routed_scaling
-        tl.store(w_ptr + t * TOP_K + kofs, weights, mask=kmask)
+        tl.store(row + kofs, weights, mask=kmask)
         tl.store(idx_ptr + t * TOP_K + kofs, sel.to(tl.int64), mask=kmask)
 
 
