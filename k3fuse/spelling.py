@@ -66,6 +66,54 @@ def delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kc:
     return S, o
 
 
+def use_grouped_mm(a: torch.Tensor) -> bool:
+    """Route the experts through torch._grouped_mm: CUDA, Hopper or newer, a 16-bit trunk, and a
+    torch that has the op (2.8+; the CPU build has no fast kernel for it)."""
+    return (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(a.device) >= (9, 0))
+
+
+def routed_experts_grouped(a: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                           w2: torch.Tensor, top_k: int, beta: float, linear_beta: float) -> torch.Tensor:
+    """The routed experts as serving engines run them: z [T*k, L] in pair order.
+
+    a [T, L] latent, experts int64 [T*k] (pair p = token p // k, slot p % k), w1/w3 [E, I, L],
+    w2 [E, L, I]. The pairs are sorted by expert and each projection is one grouped GEMM, so every
+    selected expert's weights are read once however many tokens picked it. `offs[e]` is the end row
+    of expert e's group (searchsorted keeps the shapes static, where bincount's would depend on the
+    data); empty groups cost nothing.
+    """
+    order = torch.argsort(experts, stable=True)  # pairs grouped by expert, ties in pair order
+    sorted_experts = experts.index_select(0, order)
+    bounds = torch.arange(1, w1.shape[0] + 1, device=a.device, dtype=sorted_experts.dtype)
+    offs = torch.searchsorted(sorted_experts, bounds, right=False).to(torch.int32)
+    a_sorted = a.index_select(0, order // top_k)  # [T*k, L]
+    g = torch._grouped_mm(a_sorted, w1.transpose(1, 2), offs=offs)  # [T*k, I]
+    u = torch._grouped_mm(a_sorted, w3.transpose(1, 2), offs=offs)
+    act = situ_glu(g, u, beta, linear_beta)
+    z_sorted = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [T*k, L]
+    return torch.empty_like(z_sorted).index_copy(0, order, z_sorted)  # back to pair order
+
+
+def routed_experts_gathered(a: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                            w2: torch.Tensor, top_k: int, beta: float, linear_beta: float) -> torch.Tensor:
+    """The same math as `routed_experts_grouped` by gathering each pair's expert weights and a bmm:
+    one weight copy per pair (the CPU reference; fine for small test models)."""
+    pairs, L = experts.shape[0], a.shape[-1]
+    a_rep = a.unsqueeze(1).expand(a.shape[0], top_k, L).reshape(pairs, L, 1)
+    g = torch.bmm(w1[experts], a_rep).squeeze(-1)  # [T*k, I]
+    u = torch.bmm(w3[experts], a_rep).squeeze(-1)
+    act = situ_glu(g, u, beta, linear_beta)
+    return torch.bmm(w2[experts], act.unsqueeze(-1)).squeeze(-1)  # [T*k, L]
+
+
+def routed_experts(a: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor, top_k: int, beta: float, linear_beta: float) -> torch.Tensor:
+    """The model's routed experts: grouped GEMMs where `use_grouped_mm`, else the gathered bmm."""
+    spelled = routed_experts_grouped if use_grouped_mm(a) else routed_experts_gathered
+    return spelled(a, experts, w1, w3, w2, top_k, beta, linear_beta)
+
+
 #: the guard against an all-zero sum in the router's renormalisation
 ROUTE_EPS = 1e-20
 
@@ -85,4 +133,5 @@ def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling
 
 
 __all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
-           "situ_glu", "delta_rule"]
+           "situ_glu", "delta_rule", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
+           "routed_experts_gathered"]

@@ -33,6 +33,8 @@ arguments in schema order without `strict` (supports and run get the same), and 
   route_topk                (logits, b_corr, top_k, routed_scaling, eps) -> (weights fp32 [T, k],
                              idx int64 [T, k]); ties to the lowest expert index (reference/routing.py)
   kda_delta_rule            (recurrent, g, beta, k, v, q) -> (S_new, o), both new fp32 tensors
+  routed_experts            (a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta) -> z [T*k, L]
+                             in pair order, a's dtype (k3fuse/spelling.py `routed_experts`)
 The op itself returns the fork's x_pass and performs the join (streams.join), so neither is an impl.
 Collective ops: every rank must pick the same implementation (supports must decide from shapes,
 dtypes and world size only), or the ranks would run different collectives.
@@ -48,6 +50,7 @@ import torch.fx
 
 from k3fuse import runtime
 from k3fuse.ir import OpTraits, declare_op_traits
+from k3fuse.spelling import routed_experts, routed_experts_gathered
 
 from . import dispatch as _dispatch
 from . import streams
@@ -188,6 +191,25 @@ def _route_topk_fake(logits, b_corr, top_k, routed_scaling, eps=1e-20, strict=Fa
             logits.new_empty((T, top_k), dtype=torch.int64))
 
 
+def _routed_experts_fake(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, strict=False):
+    name = "k3fuse.routed_experts"
+    torch._check(a.dim() == 2, lambda: f"{name}: a must be the latent [T, L], got {tuple(a.shape)}")
+    torch._check(experts.dim() == 1 and experts.dtype == torch.int64,
+                 lambda: f"{name}: experts must be int64 [T*top_k], got {experts.dtype} {tuple(experts.shape)}")
+    torch._check(experts.shape[0] == a.shape[0] * top_k,
+                 lambda: f"{name}: {experts.shape[0]} expert ids for {a.shape[0]} tokens x top_k={top_k}")
+    torch._check(w1.dim() == 3 and w1.shape == w3.shape and w1.shape[2] == a.shape[1],
+                 lambda: f"{name}: w1/w3 must be [E, I, L={a.shape[1]}], got {tuple(w1.shape)} / {tuple(w3.shape)}")
+    torch._check(w2.dim() == 3 and w2.shape[0] == w1.shape[0] and w2.shape[1] == a.shape[1]
+                 and w2.shape[2] == w1.shape[1],
+                 lambda: f"{name}: w2 must be [E, L, I] = {(w1.shape[0], a.shape[1], w1.shape[1])}, "
+                         f"got {tuple(w2.shape)}")
+    torch._check(a.dtype == w1.dtype == w3.dtype == w2.dtype,
+                 lambda: f"{name}: a and the expert weights must share a dtype: {a.dtype}, {w1.dtype}, "
+                         f"{w3.dtype}, {w2.dtype}")
+    return a.new_empty((experts.shape[0], a.shape[1]))
+
+
 # --- eager bodies that are more than a dispatch -------------------------------------------------
 def _shared_expert_fork(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
     """Launch the shared-expert branch for `site` (side stream on CUDA); return x_pass, a copy of x."""
@@ -273,6 +295,15 @@ DECLARATIONS: tuple[OpDecl, ...] = (
            "(Tensor logits, Tensor b_corr, int top_k, float routed_scaling, float eps=1e-20, "
            "bool strict=False) -> (Tensor, Tensor)",
            _route_topk_fake, stock.route_topk, routing.route_topk),
+    # the model's routed experts (k3fuse/spelling.py `routed_experts`): for each (token, slot) pair p,
+    #   z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // k], w3[e_p] @ a[p // k])
+    # rounded to a's dtype after each projection, as the model's spelling. a [T, L], experts int64
+    # [T*k], w1/w3 [E, I, L], w2 [E, L, I] -> z [T*k, L]. Stock: the model's spelling (grouped GEMMs
+    # on CUDA); reference: the gathered bmm (any device).
+    OpDecl("routed_experts",
+           "(Tensor a, Tensor experts, Tensor w1, Tensor w3, Tensor w2, int top_k, float situ_beta, "
+           "float situ_linear_beta, bool strict=False) -> Tensor",
+           _routed_experts_fake, routed_experts, routed_experts_gathered),
 )
 
 _lib = torch.library.Library(NAMESPACE, "DEF")

@@ -411,6 +411,7 @@ def test_grouped_experts_compute_what_the_gathered_reference_does(monkeypatch):
     """The CUDA spelling (pairs sorted by expert, torch._grouped_mm) against the CPU gather+bmm."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
+    from k3fuse import spelling
     from k3fuse.model import layers
 
     cfg = get_config("tiny", n_layers=1, dtype="bfloat16")
@@ -420,15 +421,16 @@ def test_grouped_experts_compute_what_the_gathered_reference_does(monkeypatch):
         a = torch.randn(T, cfg.latent, dtype=torch.bfloat16)
         experts = torch.randint(0, cfg.n_experts, (T, cfg.top_k)).reshape(-1)
         experts[: cfg.top_k] = 5  # a crowded expert next to empty ones
-        ref = moe._experts_gathered(a.float().to(torch.bfloat16), experts).float()
+        args = (moe.w1, moe.w3, moe.w2, cfg.top_k, cfg.situ_beta, cfg.situ_linear_beta)
+        ref = spelling.routed_experts_gathered(a, experts, *args).float()
         try:
-            got = moe._experts_grouped(a, experts).float()
+            got = spelling.routed_experts_grouped(a, experts, *args).float()
         except RuntimeError as exc:  # a CPU build without the grouped kernel
             pytest.skip(f"torch._grouped_mm does not run on this CPU build: {exc}")
         assert (got - ref).norm() / ref.norm() < 2e-2, T
-    monkeypatch.setattr(layers, "use_grouped_mm", lambda a: True)
+    monkeypatch.setattr(spelling, "use_grouped_mm", lambda a: True)
     x = torch.randn(4, cfg.hidden, dtype=torch.bfloat16)
     grouped = moe(x).float()
-    monkeypatch.setattr(layers, "use_grouped_mm", lambda a: False)
+    monkeypatch.setattr(spelling, "use_grouped_mm", lambda a: False)
     gathered = moe(x).float()
     assert (grouped - gathered).norm() / gathered.norm() < 2e-2

@@ -22,7 +22,7 @@ from torch import nn
 
 # the K3 math, written once (rms_norm, situ_glu, delta_rule are this module's names too: the rules
 # and the tests import them from here)
-from ..spelling import all_reduce_sum, delta_rule, rms_norm, route, situ_glu
+from ..spelling import all_reduce_sum, delta_rule, rms_norm, route, routed_experts, situ_glu
 from .config import K3Config
 
 
@@ -180,13 +180,6 @@ class KDADecode(nn.Module):
 
 
 # --- MoE ----------------------------------------------------------------------------------------
-def use_grouped_mm(a: torch.Tensor) -> bool:
-    """Route the experts through torch._grouped_mm: CUDA, Hopper or newer, a 16-bit trunk, and a
-    torch that has the op (2.8+; the CPU build has no fast kernel for it)."""
-    return (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(a.device) >= (9, 0))
-
-
 class Router(nn.Module):
     """Replicated router: fp32 logits F.linear(x.float(), W_r.float()) [T, E], then `route`."""
 
@@ -207,13 +200,10 @@ class LatentMoE(nn.Module):
     """Routed experts in latent space: a = W_down x; r = sum_e w_e W2_e SiTU(W1_e a, W3_e a);
     all_reduce(r) (each rank holds a slice of the expert intermediate); y = W_up RMSNorm_L(r).
 
-    Two spellings of the same math over the T*top_k (token, slot) pairs, both with static shapes
-    (no data-dependent control flow, which torch.compile(fullgraph) and torch.export need):
-    - CUDA (bf16/fp16, torch._grouped_mm available): the pairs are sorted by expert and each
-      expert's rows go through one grouped GEMM per projection, as serving engines do: every
-      selected expert's weights are read once, however many tokens picked it;
-    - elsewhere (the CPU reference): the selected experts' weights are gathered by index and
-      applied with bmm, which copies one weight slice per pair (fine for small test models).
+    The experts are `routed_experts` of k3fuse/spelling.py over the T*top_k (token, slot) pairs:
+    grouped GEMMs on CUDA (bf16/fp16, torch._grouped_mm available), a gathered bmm elsewhere; both
+    with static shapes (no data-dependent control flow, which torch.compile(fullgraph) and
+    torch.export need).
     """
 
     def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
@@ -236,42 +226,11 @@ class LatentMoE(nn.Module):
         weights, idx = self.router(x)
         a = F.linear(x, self.w_down)  # [T, L]
         experts = idx.reshape(-1)  # [T*k], pair p = (token p // k, slot p % k)
-        if use_grouped_mm(a):
-            z = self._experts_grouped(a, experts)
-        else:
-            z = self._experts_gathered(a, experts)
+        z = routed_experts(a, experts, self.w1, self.w3, self.w2, k, cfg.situ_beta, cfg.situ_linear_beta)
         partial = (z.float().view(T, k, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         r = self.tp.all_reduce(partial)
         r = self.latent_norm(r)
         return F.linear(r, self.w_up)
-
-    def _experts_gathered(self, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """z [T*k, L] by gathering each pair's expert weights and a bmm (the CPU reference)."""
-        cfg = self.cfg
-        pairs, L = experts.shape[0], cfg.latent
-        a_rep = a.unsqueeze(1).expand(a.shape[0], cfg.top_k, L).reshape(pairs, L, 1)
-        g = torch.bmm(self.w1[experts], a_rep).squeeze(-1)  # [T*k, I/tp]
-        u = torch.bmm(self.w3[experts], a_rep).squeeze(-1)
-        act = situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta)
-        return torch.bmm(self.w2[experts], act.unsqueeze(-1)).squeeze(-1)  # [T*k, L]
-
-    def _experts_grouped(self, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """z [T*k, L] with the pairs sorted by expert and one grouped GEMM per projection.
-
-        `offs[e]` is the end row of expert e's group in the sorted pairs (searchsorted keeps the
-        shapes static, where bincount's would depend on the data); empty groups cost nothing.
-        """
-        cfg = self.cfg
-        order = torch.argsort(experts, stable=True)  # pairs grouped by expert, ties in pair order
-        sorted_experts = experts.index_select(0, order)
-        bounds = torch.arange(1, cfg.n_experts + 1, device=a.device, dtype=sorted_experts.dtype)
-        offs = torch.searchsorted(sorted_experts, bounds, right=False).to(torch.int32)
-        a_sorted = a.index_select(0, order // cfg.top_k)  # [T*k, L]
-        g = torch._grouped_mm(a_sorted, self.w1.transpose(1, 2), offs=offs)  # [T*k, I/tp]
-        u = torch._grouped_mm(a_sorted, self.w3.transpose(1, 2), offs=offs)
-        act = situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta)
-        z_sorted = torch._grouped_mm(act, self.w2.transpose(1, 2), offs=offs)  # [T*k, L]
-        return torch.empty_like(z_sorted).index_copy(0, order, z_sorted)  # back to pair order
 
 
 class SharedExperts(nn.Module):

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import k3fuse  # noqa: E402
-from k3fuse import runtime  # noqa: E402
+from k3fuse import runtime, spelling  # noqa: E402
 from k3fuse.model import K3DecodeStack, get_config  # noqa: E402
 from k3fuse.model import layers  # noqa: E402
 
@@ -48,10 +48,11 @@ def test_grouped_experts_match_gathered_reference():
         a = torch.randn(T, cfg.latent, device=DEV, dtype=torch.bfloat16, generator=gen)
         experts = torch.randint(0, cfg.n_experts, (T * cfg.top_k,), device=DEV, generator=gen)
         experts[:5] = 7  # a crowded group next to empty ones
-        assert layers.use_grouped_mm(a)
-        got = moe._experts_grouped(a, experts)
+        assert spelling.use_grouped_mm(a)
+        args = (moe.w1, moe.w3, moe.w2, cfg.top_k, cfg.situ_beta, cfg.situ_linear_beta)
+        got = spelling.routed_experts_grouped(a, experts, *args)
         assert not torch.isnan(got).any()
-        ref = moe._experts_gathered(a, experts).double()
+        ref = spelling.routed_experts_gathered(a, experts, *args).double()
         rel = ((got.double() - ref).norm() / ref.norm()).item()
         assert rel < 1e-2, f"T={T}: grouped vs gathered rel err {rel:.2e}"
 
