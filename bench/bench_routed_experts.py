@@ -1,0 +1,85 @@
+"""Routed-experts benchmark: the model's grouped GEMMs (stock) vs k3fuse.routed_experts (Triton).
+
+K3's routed experts on one GPU: latent a [T, 3584] bf16, 16 of 896 experts per token, w1/w3
+[896, I, 3584], w2 [896, 3584, I] with I = moe_inter / TP (128 and 64: the layer benchmark's
+widths at TP 1 and 2; 1536: the published width at TP 2). Arms: "eager" (spelling
+`routed_experts_grouped`: argsort, searchsorted, three torch._grouped_mm, index_copy), "compiled"
+(the same under torch.compile, Inductor's kernels around the grouped GEMMs), "triton"
+(kernels/triton/routed_experts.py). Each is timed with k3fuse.bench.timing's CUDA-graph timer: one
+graph replays STEPS calls, new tokens and experts per replay, median µs per call. "floor" is the
+touched experts' weight bytes over the measured copy bandwidth (the expected number of distinct
+experts for T tokens drawing 16 of 896 each).
+
+    python bench/bench_routed_experts.py [--inter 128,64] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+E, K, L = 896, 16, 3584
+STEPS = 8  # calls per captured graph, each on its own token rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--inter", default="128,64", help="expert intermediate widths per rank")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from k3fuse.bench.timing import capture, copy_bandwidth, time_graph
+    from k3fuse.kernels.triton import routed_experts as kernel
+    from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_grouped
+
+    situ = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    compiled = torch.compile(routed_experts_grouped, fullgraph=True)
+    rows = []
+    for I in (int(i) for i in args.inter.split(",")):
+        w = [torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
+             torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
+             torch.randn(E, L, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5]
+        for T in (int(t) for t in args.tokens.split(",")):
+            a = torch.randn(STEPS, T, L, device="cuda", dtype=torch.bfloat16)
+            experts = torch.empty(STEPS, T * K, device="cuda", dtype=torch.int64)
+
+            def refill() -> None:
+                a.normal_()
+                experts.copy_(torch.rand(STEPS, T, E, device="cuda").argsort(-1)[..., :K].reshape(STEPS, -1))
+
+            refill()
+            out = torch.empty(STEPS, T * K, L, device="cuda", dtype=torch.bfloat16)
+            arms = {"eager": lambda: [routed_experts_grouped(a[i], experts[i], *w, K, *situ) for i in range(STEPS)],
+                    "compiled": lambda: [compiled(a[i], experts[i], *w, K, *situ) for i in range(STEPS)],
+                    "triton": lambda: [kernel.run(a[i], experts[i], *w, K, *situ, out=out[i]) for i in range(STEPS)]}
+            touched = E * (1 - (1 - K / E) ** T)
+            row = {"inter": I, "tokens": T, "experts_touched": touched,
+                   "floor": touched * 3 * I * L * 2 / bandwidth * 1e6}
+            for name, steps in arms.items():
+                graph = capture(steps, warmup=2)
+                row[name] = statistics.median(time_graph(graph, STEPS, args.replays, refill=refill))
+                del graph
+            row["speedup_vs_compiled"] = row["compiled"] / row["triton"]
+            rows.append(row)
+            print(f"I={I:>5} T={T:>3}  eager {row['eager']:8.1f}  compiled {row['compiled']:8.1f}  "
+                  f"triton {row['triton']:8.1f} µs  ({row['speedup_vs_compiled']:.2f}x)  floor {row['floor']:7.1f}",
+                  flush=True)
+        del w
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"E": E, "top_k": K, "latent": L, "device": torch.cuda.get_device_name(),
+                       "copy_bandwidth_TBps": bandwidth / 1e12, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
