@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inter", default="128,64", help="expert intermediate widths per rank")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the Triton kernels' launch configurations instead (gate/up, then down)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_grouped
 
     situ = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
+    if args.sweep:
+        return _sweep(args, kernel, situ, capture, time_graph)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     compiled = torch.compile(routed_experts_grouped, fullgraph=True)
     rows = []
@@ -78,6 +82,48 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"E": E, "top_k": K, "latent": L, "device": torch.cuda.get_device_name(),
                        "copy_bandwidth_TBps": bandwidth / 1e12, "rows": rows}, f, indent=2)
+    return 0
+
+
+def _configs() -> list[dict]:
+    """Gate/up blocks, stages and warps with the default down; then the down's with the default gate/up."""
+    out = [{"gate_up": {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}}
+           for n in (16, 32) for k in (128, 256, 512) for w in (4, 8) for st in (2, 4)]
+    out += [{"down": {"BLOCK_N": n, "num_warps": w, "num_stages": st}}
+            for n in (64, 128, 256) for w in (4, 8) for st in (2, 4)]
+    return out
+
+
+def _sweep(args, kernel, situ, capture, time_graph) -> int:
+    results = []
+    for I in (int(i) for i in args.inter.split(",")):
+        w = [torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
+             torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
+             torch.randn(E, L, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5]
+        for T in (int(t) for t in args.tokens.split(",")):
+            a = torch.randn(STEPS, T, L, device="cuda", dtype=torch.bfloat16)
+            experts = torch.rand(STEPS, T, E, device="cuda").argsort(-1)[..., :K].reshape(STEPS, -1).contiguous()
+            out = torch.empty(STEPS, T * K, L, device="cuda", dtype=torch.bfloat16)
+            timed = []
+            for cfg in [None, *_configs()]:
+                try:
+                    graph = capture(lambda: [kernel.run(a[i], experts[i], *w, K, *situ, out=out[i], config=cfg)
+                                             for i in range(STEPS)], warmup=1)
+                    us = statistics.median(time_graph(graph, STEPS, 10))
+                except Exception as exc:  # a configuration the compiler refuses (shared memory)
+                    print(f"I={I} T={T} {cfg}: {type(exc).__name__}", flush=True)
+                    continue
+                timed.append((us, cfg))
+                results.append({"inter": I, "tokens": T, "config": cfg, "us": us})
+            timed.sort(key=lambda r: r[0])
+            default = next(us for us, c in timed if c is None)
+            print(f"I={I} T={T}: default {default:.1f} µs; best " +
+                  "; ".join(f"{us:.1f} {c}" for us, c in timed[:4]), flush=True)
+        del w
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sweep": results}, f, indent=2)
     return 0
 
 

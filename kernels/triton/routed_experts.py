@@ -100,47 +100,58 @@ if HAVE_TRITON:
         tl.store(groups_ptr + 1 + 2 * P + slot, counts, mask=busy)
 
     @triton.jit
-    def _gate_up_kernel(a_ptr, w1_ptr, w3_ptr, act_ptr, rows_ptr, groups_ptr, P,
-                        beta, linear_beta, I: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
-                        ROW_BLOCKS: tl.constexpr,
+    def _group_rows_dot(x_ptr, w_ptr, out_ptr, rows_ptr, first, size, e, n, n_ok,
+                        N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        OUT_STRIDE: tl.constexpr):
+        """out[pair, n] = x[pair // TOP_K] . w[e, n] over K, for the group's pairs, rounded to out's dtype."""
+        m = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        w_rows = e * N * K + n[:, None].to(tl.int64) * K
+        for mb in range(0, ROW_BLOCKS):  # constexpr trip count; blocks past the group skip
+            m0 = mb * BLOCK_M
+            if m0 < size:
+                m_ok = m0 + m < size
+                pair = tl.load(rows_ptr + first + m0 + m, mask=m_ok, other=0)
+                x_rows = (pair // TOP_K).to(tl.int64)[:, None] * K
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    k_ok = k0 + kk < K
+                    x = tl.load(x_ptr + x_rows + k0 + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    w = tl.load(w_ptr + w_rows + k0 + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    acc = tl.dot(x, tl.trans(w), acc)
+                out = out_ptr + pair.to(tl.int64)[:, None] * OUT_STRIDE + n[None, :]
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _gate_up_kernel(a_ptr, w1_ptr, w3_ptr, gu_ptr, rows_ptr, groups_ptr, P,
+                        I: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """gu [P, 2I]: g = a . w1[e] in columns [0, I), u = a . w3[e] in [I, 2I), in the trunk dtype
+        (the grouped GEMMs' outputs). Programs (group, column block of g or of u): twice the programs
+        of a fused gate/up, which a one-token decode needs to cover the SMs."""
         gid = tl.program_id(0)
         if gid < tl.load(groups_ptr):
             e = tl.load(groups_ptr + 1 + gid).to(tl.int64)
             first = tl.load(groups_ptr + 1 + P + gid)
             size = tl.load(groups_ptr + 1 + 2 * P + gid)
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            blocks: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+            col = tl.program_id(1)
+            n = (col % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < I
-            m = tl.arange(0, BLOCK_M)
-            kk = tl.arange(0, BLOCK_K)
-            w_rows = e * I * L + n[:, None].to(tl.int64) * L
-            for mb in range(0, ROW_BLOCKS):  # constexpr trip count; blocks past the group skip
-                m0 = mb * BLOCK_M
-                if m0 < size:
-                    m_ok = m0 + m < size
-                    pair = tl.load(rows_ptr + first + m0 + m, mask=m_ok, other=0)
-                    a_rows = (pair // TOP_K).to(tl.int64)[:, None] * L
-                    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for k0 in range(0, L, BLOCK_K):
-                        k_ok = k0 + kk < L
-                        x = tl.load(a_ptr + a_rows + k0 + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                        w_mask = n_ok[:, None] & k_ok[None, :]
-                        w1 = tl.load(w1_ptr + w_rows + k0 + kk[None, :], mask=w_mask, other=0.0)
-                        w3 = tl.load(w3_ptr + w_rows + k0 + kk[None, :], mask=w_mask, other=0.0)
-                        acc_g = tl.dot(x, tl.trans(w1), acc_g)
-                        acc_u = tl.dot(x, tl.trans(w3), acc_u)
-                    # the grouped GEMMs' outputs are in the trunk dtype: round, then SiTU-GLU in fp32
-                    g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
-                    u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
-                    gate = beta * _tanh(g / beta) * tl.sigmoid(g)
-                    lin = linear_beta * _tanh(u / linear_beta)
-                    out = act_ptr + pair.to(tl.int64)[:, None] * I + n[None, :]
-                    tl.store(out, (gate * lin).to(act_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            if col < blocks:
+                _group_rows_dot(a_ptr, w1_ptr, gu_ptr, rows_ptr, first, size, e, n, n_ok, I, L, TOP_K, ROW_BLOCKS,
+                                BLOCK_M, BLOCK_N, BLOCK_K, 2 * I)
+            else:
+                _group_rows_dot(a_ptr, w3_ptr, gu_ptr + I, rows_ptr, first, size, e, n, n_ok, I, L, TOP_K,
+                                ROW_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I)
 
     @triton.jit
-    def _down_kernel(act_ptr, w2_ptr, z_ptr, rows_ptr, groups_ptr, P, I: tl.constexpr, L: tl.constexpr,
-                     ROW_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_kernel(gu_ptr, w2_ptr, z_ptr, rows_ptr, groups_ptr, P, beta, linear_beta,
+                     I: tl.constexpr, L: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """z[pair, block] = situ_glu(g, u)[pair] . w2[e, block]: SiTU-GLU in fp32 on the rounded g and
+        u, rounded to the trunk dtype (the model's `situ_glu`), then the down projection."""
         gid = tl.program_id(0)
         if gid < tl.load(groups_ptr):
             e = tl.load(groups_ptr + 1 + gid).to(tl.int64)
@@ -159,10 +170,14 @@ if HAVE_TRITON:
                     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                     for k0 in range(0, I, BLOCK_K):
                         k_ok = k0 + kk < I
-                        h = tl.load(act_ptr + pair[:, None] * I + k0 + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                                    other=0.0)
+                        hm = m_ok[:, None] & k_ok[None, :]
+                        g = tl.load(gu_ptr + pair[:, None] * (2 * I) + k0 + kk[None, :], mask=hm, other=0.0)
+                        u = tl.load(gu_ptr + pair[:, None] * (2 * I) + I + k0 + kk[None, :], mask=hm, other=0.0)
+                        g = g.to(tl.float32)
+                        u = u.to(tl.float32)
+                        act = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
                         w2 = tl.load(w2_ptr + w_rows + k0 + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                        acc = tl.dot(h, tl.trans(w2), acc)
+                        acc = tl.dot(act.to(w2.dtype), tl.trans(w2), acc)
                     out = z_ptr + pair[:, None] * L + n[None, :]
                     tl.store(out, acc.to(z_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -171,15 +186,24 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
 
 
-def pick_config(T: int, E: int, I: int, L: int, top_k: int) -> dict:
-    """Block sizes. Gate/up: BLOCK_N intermediate columns (16: the weights are I rows of L, and an
-    expert needs I/16 programs to spread over the SMs at 1 token), BLOCK_K 256 of L per step. Down:
-    BLOCK_L 128 latent columns, BLOCK_K over I. Grids: (groups <= min(E, T*k), column blocks).
+#: launch configurations by (I, L) range, measured by bench/bench_routed_experts.py --sweep on H200
+GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+DOWN = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | None = None) -> dict:
+    """Block sizes. Gate/up: BLOCK_N columns of g or of u per program, BLOCK_K of L per step. Down:
+    BLOCK_N latent columns, BLOCK_K over I. Grids: (groups <= min(E, T*k), column blocks).
     row_blocks: the row-block loop's fixed trip count (a group holds at most MAX_PAIRS rows; blocks
-    past the group's size are skipped), one compiled variant for every token count."""
+    past the group's size are skipped), one compiled variant for every token count. `overrides`:
+    {"gate_up": {...}, "down": {...}} (the benchmark's sweep)."""
     P = T * top_k
-    return {"BLOCK_P": _pow2(P), "BLOCK_E": _pow2(E), "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4},
-            "down": {"BLOCK_N": 128, "BLOCK_K": min(128, _pow2(I)), "num_warps": 4},
+    gate_up, down = dict(GATE_UP), dict(DOWN)
+    down["BLOCK_K"] = min(down["BLOCK_K"], _pow2(I))
+    if overrides:
+        gate_up.update(overrides.get("gate_up", {}))
+        down.update(overrides.get("down", {}))
+    return {"BLOCK_P": _pow2(P), "BLOCK_E": _pow2(E), "gate_up": gate_up, "down": down,
             "groups": min(E, P), "row_blocks": MAX_PAIRS // BLOCK_M}
 
 
@@ -229,28 +253,32 @@ def supports(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta) -> str 
     return _shape_limit(a.shape[0], E, I, L, top_k, a.dtype)
 
 
-def run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, out: torch.Tensor | None = None) -> torch.Tensor:
-    """z [T*k, L]; `out`: a contiguous [T*k, L] buffer of a's dtype to write instead (tests poison it)."""
+def run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, out: torch.Tensor | None = None,
+        config: dict | None = None) -> torch.Tensor:
+    """z [T*k, L]; `out`: a contiguous [T*k, L] buffer of a's dtype to write instead (tests poison it);
+    `config`: pick_config overrides (the benchmark's sweep)."""
     T, L = a.shape
     E, I, _ = w1.shape
     P = T * top_k
-    cfg = pick_config(T, E, I, L, top_k)
+    cfg = pick_config(T, E, I, L, top_k, config)
     rows = torch.empty(P, dtype=torch.int32, device=a.device)
     groups = torch.empty(1 + 3 * P, dtype=torch.int32, device=a.device)
-    act = torch.empty((P, I), dtype=a.dtype, device=a.device)
+    gu = torch.empty((P, 2 * I), dtype=a.dtype, device=a.device)
     z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
     assert z.is_contiguous() and tuple(z.shape) == (P, L) and z.dtype == a.dtype
     if P == 0:
         return z
     _group_kernel[(1,)](experts, rows, groups, P, E, BLOCK_P=cfg["BLOCK_P"], BLOCK_E=cfg["BLOCK_E"],
                         CHUNK=RANK_CHUNK, num_warps=4)
-    gu, dn = cfg["gate_up"], cfg["down"]
-    _gate_up_kernel[(cfg["groups"], triton.cdiv(I, gu["BLOCK_N"]))](
-        a, w1, w3, act, rows, groups, P, float(situ_beta), float(situ_linear_beta), I=I, L=L, TOP_K=int(top_k), ROW_BLOCKS=cfg["row_blocks"],
-        BLOCK_M=BLOCK_M, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], num_warps=gu["num_warps"])
+    gu_cfg, dn = cfg["gate_up"], cfg["down"]
+    _gate_up_kernel[(cfg["groups"], 2 * triton.cdiv(I, gu_cfg["BLOCK_N"]))](
+        a, w1, w3, gu, rows, groups, P, I=I, L=L, TOP_K=int(top_k), ROW_BLOCKS=cfg["row_blocks"], BLOCK_M=BLOCK_M,
+        BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], num_warps=gu_cfg["num_warps"],
+        num_stages=gu_cfg["num_stages"])
     _down_kernel[(cfg["groups"], triton.cdiv(L, dn["BLOCK_N"]))](
-        act, w2, z, rows, groups, P, I=I, L=L, ROW_BLOCKS=cfg["row_blocks"], BLOCK_M=BLOCK_M, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
-        num_warps=dn["num_warps"])
+        gu, w2, z, rows, groups, P, float(situ_beta), float(situ_linear_beta), I=I, L=L,
+        ROW_BLOCKS=cfg["row_blocks"], BLOCK_M=BLOCK_M, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"])
     return z
 
 
