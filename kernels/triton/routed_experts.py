@@ -7,19 +7,20 @@ tiles are mostly padding when an expert has one or two tokens. On H200 (K3, moe_
 they took 75 µs at 1 token for 44 MB of expert weights (an 11 µs read) and 650 µs at 64 tokens.
 
 Three kernels:
-1. `_group_kernel` (one program): counts the pairs per expert (tl.histogram), lays the groups out
-   in expert order (an exclusive cumsum of the counts), gives each pair its row in its group (its
-   rank among the earlier pairs of the same expert) and lists the non-empty groups: expert, first
-   row, size. No sort, no atomics, no host sync.
-2. `_gate_up_kernel`, one program per (group, block of BLOCK_N intermediate columns): the group's
-   token rows of `a` against w1[e] and w3[e] (tl.dot, fp32 accumulation), each rounded to the
-   trunk dtype as the grouped GEMMs' outputs are, then SiTU-GLU in fp32 (as `situ_glu`), written to
-   `act` [T*k, I] in pair order.
-3. `_down_kernel`, one program per (group, block of BLOCK_L latent columns): act rows against
-   w2[e], rounded to the trunk dtype and written to z [T*k, L] in pair order (no scatter pass).
-Programs whose group index is past the number of non-empty groups return at once. An expert's
-weight tile is read by one program, whatever the number of tokens that picked it; groups larger
-than BLOCK_M rows loop over row blocks (their weight re-reads hit L2).
+1. `_group_kernel` (one program): sorts the keys expert * BLOCK_P + pair (tl.sort), which lays the
+   pairs out grouped by expert, and lists the groups where the expert changes: expert, first row,
+   size. No host sync, no atomics; deterministic.
+2. `_gate_up_kernel`, one program per (group, block of BLOCK_N columns of g or of u): the group's
+   token rows of `a` against w1[e] or w3[e] (tl.dot, fp32 accumulation), rounded to the trunk
+   dtype as the grouped GEMMs' outputs are, into gu [T*k, 2I] in pair order. g and u in separate
+   programs: at one token, 16 groups need that many programs to cover the SMs.
+3. `_down_kernel`, one program per (group, N_TILES blocks of BLOCK_N latent columns): SiTU-GLU in
+   fp32 on the group's g and u rows (as `situ_glu`), rounded to the trunk dtype, against w2[e],
+   rounded and written to z [T*k, L] in pair order (no scatter pass). N_TILES grows with the
+   tokens, so that many small groups do not each pay the program's prologue per column block.
+Programs whose group index is past the number of groups return at once. An expert's weight tile is
+read by one program, whatever the number of tokens that picked it; groups larger than BLOCK_M rows
+loop over row blocks (their weight re-reads hit L2).
 
 Numerics: the model's rounding points (g, u and act and z in the trunk dtype); the dot products'
 summation order is tl.dot's, so results match the stock grouped GEMMs to bf16 rounding, not bit for
@@ -46,10 +47,9 @@ except Exception:  # pragma: no cover - CPU CI without triton
     HAVE_TRITON = False
 
 MAX_TOKENS = 64
-MAX_EXPERTS = 4096  # one histogram block of expert ids (K3: 896 -> 1024)
+MAX_EXPERTS = 4096  # expert * BLOCK_P + pair must fit an int32 sort key
 MAX_PAIRS = 2048  # one block of pairs in the grouping program (K3: 64 tokens x 16 = 1024)
 BLOCK_M = 16  # rows of a group per tl.dot (tl.dot's minimum; decode groups are small)
-RANK_CHUNK = 32  # pairs compared per step when ranking a pair within its group
 DTYPES = (torch.bfloat16, torch.float16)
 #: Triton's CPU interpreter (TRITON_INTERPRET=1) has no libdevice (its functions return None there):
 #: under it tanh is spelled with tl.exp; compiled for a GPU it is libdevice's tanh, as Inductor's is
@@ -67,37 +67,33 @@ if HAVE_TRITON:
             return libdevice.tanh(x)
 
     @triton.jit
-    def _group_kernel(experts_ptr, rows_ptr, groups_ptr, P, E,
-                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-        """rows [P]: pair ids in group order; groups [1 + 3 * P]: count, then (expert, start, size)
-        per non-empty group in expert order, each as a column of P entries."""
+    def _group_kernel(experts_ptr, rows_ptr, groups_ptr, scratch_ptr, P, E, BLOCK_P: tl.constexpr):
+        """rows [P]: pair ids grouped by expert (experts ascending, pairs ascending within a group);
+        groups [1 + 3 * P]: the number of groups, then (expert, first row, size) per group, each a
+        column of P entries. One sort of the keys expert * BLOCK_P + pair does the grouping."""
         p = tl.arange(0, BLOCK_P)
         in_p = p < P
         e = tl.load(experts_ptr + p, mask=in_p, other=-1)
         ok = in_p & (e >= 0) & (e < E)
-        bins = tl.where(ok, e, BLOCK_E).to(tl.int32)  # out-of-range pairs go to a bin never read
-        counts = tl.histogram(bins, 2 * BLOCK_E)
-        counts = tl.reshape(counts, (2, BLOCK_E))
-        counts = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, counts, 0), axis=0)  # bins [0, BLOCK_E)
-        start = tl.cumsum(counts, axis=0) - counts  # exclusive: first row of each expert's group
-        # a pair's rank among the earlier pairs of its expert, CHUNK pairs at a time
-        rank = tl.zeros([BLOCK_P], dtype=tl.int32)
-        for q0 in range(0, BLOCK_P, CHUNK):  # constexpr bounds (masked past P)
-            q = q0 + tl.arange(0, CHUNK)
-            eq = tl.load(experts_ptr + q, mask=q < P, other=-1)
-            earlier = (eq[None, :] == e[:, None]) & (q[None, :] < p[:, None])
-            rank += tl.sum(earlier.to(tl.int32), axis=1)
-        row = tl.gather(start, tl.where(ok, e, 0).to(tl.int32), 0) + rank
-        tl.store(rows_ptr + row, p, mask=ok)
-        # the non-empty groups, compacted in expert order
-        ids = tl.arange(0, BLOCK_E)
-        busy = counts > 0
-        slot = tl.cumsum(busy.to(tl.int32), axis=0) - 1
-        n_groups = tl.sum(busy.to(tl.int32), axis=0)
+        key = tl.where(ok, e.to(tl.int32) * BLOCK_P + p, 2147483647)  # out-of-range ids sort last, unused
+        key = tl.sort(key)
+        s_ok = key != 2147483647
+        s_e = key // BLOCK_P
+        tl.store(rows_ptr + p, key % BLOCK_P, mask=s_ok)
+        # a group starts where the expert differs from the previous row's
+        tl.store(scratch_ptr + p, tl.where(s_ok, s_e, -1))
+        tl.debug_barrier()
+        prev = tl.load(scratch_ptr + p - 1, mask=p > 0, other=-1)
+        starts = s_ok & (s_e != prev)
+        slot = tl.cumsum(starts.to(tl.int32), axis=0) - 1
+        n_groups = tl.sum(starts.to(tl.int32), axis=0)
+        n_rows = tl.sum(s_ok.to(tl.int32), axis=0)
+        tl.store(groups_ptr + 1 + slot, s_e, mask=starts)
+        tl.store(groups_ptr + 1 + P + slot, p, mask=starts)
+        tl.debug_barrier()
+        following = tl.load(groups_ptr + 1 + P + slot + 1, mask=starts & (slot + 1 < n_groups), other=n_rows)
+        tl.store(groups_ptr + 1 + 2 * P + slot, following - p, mask=starts)
         tl.store(groups_ptr, n_groups)
-        tl.store(groups_ptr + 1 + slot, ids, mask=busy)
-        tl.store(groups_ptr + 1 + P + slot, start, mask=busy)
-        tl.store(groups_ptr + 1 + 2 * P + slot, counts, mask=busy)
 
     @triton.jit
     def _group_rows_dot(x_ptr, w_ptr, out_ptr, rows_ptr, first, size, e, n, n_ok,
@@ -148,45 +144,50 @@ if HAVE_TRITON:
 
     @triton.jit
     def _down_kernel(gu_ptr, w2_ptr, z_ptr, rows_ptr, groups_ptr, P, beta, linear_beta,
-                     I: tl.constexpr, L: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                     I: tl.constexpr, L: tl.constexpr, ROW_BLOCKS: tl.constexpr, N_TILES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """z[pair, block] = situ_glu(g, u)[pair] . w2[e, block]: SiTU-GLU in fp32 on the rounded g and
-        u, rounded to the trunk dtype (the model's `situ_glu`), then the down projection."""
+        u, rounded to the trunk dtype (the model's `situ_glu`), then the down projection. A program
+        does N_TILES column blocks, so that many tokens' groups do not each pay the prologue per block."""
         gid = tl.program_id(0)
         if gid < tl.load(groups_ptr):
             e = tl.load(groups_ptr + 1 + gid).to(tl.int64)
             first = tl.load(groups_ptr + 1 + P + gid)
             size = tl.load(groups_ptr + 1 + 2 * P + gid)
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < L
             m = tl.arange(0, BLOCK_M)
             kk = tl.arange(0, BLOCK_K)
-            w_rows = e * L * I + n[:, None].to(tl.int64) * I
             for mb in range(0, ROW_BLOCKS):
                 m0 = mb * BLOCK_M
                 if m0 < size:
                     m_ok = m0 + m < size
                     pair = tl.load(rows_ptr + first + m0 + m, mask=m_ok, other=0).to(tl.int64)
-                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for k0 in range(0, I, BLOCK_K):
-                        k_ok = k0 + kk < I
-                        hm = m_ok[:, None] & k_ok[None, :]
-                        g = tl.load(gu_ptr + pair[:, None] * (2 * I) + k0 + kk[None, :], mask=hm, other=0.0)
-                        u = tl.load(gu_ptr + pair[:, None] * (2 * I) + I + k0 + kk[None, :], mask=hm, other=0.0)
-                        g = g.to(tl.float32)
-                        u = u.to(tl.float32)
-                        act = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
-                        w2 = tl.load(w2_ptr + w_rows + k0 + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                        acc = tl.dot(act.to(w2.dtype), tl.trans(w2), acc)
-                    out = z_ptr + pair[:, None] * L + n[None, :]
-                    tl.store(out, acc.to(z_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                    for tile in range(0, N_TILES):
+                        n = (tl.program_id(1) * N_TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+                        n_ok = n < L
+                        w_rows = e * L * I + n[:, None].to(tl.int64) * I
+                        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                        for k0 in range(0, I, BLOCK_K):
+                            k_ok = k0 + kk < I
+                            hm = m_ok[:, None] & k_ok[None, :]
+                            g = tl.load(gu_ptr + pair[:, None] * (2 * I) + k0 + kk[None, :], mask=hm, other=0.0)
+                            u = tl.load(gu_ptr + pair[:, None] * (2 * I) + I + k0 + kk[None, :], mask=hm, other=0.0)
+                            g = g.to(tl.float32)
+                            u = u.to(tl.float32)
+                            act = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+                            w2 = tl.load(w2_ptr + w_rows + k0 + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                         other=0.0)
+                            acc = tl.dot(act.to(w2.dtype), tl.trans(w2), acc)
+                        out = z_ptr + pair[:, None] * L + n[None, :]
+                        tl.store(out, acc.to(z_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
 
 
-#: launch configurations by (I, L) range, measured by bench/bench_routed_experts.py --sweep on H200
+TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
+MAX_N_TILES = 8
+#: launch configurations, measured by bench/bench_routed_experts.py --sweep on H200
 GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 DOWN = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
@@ -203,8 +204,15 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | No
     if overrides:
         gate_up.update(overrides.get("gate_up", {}))
         down.update(overrides.get("down", {}))
-    return {"BLOCK_P": _pow2(P), "BLOCK_E": _pow2(E), "gate_up": gate_up, "down": down,
-            "groups": min(E, P), "row_blocks": MAX_PAIRS // BLOCK_M}
+    # down: column blocks per program so that the expected groups give ~4 programs per SM
+    expected_groups = E * (1.0 - (1.0 - min(top_k, E) / E) ** T)
+    blocks = -(-L // down["BLOCK_N"])
+    per_program = max(1.0, expected_groups * blocks / TARGET_PROGRAMS)
+    down.setdefault("N_TILES", min(MAX_N_TILES, 1 << (int(per_program).bit_length() - 1)))
+    return {"BLOCK_P": _pow2(P), "gate_up": gate_up, "down": down, "groups": min(E, P),
+            # the row-block loop's trip count: enough 16-row blocks for the largest possible group
+            # (P rows), bucketed to a power of two so few variants compile
+            "row_blocks": _pow2(-(-min(P, MAX_PAIRS) // BLOCK_M), floor=1)}
 
 
 def _shape_limit(T: int, E: int, I: int, L: int, top_k: int, dtype: torch.dtype) -> str | None:
@@ -224,7 +232,7 @@ def _shape_limit(T: int, E: int, I: int, L: int, top_k: int, dtype: torch.dtype)
 def _triton_limit() -> str | None:
     if not HAVE_TRITON:
         return "triton not installed"
-    missing = [name for name in ("histogram", "gather", "cumsum") if not hasattr(tl, name)]
+    missing = [name for name in ("sort", "cumsum") if not hasattr(tl, name)]
     if missing:
         return f"triton {triton.__version__} lacks tl.{', tl.'.join(missing)}"
     return None
@@ -261,23 +269,22 @@ def run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, out: torch.T
     E, I, _ = w1.shape
     P = T * top_k
     cfg = pick_config(T, E, I, L, top_k, config)
-    rows = torch.empty(P, dtype=torch.int32, device=a.device)
-    groups = torch.empty(1 + 3 * P, dtype=torch.int32, device=a.device)
+    work = torch.empty(P + 1 + 3 * P + cfg["BLOCK_P"], dtype=torch.int32, device=a.device)
+    rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
     gu = torch.empty((P, 2 * I), dtype=a.dtype, device=a.device)
     z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
     assert z.is_contiguous() and tuple(z.shape) == (P, L) and z.dtype == a.dtype
     if P == 0:
         return z
-    _group_kernel[(1,)](experts, rows, groups, P, E, BLOCK_P=cfg["BLOCK_P"], BLOCK_E=cfg["BLOCK_E"],
-                        CHUNK=RANK_CHUNK, num_warps=4)
+    _group_kernel[(1,)](experts, rows, groups, scratch, P, E, BLOCK_P=cfg["BLOCK_P"], num_warps=4)
     gu_cfg, dn = cfg["gate_up"], cfg["down"]
     _gate_up_kernel[(cfg["groups"], 2 * triton.cdiv(I, gu_cfg["BLOCK_N"]))](
         a, w1, w3, gu, rows, groups, P, I=I, L=L, TOP_K=int(top_k), ROW_BLOCKS=cfg["row_blocks"], BLOCK_M=BLOCK_M,
         BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], num_warps=gu_cfg["num_warps"],
         num_stages=gu_cfg["num_stages"])
-    _down_kernel[(cfg["groups"], triton.cdiv(L, dn["BLOCK_N"]))](
+    _down_kernel[(cfg["groups"], triton.cdiv(triton.cdiv(L, dn["BLOCK_N"]), dn["N_TILES"]))](
         gu, w2, z, rows, groups, P, float(situ_beta), float(situ_linear_beta), I=I, L=L,
-        ROW_BLOCKS=cfg["row_blocks"], BLOCK_M=BLOCK_M, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
+        ROW_BLOCKS=cfg["row_blocks"], N_TILES=dn["N_TILES"], BLOCK_M=BLOCK_M, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
         num_warps=dn["num_warps"], num_stages=dn["num_stages"])
     return z
 
