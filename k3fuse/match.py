@@ -45,12 +45,17 @@ class PatternSpec:
     Tensor example inputs become pattern placeholders (any graph value can bind to them).
     float / int / str example inputs become *literal wildcards*: whatever literal the graph has
     in that position is captured in `Match.scalars[name]` (use them for eps, group names).
+    free_sizes: (name, size) pairs of example tensor sizes the trace bakes into op arguments (an
+    expand's shape, an empty's size, an arange's end) that the graph may have any value of: each
+    is an int literal wildcard too, captured under its name. Pick sizes no other literal of the
+    pattern has (the trace checks each appears; the guards check it against the input shapes).
     """
 
     name: str
     fn: Callable[..., Any]
     example_inputs: Callable[[], tuple[Any, ...]]
     variant: Variant | None = None
+    free_sizes: tuple[tuple[str, int], ...] = ()
 
     @property
     def key(self) -> Variant:

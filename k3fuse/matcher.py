@@ -10,7 +10,9 @@ addmm-split (normalize.py). Matching walks backwards from the pattern's outputs:
   pattern is covered without listing it;
 * a pattern placeholder binds to any graph value; a placeholder used twice must bind to the same
   value up to views;
-* literal wildcards (float/int/str example inputs) capture the graph's literal.
+* literal wildcards (float/int/str example inputs, and `PatternSpec.free_sizes`) capture the
+  graph's literal;
+* a `meta` device literal (a factory op in a pattern traced on meta tensors) matches any device.
 
 A match whose interior nodes (matched, but not outputs) feed anything outside the match is
 returned with `refused` set: rewriting it would compute that value twice. Layout-only interior
@@ -53,6 +55,12 @@ _SENTINEL_FLOAT = 0.000123456789012345
 _SENTINEL_INT = 987_654_301
 
 
+def int_sentinel(position: int) -> int:
+    """The value an int literal wildcard at parameter `position` is traced as: a pattern whose
+    example shapes depend on it (e.g. T*top_k expert ids) builds them from this."""
+    return _SENTINEL_INT + 2 * position
+
+
 @dataclass
 class CompiledPattern:
     """A PatternSpec traced to normalised ATen, ready to match."""
@@ -89,7 +97,7 @@ def compile_pattern(spec: PatternSpec) -> CompiledPattern:
             wildcards[s] = pname
             traced_args.append(s)
         elif isinstance(ex, int):
-            s = _SENTINEL_INT + 2 * i
+            s = int_sentinel(i)
             wildcards[s] = pname
             traced_args.append(s)
         elif isinstance(ex, str):
@@ -98,6 +106,10 @@ def compile_pattern(spec: PatternSpec) -> CompiledPattern:
             traced_args.append(s)
         else:
             raise TypeError(f"pattern {spec.name!r}: unsupported example input {pname}={type(ex).__name__}")
+    for pname, size in spec.free_sizes:
+        if any(_same_literal(size, s) for s in wildcards):
+            raise ValueError(f"pattern {spec.name!r}: free size {pname}={size} collides with another wildcard")
+        wildcards[size] = pname
 
     def call(*args: Any) -> Any:
         return spec.fn(*args)
@@ -245,6 +257,9 @@ class _Matcher:
                 st = st.copy()
                 st.scalars[wildcard] = ga
             yield from self.match_args(rest, st)
+            return
+        if isinstance(pa, torch.device) and pa.type == "meta" and isinstance(ga, (torch.device, str)):
+            yield from self.match_args(rest, st)  # traced on meta: stands for the graph's device
             return
         if isinstance(ga, fx.Node) or not _literal_equal(pa, ga):
             return
@@ -507,5 +522,5 @@ def _to_match(graph: fx.Graph, pattern: CompiledPattern, st: _State, order: dict
     )
 
 
-__all__ = ["CompiledPattern", "compile_pattern", "compiled_patterns", "find_matches", "decomposition_table",
+__all__ = ["CompiledPattern", "compile_pattern", "int_sentinel", "compiled_patterns", "find_matches", "decomposition_table",
            "near_miss", "forward_users", "op_name"]

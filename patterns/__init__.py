@@ -5,20 +5,22 @@
                              measurement yet, issue 9)
 3. moe_front_sharded         replicated router + latent down-projection -> sharded GEMM + all-gather
 4. fused_routing             router tail (sigmoid, bias, top-k, renormalise, scale) -> one kernel
-                             (off by default: no H200 measurement yet, issue 9)
-5. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
-6. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
-7. decode_gemm               remaining static-weight projections -> decode GEMM
-8. weight_prefetch           native collectives left -> L2 prefetch of the next static weights
+5. routed_experts            routed experts (grouped GEMMs or gathered bmm over the pairs) -> one op
+6. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
+7. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
+8. decode_gemm               remaining static-weight projections -> decode GEMM
+9. weight_prefetch           native collectives left -> L2 prefetch of the next static weights
 
-The order matters: 1 takes the shared down-projection into the MoE reduction before 5 moves the
+The order matters: 1 takes the shared down-projection into the MoE reduction before 6 moves the
 rest of the shared MLP to the side stream; 2 runs after 1 (1's patterns start at a linear and go
 through a residual add, the latent all-reduce has neither, so 1 never takes 2's site) and touches
 only the latent all-reduce and its norm; 4 runs after 3 (3 finds the router by walking back from
-the expert top-k, which 4 replaces) and reads the logits 3 produces; 6 touches no projection or
-collective, so it does not interact with the others; 7 takes only what 1-5 left (W_up reads 2's
-normed output); 8 runs last so it sees the final ops after each remaining wait (e.g.
-decode_gemm(W_up) after the latent all-reduce, when 2 is off).
+the expert top-k, which 4 replaces) and reads the logits 3 produces; 5 runs after 4 and reads the
+expert ids 4 produces (it touches no linear or collective); 6 anchors its join on the routed output
+downstream of 5's op, which still reads the MoE input; 7 touches no projection or collective, so it
+does not interact with the others; 8 takes only what 1-6 left (W_up reads 2's normed output); 9 runs
+last so it sees the final ops after each remaining wait (e.g. decode_gemm(W_up) after the latent
+all-reduce, when 2 is off).
 """
 from __future__ import annotations
 
@@ -30,11 +32,12 @@ from .moe_front_sharded import MoEFrontSharded
 from .moe_tail_rule import MoETailAllReduceNorm
 from .oproj_allreduce_residual import OProjAllReduceResidual
 from .route_topk_rule import FusedRouting
+from .routed_experts_rule import RoutedExperts
 from .shared_expert_stream import SharedExpertStream
 from .weight_prefetch import WeightPrefetch
 
 RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoETailAllReduceNorm, MoEFrontSharded, FusedRouting,
-                                        SharedExpertStream, KDADeltaRule, DecodeGemm, WeightPrefetch)
+                                        RoutedExperts, SharedExpertStream, KDADeltaRule, DecodeGemm, WeightPrefetch)
 
 
 def all_rules() -> list[Rule]:
@@ -54,4 +57,4 @@ def describe() -> list[tuple[str, str]]:
 
 __all__ = ["all_rules", "default_rules", "describe", "RULE_CLASSES", "OProjAllReduceResidual", "MoETailAllReduceNorm",
            "MoEFrontSharded",
-           "FusedRouting", "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]
+           "FusedRouting", "RoutedExperts", "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]

@@ -1,0 +1,227 @@
+"""routed_experts on CPU: the op, its fake impl, and the routed_experts rule on both spellings and
+on the K3 stack.
+
+* the op's reference is the gathered spelling bit for bit and its stock is the model's spelling; the
+  fake impl names bad shapes and dtypes;
+* the rule matches `routed_experts_gathered` (fp32, bf16) and `routed_experts_grouped` (bf16: this
+  CPU torch exports and runs torch._grouped_mm, so the grouped spelling is matched in a real
+  exported graph and its rewrite run, not only structurally) through the export door; the rewritten
+  program computes what the original did; K3FUSE_RULES turns it off; a GPU context refuses a shape
+  no kernel covers, with the kernel's limit in the log;
+* the K3 reference stack (tiny) at TP1 and TP2 (gloo ranks), through torch.compile(backend="k3fuse")
+  and the export door, strict mode: the rule fires once per layer, the reference ran, and the
+  outputs match stock eager; shared_expert_stream still finds its join after it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import k3fuse
+from k3fuse import runtime, spelling
+from k3fuse.dist import launch
+from k3fuse.model import K3DecodeStack, get_config
+from stack_helpers import strict_steps
+
+RULE = OP = "routed_experts"
+N_LAYERS = 2
+STEPS = 3
+BATCH = 3
+TOL = 2e-5
+H100 = (9, 0)
+BETA, LINEAR_BETA = spelling.K3_SITU_BETA, spelling.K3_SITU_LINEAR_BETA
+
+
+def _operands(T: int = 3, E: int = 8, I: int = 32, L: int = 16, k: int = 4, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(T, L, generator=g).to(dtype)
+    experts = torch.randint(0, E, (T * k,), generator=g)
+    w1, w3 = ((torch.randn(E, I, L, generator=g) * L ** -0.5).to(dtype) for _ in range(2))
+    w2 = (torch.randn(E, L, I, generator=g) * I ** -0.5).to(dtype)
+    return a, experts, w1, w3, w2, k
+
+
+# --- the op ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_strict_on_cpu_is_the_gathered_reference_and_disable_runs_stock(dtype):
+    a, experts, w1, w3, w2, k = _operands(dtype=dtype)
+    runtime.reset_stats()
+    with runtime.strict():
+        z = torch.ops.k3fuse.routed_experts(a, experts, w1, w3, w2, k, BETA, LINEAR_BETA)
+    assert runtime.stats() == {OP: {"reference": 1}}
+    assert z.shape == (a.shape[0] * k, a.shape[1]) and z.dtype == dtype
+    assert torch.equal(z, spelling.routed_experts_gathered(a, experts, w1, w3, w2, k, BETA, LINEAR_BETA))
+    runtime.reset_stats()
+    with k3fuse.disable():
+        z0 = torch.ops.k3fuse.routed_experts(a, experts, w1, w3, w2, k, BETA, LINEAR_BETA)
+    assert runtime.stats() == {OP: {"fallback:disabled": 1}}
+    assert torch.equal(z0, spelling.routed_experts(a, experts, w1, w3, w2, k, BETA, LINEAR_BETA))
+
+
+def test_fake_impl_shapes_and_messages():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.k3fuse.routed_experts
+    with FakeTensorMode():
+        a, experts, w1, w3, w2, k = _operands(T=5, E=8, I=32, L=16, k=4)
+        z = op(a, experts, w1, w3, w2, k, BETA, LINEAR_BETA)
+        assert z.shape == (20, 16) and z.dtype == torch.float32
+        bad = (((a[0], experts, w1, w3, w2, k), r"a must be the latent \[T, L\]"),
+               ((a, experts.int(), w1, w3, w2, k), "experts must be int64"),
+               ((a, experts[:-1], w1, w3, w2, k), "19 expert ids for 5 tokens x top_k=4"),
+               ((a, experts, w1[:, :, :8], w3, w2, k), r"w1/w3 must be \[E, I, L=16\]"),
+               ((a, experts, w1, w3, w2[:, :, :8], k), r"w2 must be \[E, L, I\] = \(8, 16, 32\)"),
+               ((a, experts, w1, w3, w2.bfloat16(), k), "must share a dtype"))
+        for args, message in bad:
+            with pytest.raises(Exception, match=message):
+                op(*args, BETA, LINEAR_BETA)
+
+
+# --- the rule on standalone modules ------------------------------------------------------------------
+class Experts(nn.Module):
+    """The routed experts alone, in one of the model's spellings (static weights)."""
+
+    def __init__(self, spelled=spelling.routed_experts_gathered, E: int = 8, I: int = 32, L: int = 16, k: int = 4,
+                 dtype=torch.float32):
+        super().__init__()
+        _, _, w1, w3, w2, _ = _operands(E=E, I=I, L=L, k=k, dtype=dtype, seed=7)
+        self.w1, self.w3, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w1, w3, w2))
+        self.spelled, self.k = spelled, k
+
+    def forward(self, a, idx):
+        return self.spelled(a, idx.reshape(-1), self.w1, self.w3, self.w2, self.k, BETA, LINEAR_BETA)
+
+
+def _inputs(module: Experts, T: int = 3, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    L, E = module.w1.shape[2], module.w1.shape[0]
+    return torch.randn(T, L, generator=g).to(module.w1.dtype), torch.randint(0, E, (T, module.k), generator=g)
+
+
+@pytest.mark.parametrize("spelled,dtype,variant", [
+    (spelling.routed_experts_gathered, torch.float32, "gathered"),
+    (spelling.routed_experts_gathered, torch.bfloat16, "gathered[bfloat16]"),
+    (spelling.routed_experts_grouped, torch.bfloat16, "grouped[bfloat16]"),
+])
+def test_rule_rewrites_each_spelling_and_computes_what_it_did(spelled, dtype, variant):
+    module = Experts(spelled, dtype=dtype)
+    args = _inputs(module)
+    ep = torch.export.export(module, args)
+    targets = {n.target for n in ep.graph.nodes}
+    assert (torch.ops.aten._grouped_mm.default in targets) == (variant.startswith("grouped"))
+    new_ep, log = k3fuse.apply(ep, k3fuse.DecodeContext(strict=True))
+    (e,) = [e for e in log.events if e.rule == RULE and e.decision == "applied"]
+    assert e.variant == variant and (e.values["top_k"], e.values["E"], e.values["I"]) == (4, 8, 32)
+    left = {n.target for n in new_ep.graph.nodes}
+    assert torch.ops.k3fuse.routed_experts.default in left
+    assert not left & {torch.ops.aten._grouped_mm.default, torch.ops.aten.bmm.default}
+    runtime.reset_stats()
+    with runtime.strict():
+        z = new_ep.module()(*args)
+    assert runtime.stats() == {OP: {"reference": 1}} and runtime.fallbacks() == {}
+    z0 = module(*args)
+    if spelled is spelling.routed_experts_gathered:
+        assert torch.equal(z, z0)  # the reference is this very spelling
+    else:  # grouped GEMMs accumulate in another order than the bmm; both round to bf16 per projection
+        torch.testing.assert_close(z.float(), z0.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_rule_captures_other_sizes_and_top_k():
+    module = Experts(E=16, I=24, L=40, k=2)
+    args = _inputs(module, T=7)
+    new_ep, log = k3fuse.apply(torch.export.export(module, args), k3fuse.DecodeContext())
+    (e,) = [e for e in log.events if e.rule == RULE and e.decision == "applied"]
+    assert (e.values["top_k"], e.values["E"], e.values["I"]) == (2, 16, 24)
+    assert torch.equal(new_ep.module()(*args), module(*args))
+
+
+def test_rule_runs_by_default_and_the_environment_turns_it_off(monkeypatch):
+    module = Experts()
+    _, log = k3fuse.apply(torch.export.export(module, _inputs(module)), k3fuse.DecodeContext())
+    assert log.applied(RULE) == 1
+    monkeypatch.setenv("K3FUSE_RULES", "-routed_experts")
+    _, log = k3fuse.apply(torch.export.export(module, _inputs(module)), k3fuse.DecodeContext())
+    (e,) = log.rejected(RULE)
+    assert log.applied(RULE) == 0 and e.guard == "rule_disabled"
+
+
+def test_a_graph_without_experts_is_not_matched_with_the_reason():
+    lin = nn.Linear(16, 16)
+    _, log = k3fuse.apply(torch.export.export(lin, (torch.randn(3, 16),)), k3fuse.DecodeContext())
+    (e,) = [e for e in log.events if e.rule == RULE]
+    assert e.decision == "not_matched" and "no aten._grouped_mm or aten.bmm" in e.reason, e.reason
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """A stand-in CUDA kernel of routed_experts that covers E <= 64 (and nothing else registered), so
+    the GPU-context test does not depend on which kernels this build has."""
+    from k3fuse.kernels import dispatch
+
+    dispatch.load_gpu_impls()
+    impl = dispatch.Impl("test.routed_experts", supports=lambda *a, **k: None, run=lambda *a, **k: None,
+                         covers=lambda s: None if s["E"] <= 64 else f"E={s['E']} > 64 experts")
+    others = [i for i in dispatch.implementations(OP) if "cuda" not in i.device_types]
+    monkeypatch.setattr(dispatch._entry(OP), "impls", [impl, *others])
+    return impl
+
+
+def test_gpu_context_refuses_experts_no_kernel_covers(fake_kernel):
+    gpu = k3fuse.DecodeContext(device_capability=H100)
+    for n_experts, applied in ((64, 1), (128, 0)):
+        module = Experts(E=n_experts)
+        _, log = k3fuse.apply(torch.export.export(module, _inputs(module, T=4)), gpu)
+        assert log.applied(RULE) == applied
+        if not applied:
+            (e,) = log.rejected(RULE)
+            assert (e.guard, e.values["E"], e.values["tokens"]) == ("kernel_shape", 128, "4")
+            assert e.values["limits"] == ["test.routed_experts: E=128 > 64 experts"]
+
+
+# --- the K3 stack: both doors, TP1 and TP2 -----------------------------------------------------------
+def _stack(tp_size: int, rank: int) -> dict:
+    ctx = (k3fuse.DecodeContext.from_process_group(strict=True) if tp_size > 1
+           else k3fuse.DecodeContext(strict=True))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        model = K3DecodeStack(get_config("tiny", n_layers=N_LAYERS, dtype=dtype), tp_size=tp_size, rank=rank, seed=5)
+        gen = torch.Generator().manual_seed(11)
+        xs = [torch.randn(BATCH, model.config.hidden, generator=gen).to(getattr(torch, dtype)) for _ in range(STEPS)]
+        new_ep, log = k3fuse.apply(torch.export.export(model, (xs[0], model.init_state(BATCH))), ctx)
+        out[("export", dtype)] = {"summary": log.summary(), **strict_steps(new_ep.module(), model, xs)}
+        if dtype == "float32":
+            rlog = k3fuse.RewriteLog()
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="k3fuse", fullgraph=True,
+                                     options={"compiler": "eager", "context": ctx, "log": rlog})
+            res = strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
+            out[("compile", dtype)] = {"summary": rlog.summary(), **res}
+    return out
+
+
+def _tp_worker(rank: int, world_size: int) -> dict:
+    return _stack(world_size, rank)
+
+
+def _check_stack(out: dict) -> None:
+    for (door, dtype), res in out.items():
+        s = res["summary"]
+        form = "gathered" if dtype == "float32" else "gathered[bfloat16]"
+        assert s[RULE]["applied"] == N_LAYERS and s[RULE]["variants"] == {form: N_LAYERS}, (door, dtype, s[RULE])
+        assert s["fused_routing"]["applied"] == N_LAYERS, (door, dtype)  # the expert ids are route_topk's
+        assert s["shared_expert_stream"]["applied"] == N_LAYERS, (door, dtype)  # its join still finds its anchor
+        assert res["fallbacks"] == {} and res["stats"][OP] == {"reference": N_LAYERS * STEPS}, (door, dtype, res)
+        # fp32: the other rules' references differ from eager by accumulation order only; bf16: their
+        # roundings differ from the model's (test_route_topk.py has the same bound)
+        assert res["err"] < (TOL if dtype == "float32" else 0.25), (door, dtype, res["err"])
+
+
+def test_k3_stack_tp1_both_doors():
+    _check_stack(_stack(1, 0))
+
+
+@pytest.mark.slow
+def test_k3_stack_tp2_both_doors_on_every_rank():
+    for out in launch(_tp_worker, 2, backend="gloo", timeout_s=600):
+        _check_stack(out)
