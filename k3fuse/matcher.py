@@ -11,7 +11,8 @@ addmm-split (normalize.py). Matching walks backwards from the pattern's outputs:
 * a pattern placeholder binds to any graph value; a placeholder used twice must bind to the same
   value up to views;
 * literal wildcards (float/int/str example inputs, and `PatternSpec.free_sizes`) capture the
-  graph's literal;
+  graph's literal; a free size also binds a symbolic size (a SymInt-valued node: a dynamic token
+  count), captured as its SymInt;
 * a `meta` device literal (a factory op in a pattern traced on meta tensors) matches any device.
 
 A match whose interior nodes (matched, but not outputs) feed anything outside the match is
@@ -145,6 +146,8 @@ def _literals(node: fx.Node) -> Iterator[Any]:
 
 
 def _same_literal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return str(a) == str(b)  # the same size expression (never evaluated: that would add a guard)
     if isinstance(a, float) or isinstance(b, float):
         if isinstance(a, bool) or isinstance(b, bool):
             return False
@@ -184,6 +187,7 @@ class _Matcher:
     def __init__(self, pattern: CompiledPattern, trace: list[tuple[int, fx.Node, Any]] | None = None):
         self.p = pattern
         self.keys = {n: normalize.canonical(n)[0] for n in pattern.graph.nodes if n.op == "call_function"}
+        self.free_names = {name for name, _ in pattern.spec.free_sizes}
         #: near-miss search: (pattern nodes matched so far, pattern node, graph value it failed on)
         self.trace = trace
 
@@ -249,7 +253,12 @@ class _Matcher:
         wildcard = self._wildcard(pa)
         if wildcard is not None:
             if isinstance(ga, fx.Node):
-                return
+                # a free size may be symbolic (a graph traced with a dynamic token count): it binds
+                # the node's SymInt, which the rule's guard compares with the operands' shapes
+                size = ga.meta.get("val")
+                if wildcard not in self.free_names or not isinstance(size, torch.SymInt):
+                    return
+                ga = size
             if wildcard in st.scalars:
                 if not _same_literal(st.scalars[wildcard], ga):
                     return
