@@ -116,7 +116,7 @@ def _expected_op_calls(tp: int, residual: str, n_layers: int) -> dict[str, int]:
     """k3fuse ops per decode step with every rule on (what runtime.stats() counts per step)."""
     per = expected_per_layer(tp)
     calls = {"decode_gemm": per["decode_gemm"], "shared_expert_fork": 1, "shared_expert_join": 1,
-             "kda_delta_rule": per["kda_delta_rule"]}
+             "kda_delta_rule": per["kda_delta_rule"], "route_topk": 1, "routed_experts": 1}
     if tp > 1:
         fused = "gemm_ar_residual_rmsnorm" if residual == "plain" else "gemm_ar_residual"
         calls.update({fused: 2, "moe_front_sharded": 1, "l2_prefetch": 1})
