@@ -14,6 +14,12 @@ on the K3 stack.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -204,6 +210,97 @@ def test_gpu_context_refuses_experts_no_kernel_covers(fake_kernel):
             (e,) = log.rejected(RULE)
             assert (e.guard, e.values["E"], e.values["tokens"]) == ("kernel_shape", 128, "4")
             assert e.values["limits"] == ["test.routed_experts: E=128 > 64 experts"]
+
+
+# --- the Triton kernel through Triton's interpreter (a subprocess: TRITON_INTERPRET must be set
+# before triton is imported). fp16: the interpreter (Triton 3.6, numpy) mis-reads bf16 loads; the
+# GPU test (tests/gpu/test_routed_experts_gpu.py) covers bf16 ----------------------------------------
+INTERPRETER_SCRIPT = textwrap.dedent("""
+    import json, os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import torch
+    from k3fuse.kernels.triton import routed_experts as K
+    from k3fuse.spelling import K3_SITU_BETA as B, K3_SITU_LINEAR_BETA as LB, routed_experts_gathered
+    assert K.INTERPRET and K.HAVE_TRITON
+    out = []
+    for name, T, E, I, L, k in (("one_token", 1, 8, 16, 32, 2), ("k3_like", 3, 24, 32, 48, 4),
+                                ("many_tokens", 17, 40, 16, 32, 8), ("crowded", 20, 8, 16, 32, 4),
+                                ("wide_inter", 2, 8, 160, 32, 2)):
+        g = torch.Generator().manual_seed(T)
+        a = torch.randn(T, L, generator=g).half()
+        w1, w3 = ((torch.randn(E, I, L, generator=g) * L ** -0.5).half() for _ in range(2))
+        w2 = (torch.randn(E, L, I, generator=g) * I ** -0.5).half()
+        if name == "crowded":  # every token picks experts 0..k-1: groups of T > 16 rows (two row blocks)
+            experts = torch.arange(k).repeat(T)
+        else:
+            experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
+        z = torch.full((T * k, L), float("nan"), dtype=torch.float16)
+        K.run(a, experts, w1, w3, w2, k, B, LB, out=z)
+        ref = routed_experts_gathered(a.double(), experts, w1.double(), w3.double(), w2.double(), k, B, LB)
+        half = routed_experts_gathered(a, experts, w1, w3, w2, k, B, LB)  # the fp16 spelling's own error
+        err = lambda x: float((x.double() - ref).norm() / ref.norm())
+        out.append({"case": name, "written": not bool(torch.isnan(z).any()), "rel": err(z), "rel_fp16": err(half)})
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_triton_kernel_in_the_interpreter_against_float64():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert [r["case"] for r in results] == ["one_token", "k3_like", "many_tokens", "crowded", "wide_inter"]
+    for r in results:
+        assert r["written"], r  # every row of the NaN-poisoned output was written
+        assert r["rel"] < 3e-3 and r["rel"] < 2 * r["rel_fp16"] + 1e-4, r  # fp16 rounding, as the spelling's
+
+
+def test_triton_kernels_compile_for_sm90():
+    """The three kernels compile to PTX for sm_90 at K3's shapes (E 896, top-16, L 3584, I 64/128/1536)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from k3fuse.kernels.triton import routed_experts as K
+
+    target = GPUTarget("cuda", 90, 32)
+    for T, I in ((1, 64), (64, 128), (8, 1536)):
+        cfg = K.pick_config(T, 896, I, 3584, 16)
+        gu, dn = cfg["gate_up"], cfg["down"]
+        kernels = [
+            (K._group_kernel, {"experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "scratch_ptr": "*i32",
+                               "P": "i32", "E": "i32", "BLOCK_P": "constexpr"},
+             {"BLOCK_P": cfg["BLOCK_P"]}, 4),
+            (K._gate_up_kernel, {"a_ptr": "*bf16", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "gu_ptr": "*bf16",
+                                 "rows_ptr": "*i32", "groups_ptr": "*i32", "P": "i32", "I": "constexpr",
+                                 "L": "constexpr", "TOP_K": "constexpr", "ROW_BLOCKS": "constexpr",
+                                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+             {"I": I, "L": 3584, "TOP_K": 16, "ROW_BLOCKS": cfg["row_blocks"], "BLOCK_M": K.BLOCK_M,
+              "BLOCK_N": gu["BLOCK_N"], "BLOCK_K": gu["BLOCK_K"]}, gu["num_warps"]),
+            (K._down_kernel, {"gu_ptr": "*bf16", "w2_ptr": "*bf16", "z_ptr": "*bf16", "rows_ptr": "*i32",
+                              "groups_ptr": "*i32", "P": "i32", "beta": "fp32", "linear_beta": "fp32",
+                              "I": "constexpr", "L": "constexpr", "ROW_BLOCKS": "constexpr", "N_TILES": "constexpr",
+                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+             {"I": I, "L": 3584, "ROW_BLOCKS": cfg["row_blocks"], "N_TILES": dn["N_TILES"], "BLOCK_M": K.BLOCK_M,
+              "BLOCK_N": dn["BLOCK_N"], "BLOCK_K": dn["BLOCK_K"]}, dn["num_warps"]),
+        ]
+        for fn, sig, constexprs, warps in kernels:
+            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+            ptx = triton.compile(src, target=target, options={"num_warps": warps}).asm["ptx"]
+            assert ".entry" in ptx and "atom." not in ptx, (fn.__name__, T, I)  # no atomics: deterministic
+
+
+def test_kernel_covers_k3_shapes_and_names_its_limits():
+    pytest.importorskip("triton")
+    from k3fuse.kernels import dispatch
+
+    dispatch.load_gpu_impls()
+    for I in (64, 128, 1536):
+        shape = {"E": 896, "I": I, "L": 3584, "top_k": 16, "dtype": torch.bfloat16}
+        assert dispatch.coverage(OP, shape, range(1, 65)) == {}, I
+    limits = dispatch.coverage(OP, {"E": 896, "I": 128, "L": 3584, "top_k": 16, "dtype": torch.float32}, [1])
+    assert any("triton.routed_experts: dtype torch.float32" in str(v) for v in limits.values()), limits
 
 
 # --- the K3 stack: both doors, TP1 and TP2 -----------------------------------------------------------
