@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = torch.compile(routed_experts_grouped, fullgraph=True)
     rows = []
     for I in (int(i) for i in args.inter.split(",")):
-        w = [torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
-             torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
-             torch.randn(E, L, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5]
+        w = _expert_weights(I)
         for T in (int(t) for t in args.tokens.split(",")):
             a = torch.randn(STEPS, T, L, device="cuda", dtype=torch.bfloat16)
             experts = torch.empty(STEPS, T * K, device="cuda", dtype=torch.int64)
@@ -76,13 +74,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"I={I:>5} T={T:>3}  eager {row['eager']:8.1f}  compiled {row['compiled']:8.1f}  "
                   f"triton {row['triton']:8.1f} µs  ({row['speedup_vs_compiled']:.2f}x)  floor {row['floor']:7.1f}",
                   flush=True)
-        del w
+        w = None  # free this width's weights before the next width's
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"E": E, "top_k": K, "latent": L, "device": torch.cuda.get_device_name(),
                        "copy_bandwidth_TBps": bandwidth / 1e12, "rows": rows}, f, indent=2)
     return 0
+
+
+def _expert_weights(I: int) -> list[torch.Tensor]:
+    """w1, w3 [E, I, L] and w2 [E, L, I], bf16, scaled like the model's."""
+    return [torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
+            torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
+            torch.randn(E, L, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5]
 
 
 def _configs() -> list[dict]:
@@ -97,9 +102,7 @@ def _configs() -> list[dict]:
 def _sweep(args, kernel, situ, capture, time_graph) -> int:
     results = []
     for I in (int(i) for i in args.inter.split(",")):
-        w = [torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
-             torch.randn(E, I, L, device="cuda", dtype=torch.bfloat16) * L ** -0.5,
-             torch.randn(E, L, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5]
+        w = _expert_weights(I)
         for T in (int(t) for t in args.tokens.split(",")):
             a = torch.randn(STEPS, T, L, device="cuda", dtype=torch.bfloat16)
             experts = torch.rand(STEPS, T, E, device="cuda").argsort(-1)[..., :K].reshape(STEPS, -1).contiguous()
@@ -119,7 +122,7 @@ def _sweep(args, kernel, situ, capture, time_graph) -> int:
             default = next(us for us, c in timed if c is None)
             print(f"I={I} T={T}: default {default:.1f} µs; best " +
                   "; ".join(f"{us:.1f} {c}" for us, c in timed[:4]), flush=True)
-        del w
+        w = None  # free this width's weights before the next width's
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

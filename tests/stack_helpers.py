@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
+import k3fuse
 from k3fuse import runtime
+from k3fuse.model import K3DecodeStack, get_config
 
 
 def max_diff(a: Any, b: Any) -> float:
@@ -27,3 +30,22 @@ def strict_steps(fn, model, xs) -> dict:
             y_m, state_m = model(x, state_m)
             err = max(err, max_diff((y_f, state_f), (y_m, state_m)))
     return {"err": err, "stats": runtime.stats(), "fallbacks": runtime.fallbacks()}
+
+
+def tiny_stack(dtype: str, tp_size: int, rank: int, n_layers: int, batch: int, steps: int):
+    """The `tiny` reference stack (seed 5) and `steps` decode inputs of `batch` tokens (seed 11)."""
+    model = K3DecodeStack(get_config("tiny", n_layers=n_layers, dtype=dtype), tp_size=tp_size, rank=rank, seed=5)
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(batch, model.config.hidden, generator=gen).to(getattr(torch, dtype)) for _ in range(steps)]
+    return model, xs
+
+
+def compiled_door(model, xs, ctx: k3fuse.DecodeContext) -> dict:
+    """torch.compile(backend="k3fuse", eager compiler) over xs in strict mode, next to the eager
+    model: {"summary": the rewrite log's summary, **strict_steps}."""
+    rlog = k3fuse.RewriteLog()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="k3fuse", fullgraph=True,
+                             options={"compiler": "eager", "context": ctx, "log": rlog})
+    res = strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
+    return {"summary": rlog.summary(), **res}

@@ -25,7 +25,7 @@ from k3fuse.kernels.reference import allreduce as ref_allreduce
 from k3fuse.kernels.reference import stock
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.spelling import all_reduce_sum, rms_norm
-from stack_helpers import max_diff, strict_steps
+from stack_helpers import compiled_door, max_diff, strict_steps, tiny_stack
 
 RULE, OP = "moe_tail_allreduce_norm", "allreduce_rmsnorm"
 N_LAYERS, STEPS, BATCH = 2, 2, 3
@@ -133,16 +133,9 @@ def _stack(rank: int, world: int) -> dict:
     ctx = k3fuse.DecodeContext.from_process_group(enabled_rules=DEFAULTS | {RULE}, strict=True)
     out = {}
     for dtype in ("float32", "bfloat16"):
-        model = K3DecodeStack(get_config("tiny", n_layers=N_LAYERS, dtype=dtype), tp_size=world, rank=rank, seed=5)
-        gen = torch.Generator().manual_seed(11)
-        xs = [torch.randn(BATCH, model.config.hidden, generator=gen).to(getattr(torch, dtype)) for _ in range(STEPS)]
+        model, xs = tiny_stack(dtype, world, rank, N_LAYERS, BATCH, STEPS)
         if dtype == "float32":
-            rlog = k3fuse.RewriteLog()
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="k3fuse", fullgraph=True,
-                                     options={"compiler": "eager", "context": ctx, "log": rlog})
-            res = strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
-            out[("compile", dtype)] = {"summary": rlog.summary(), **res}
+            out[("compile", dtype)] = compiled_door(model, xs, ctx)
         ep = torch.export.export(model, (xs[0], model.init_state(BATCH)))
         new_ep, log = k3fuse.apply(ep, ctx)
         targets = [n.target for n in new_ep.graph.nodes if n.op == "call_function"]

@@ -34,9 +34,8 @@ import k3fuse
 from k3fuse import runtime
 from k3fuse.dist import launch
 from k3fuse.kernels.reference import routing, stock
-from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.model.layers import route
-from stack_helpers import max_diff, strict_steps
+from stack_helpers import compiled_door, max_diff, strict_steps, tiny_stack
 
 RULE, OP = "fused_routing", "route_topk"
 N_LAYERS = 2
@@ -327,9 +326,7 @@ def _stack(tp_size: int, rank: int) -> dict:
            else _named(strict=True))
     out = {}
     for dtype in ("float32", "bfloat16"):
-        model = K3DecodeStack(get_config("tiny", n_layers=N_LAYERS, dtype=dtype), tp_size=tp_size, rank=rank, seed=5)
-        gen = torch.Generator().manual_seed(11)
-        xs = [torch.randn(BATCH, model.config.hidden, generator=gen).to(getattr(torch, dtype)) for _ in range(STEPS)]
+        model, xs = tiny_stack(dtype, tp_size, rank, N_LAYERS, BATCH, STEPS)
         ep = torch.export.export(model, (xs[0], model.init_state(BATCH)))
         new_ep, log = k3fuse.apply(ep, ctx)
         out[("export", dtype)] = {"summary": log.summary(), **_strict_steps(new_ep.module(), model, xs)}
@@ -338,12 +335,8 @@ def _stack(tp_size: int, rank: int) -> dict:
             out[("export", dtype)]["err_vs_defaults"] = _paired(new_ep.module(), base_ep.module(),
                                                                 model.init_state(BATCH), xs)
         if dtype == "float32":
-            rlog = k3fuse.RewriteLog()
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="k3fuse", fullgraph=True,
-                                     options={"compiler": "eager", "context": ctx, "log": rlog})
-            res = _strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
-            out[("compile", dtype)] = {"summary": rlog.summary(), **res}
+            res = compiled_door(model, xs, ctx)
+            out[("compile", dtype)] = {**res, "stats": res["stats"].get(OP, {})}
     # the router alone: the rewritten routing against the model's, and across ranks
     module, x = Front(n_experts=64, top_k=8), torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
     new_ep, log = k3fuse.apply(torch.export.export(module, (x,)), ctx)

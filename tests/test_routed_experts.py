@@ -27,8 +27,7 @@ from torch import nn
 import k3fuse
 from k3fuse import runtime, spelling
 from k3fuse.dist import launch
-from k3fuse.model import K3DecodeStack, get_config
-from stack_helpers import strict_steps
+from stack_helpers import compiled_door, strict_steps, tiny_stack
 
 RULE = OP = "routed_experts"
 N_LAYERS = 2
@@ -309,18 +308,11 @@ def _stack(tp_size: int, rank: int) -> dict:
            else k3fuse.DecodeContext(strict=True))
     out = {}
     for dtype in ("float32", "bfloat16"):
-        model = K3DecodeStack(get_config("tiny", n_layers=N_LAYERS, dtype=dtype), tp_size=tp_size, rank=rank, seed=5)
-        gen = torch.Generator().manual_seed(11)
-        xs = [torch.randn(BATCH, model.config.hidden, generator=gen).to(getattr(torch, dtype)) for _ in range(STEPS)]
+        model, xs = tiny_stack(dtype, tp_size, rank, N_LAYERS, BATCH, STEPS)
         new_ep, log = k3fuse.apply(torch.export.export(model, (xs[0], model.init_state(BATCH))), ctx)
         out[("export", dtype)] = {"summary": log.summary(), **strict_steps(new_ep.module(), model, xs)}
         if dtype == "float32":
-            rlog = k3fuse.RewriteLog()
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="k3fuse", fullgraph=True,
-                                     options={"compiler": "eager", "context": ctx, "log": rlog})
-            res = strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
-            out[("compile", dtype)] = {"summary": rlog.summary(), **res}
+            out[("compile", dtype)] = compiled_door(model, xs, ctx)
     return out
 
 
