@@ -187,7 +187,9 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
 MAX_N_TILES = 8
-#: launch configurations, measured by bench/bench_routed_experts.py --sweep on H200
+#: launch configurations; bench/bench_routed_experts.py --sweep on H200 found alternatives at most 12%
+#: faster (down BLOCK_N 256 at 8 tokens, I = 64), most under 10%; that sweep predates the sort-based
+#: grouping and N_TILES and has not been repeated
 GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 DOWN = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
@@ -195,23 +197,21 @@ DOWN = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | None = None) -> dict:
     """Block sizes. Gate/up: BLOCK_N columns of g or of u per program, BLOCK_K of L per step. Down:
     BLOCK_N latent columns, BLOCK_K over I. Grids: (groups <= min(E, T*k), column blocks).
-    row_blocks: the row-block loop's fixed trip count (a group holds at most MAX_PAIRS rows; blocks
-    past the group's size are skipped), one compiled variant for every token count. `overrides`:
-    {"gate_up": {...}, "down": {...}} (the benchmark's sweep)."""
+    row_blocks: the row-block loop's trip count, enough 16-row blocks for the largest possible group
+    (T*k rows; blocks past a group's size are skipped), a power of two so that few variants compile.
+    N_TILES (down): column blocks per program, so that the expected number of groups gives about
+    TARGET_PROGRAMS programs. `overrides`: {"gate_up": {...}, "down": {...}} (the benchmark's sweep)."""
     P = T * top_k
     gate_up, down = dict(GATE_UP), dict(DOWN)
     down["BLOCK_K"] = min(down["BLOCK_K"], _pow2(I))
     if overrides:
         gate_up.update(overrides.get("gate_up", {}))
         down.update(overrides.get("down", {}))
-    # down: column blocks per program so that the expected groups give ~4 programs per SM
     expected_groups = E * (1.0 - (1.0 - min(top_k, E) / E) ** T)
     blocks = -(-L // down["BLOCK_N"])
     per_program = max(1.0, expected_groups * blocks / TARGET_PROGRAMS)
     down.setdefault("N_TILES", min(MAX_N_TILES, 1 << (int(per_program).bit_length() - 1)))
     return {"BLOCK_P": _pow2(P), "gate_up": gate_up, "down": down, "groups": min(E, P),
-            # the row-block loop's trip count: enough 16-row blocks for the largest possible group
-            # (P rows), bucketed to a power of two so few variants compile
             "row_blocks": _pow2(-(-min(P, MAX_PAIRS) // BLOCK_M), floor=1)}
 
 
