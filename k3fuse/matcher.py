@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import normalize
@@ -115,7 +116,11 @@ def compile_pattern(spec: PatternSpec) -> CompiledPattern:
     def call(*args: Any) -> Any:
         return spec.fn(*args)
 
-    gm = make_fx(call, decomposition_table=decomposition_table(), tracing_mode="fake")(*traced_args)
+    # Trace in a fake mode of its own: a pattern compiled inside a compile (the Inductor post-grad
+    # door) would otherwise join the ambient FakeTensorMode and leave its own guards and symbols in
+    # the graph's ShapeEnv, where Dynamo later finds a guard on a symbol with no source.
+    with torch._guards.tracing(None), unset_fake_temporarily():
+        gm = make_fx(call, decomposition_table=decomposition_table(), tracing_mode="fake")(*traced_args)
     graph = gm.graph
     normalize.strip_transparent(graph)
     normalize.split_addmm(graph)

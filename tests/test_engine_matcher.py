@@ -199,3 +199,29 @@ def test_same_structure_variants_prefer_the_graph_dtype():
                   torch.randn(16, 8, dtype=dtype))
         (m,) = find_matches(g, patterns)
         assert m.variant == f"lin[{dtype}]"
+
+
+def test_a_pattern_compiled_inside_a_compile_keeps_out_of_its_shape_env():
+    """The Inductor post-grad door compiles patterns while Dynamo's TracingContext and FakeTensorMode
+    are active. Tracing a pattern there must not join that fake mode: its symbols and guards would
+    land in the graph's ShapeEnv, where Dynamo later fails building guards ("symbol_to_source")."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from k3fuse import spelling
+
+    def example():
+        meta = {"device": "meta", "dtype": torch.bfloat16}
+        return (torch.empty(8, 32, **meta), torch.empty(16, device="meta", dtype=torch.int64),
+                torch.empty(4, 16, 32, **meta), torch.empty(4, 16, 32, **meta), torch.empty(4, 32, 16, **meta),
+                2.0, 3.0)
+
+    def grouped(a, experts, w1, w3, w2, beta, linear_beta):  # argsort, searchsorted, _grouped_mm, index_copy
+        return spelling.routed_experts_grouped(a, experts, w1, w3, w2, 2, beta, linear_beta)
+
+    outer = ShapeEnv()
+    with tracing(TracingContext(FakeTensorMode(shape_env=outer))):
+        compiled = compile_pattern(PatternSpec("grouped", grouped, example))
+    assert torch.ops.aten._grouped_mm.default in {n.target for n in compiled.graph.nodes}
+    assert not outer.guards and not outer.var_to_val  # nothing leaked into the ambient shape env
