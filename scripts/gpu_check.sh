@@ -3,8 +3,9 @@
 # GPU tests, then the benchmarks. Logs and JSON go to ${OUT:-out}.
 #
 #   scripts/gpu_check.sh [all | STEP...]   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety tests sweep
-#                                          test-layer bench-layer bench-attnres
-#   (all = test-gemm bench-gemm test-ar bench-ar test-layer bench-layer; each step has a timeout, logs
+#                                          test-layer bench-layer bench-attnres test-moe bench-moe
+#   (all = test-gemm bench-gemm test-ar bench-ar test-moe bench-moe test-layer bench-layer; test-moe: the
+#   routed-experts and route top-k kernels, bench-moe their benchmarks; each step has a timeout, logs
 #   go to $OUT/<step>.log; PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches;
 #   PACK=1 packs everything under $OUT into $OUT/results.tgz, for transports that return few files)
 #   test-ar runs both all-reduce protocols (lamport, flags); K3FUSE_TEST_AR_TOKENS=1,2,64 limits its
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
 STEPS=("$@")
-[[ ${#STEPS[@]} -eq 0 || "${STEPS[0]}" == all ]] && STEPS=(test-gemm bench-gemm test-ar bench-ar test-layer bench-layer)
+[[ ${#STEPS[@]} -eq 0 || "${STEPS[0]}" == all ]] && STEPS=(test-gemm bench-gemm test-ar bench-ar test-moe bench-moe test-layer bench-layer)
 PY="${PYTHON:-python3}"
 
 # CuTe DSL (+ apache-tvm-ffi for --enable-tvm-ffi) from local wheels, never from a registry.
@@ -87,6 +88,12 @@ for s in "${STEPS[@]}"; do
                   --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;
     sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" bench/sweep_decode_gemm.py \
                   --json "$OUT/sweep.json" --emit "$OUT/splitk_tuned.py" ;;
+    test-moe)  step pytest_moe "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_routed_experts_gpu.py \
+                 tests/gpu/test_route_topk_gpu.py ;;
+    bench-moe) step bench_routed_experts "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_routed_experts.py \
+                 --json "$OUT/bench_routed_experts.json"
+               step bench_route_topk "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_route_topk.py \
+                 --json "$OUT/bench_route_topk.json" ;;
     bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_fused_ar.py --json "$OUT/bench_fused_ar.json" ;;
     versions)  ;;
     *) echo "unknown step $s"; rc=1 ;;
