@@ -432,7 +432,8 @@ def test_bf16_trunk_cast_spellings(tp2):
         assert variants == {"oproj_allreduce_residual": {"plain+norm[bfloat16]": 1, "moe+norm[bfloat16]": 1},
                             "moe_front_sharded": {"router+latent[bfloat16]": 1},
                             "shared_expert_stream": {"gate_up[bfloat16]": 1}, "kda_delta_rule": {"tokens": 1},
-                            "decode_gemm": {"linear": 8}, "weight_prefetch": {"all_reduce": 1}}
+                            "decode_gemm": {"linear": 8}, "weight_prefetch": {"all_reduce": 1},
+                            "fused_routing": {"sigmoid": 1}, "routed_experts": {"gathered[bfloat16]": 1}}
         assert max(res["err"]) < 0.05, res["err"]  # bf16: the fused ops round once where the model rounds often
 
 
@@ -480,7 +481,7 @@ def test_tp1_counts_guards_and_numbers():
 @pytest.mark.slow
 def test_inductor_code_forks_the_shared_expert_before_the_routed_experts(tp2):
     """TP2 plain went through torch.compile(backend="k3fuse") with Inductor: in the generated code each
-    layer runs fork -> sharded front -> routed experts (bmm) -> join -> fused MoE reduction."""
+    layer runs fork -> sharded front -> routed experts (the routed_experts op) -> join -> fused MoE reduction."""
     lines = tp2[0][("compile", "plain")]["code"].splitlines()
 
     def first(key: str, after: int) -> int:
@@ -490,8 +491,8 @@ def test_inductor_code_forks_the_shared_expert_before_the_routed_experts(tp2):
     for _ in range(N_LAYERS):
         fork = first("k3fuse.shared_expert_fork", at)
         front = first("k3fuse.moe_front_sharded", fork)
-        bmm = first("bmm", front)
-        join = first("k3fuse.shared_expert_join", bmm)
+        experts = first("k3fuse.routed_experts", front)
+        join = first("k3fuse.shared_expert_join", experts)
         reduction = first("k3fuse.gemm_ar_residual_rmsnorm", join)
-        assert fork < front < bmm < join < reduction
+        assert fork < front < experts < join < reduction
         at = reduction + 1
