@@ -65,6 +65,15 @@ def trunk_dtype(node: Any, what: str, expected: torch.dtype | None = None) -> Gu
     return None
 
 
+def numeric_literals(scalars: dict[str, Any], names: Sequence[str], values: dict[str, Any]) -> GuardFailure | None:
+    """The first of `names` whose captured literal is not a number (bool excluded), as a site failure."""
+    for name in names:
+        value = scalars.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return GuardFailure("site", name, f"{name} is not a numeric literal", {**values, name: repr(value)})
+    return None
+
+
 def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
     """Erase `nodes` (reverse graph order) once unused, with any metadata-only asserts on them."""
     order = node_order(graph)

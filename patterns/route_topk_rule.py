@@ -39,7 +39,7 @@ from k3fuse.normalize import skip_transparent
 from k3fuse.rule import Match, PatternSpec, Rule
 from k3fuse.spelling import route
 
-from ._spelling import dtype_of
+from ._spelling import dtype_of, numeric_literals
 
 #: example shapes: E large enough for topk's k to be the int wildcard's sentinel in a fake trace
 T, E = 4, 1 << 30
@@ -76,11 +76,7 @@ def _operand_failure(match: Match) -> GuardFailure | None:
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not isinstance(logits[1], int) \
             or not 1 <= top_k <= logits[1]:
         return GuardFailure("site", "top_k", "top_k is not a literal between 1 and E", values)
-    for name in ("routed_scaling", "eps"):
-        value = match.scalars.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return GuardFailure("site", name, f"{name} is not a numeric literal", {**values, name: repr(value)})
-    return None
+    return numeric_literals(match.scalars, ("routed_scaling", "eps"), values)
 
 
 class FusedRouting(Rule):

@@ -41,7 +41,7 @@ from k3fuse.matcher import compiled_patterns, int_sentinel, near_miss
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 from k3fuse.spelling import routed_experts_gathered, routed_experts_grouped
 
-from ._spelling import dtype_of
+from ._spelling import dtype_of, numeric_literals
 
 aten = torch.ops.aten
 
@@ -99,11 +99,7 @@ def _operand_failure(match: Match) -> GuardFailure | None:
         if name in match.scalars and str(match.scalars[name]) != str(want):
             return GuardFailure("site", "shape", f"the traced size {name} is not the operands'",
                                 {**values, name: match.scalars[name], "expected": str(want)})
-    for name in ("beta", "linear_beta"):
-        value = match.scalars.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return GuardFailure("site", name, f"{name} is not a numeric literal", {**values, name: repr(value)})
-    return None
+    return numeric_literals(match.scalars, ("beta", "linear_beta"), values)
 
 
 class RoutedExperts(Rule):
