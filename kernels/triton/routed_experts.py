@@ -33,6 +33,7 @@ a [T, L], experts int64 [T*k], w1/w3 [E, I, L], w2 [E, L, I], all contiguous, a 
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -215,6 +216,12 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | No
             "row_blocks": _pow2(-(-min(P, MAX_PAIRS) // BLOCK_M), floor=1)}
 
 
+@functools.lru_cache(maxsize=None)
+def _cached_config(T: int, E: int, I: int, L: int, top_k: int) -> dict:
+    """pick_config for eager calls (a decode step launches this op once per layer): computed once per shape."""
+    return pick_config(T, E, I, L, top_k)
+
+
 def _shape_limit(T: int, E: int, I: int, L: int, top_k: int, dtype: torch.dtype) -> str | None:
     if dtype not in DTYPES:
         return f"dtype {dtype} (bf16/fp16 only)"
@@ -268,7 +275,7 @@ def run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, out: torch.T
     T, L = a.shape
     E, I, _ = w1.shape
     P = T * top_k
-    cfg = pick_config(T, E, I, L, top_k, config)
+    cfg = pick_config(T, E, I, L, top_k, config) if config else _cached_config(T, E, I, L, int(top_k))
     work = torch.empty(P + 1 + 3 * P + cfg["BLOCK_P"], dtype=torch.int32, device=a.device)
     rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
     gu = torch.empty((P, 2 * I), dtype=a.dtype, device=a.device)
