@@ -12,7 +12,7 @@ Layout of the one symmetric fp32 allocation per rank (see kernels/cute/oneshot_a
         acquire/release flag protocol, K3FUSE_AR_PROTOCOL=flags, uses them)
   err   int32[4] after that: [0] 0 = ok, 1 = this rank timed out, 2 = a rank reported a failure;
         [1] the peer (group rank) that never arrived / that failed; [2] which op: 0 gemm_ar_residual,
-        1 gemm_ar_residual_rmsnorm, 2 allreduce_rmsnorm;
+        1 gemm_ar_residual_rmsnorm, 2 allreduce_rmsnorm, 3 moe_front_sharded (an all-gather);
         [3] the token row. In symmetric memory so that a failing rank can stop every peer's spin.
 Local (not symmetric): gen int64[4] (epoch, arrival counter, rows written last call, buffer index
 in {0, 1, 2}), ptrs int64[world] (each rank's data base address, for the Triton push epilogue).
@@ -206,7 +206,8 @@ class ArWorkspace:
 
     # --- failures -------------------------------------------------------------------------------
     def describe(self, code: int, peer: int, norm: int, row: int, op: str | None = None) -> str:
-        op = op or {2: "allreduce_rmsnorm", 1: "gemm_ar_residual_rmsnorm"}.get(norm, "gemm_ar_residual")
+        op = op or {3: "moe_front_sharded", 2: "allreduce_rmsnorm",
+                    1: "gemm_ar_residual_rmsnorm"}.get(norm, "gemm_ar_residual")
         me = f"rank {self.rank} (global {self.global_ranks[self.rank]}) of group {self.group_name!r}"
         if code == 1:
             g = self.global_ranks[peer] if 0 <= peer < self.world else "?"

@@ -19,7 +19,8 @@ the router input itself (DeepSeek-V3, Kimi), the rewrite is the router-only form
 Without any meeting point (front-only graphs) the one non-shared-expert linear of the input is the
 latent.
 Needs from the weights: W_r [E, H] (and W_down [L, H]) static and replicated (the K3 contract),
-E and L divisible by TP.
+E and L divisible by TP; on a GPU, a kernel that covers (E, L, H, dtype, TP) at the site's tokens
+(kernels/triton/moe_front_sharded.py: bf16/fp16 weights in the trunk dtype, K % 128 == 0).
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures, shape_of, static_weight,
-                           token_count, tp_at_least)
+from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures, kernel_covers, shape_of,
+                           site_tokens, static_weight, token_count, tp_at_least)
 from k3fuse.ir import node_order
 from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forward_users, op_name
 from k3fuse.normalize import skip_transparent, value_root
@@ -290,7 +291,15 @@ class MoEFrontSharded(Rule):
                        None if dtype_of(match["down_w"]) in TRUNK_DTYPES else
                        GuardFailure("site", "dtype", "weight dtype not supported",
                                     {"down_w": str(dtype_of(match["down_w"]))})]
-        return failures(*checks)
+        found = failures(*checks)
+        if found:
+            return found
+        # on a GPU, a kernel for this shape at every token count the site can see (never a rewrite
+        # that only falls back); the weights' dtype is what the kernel reads
+        shape = {"E": e, "L": (shape_of(match["down_w"]) or (0,))[0] if "down_w" in match.inputs else 0,
+                 "H": int(shape_of(match["x"])[-1]), "dtype": dtype_of(match["router_w"]),
+                 "world_size": ctx.tp_size, "max_tokens": ctx.tokens[1]}
+        return failures(kernel_covers(ctx, "moe_front_sharded", shape, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         down_w = match.inputs.get("down_w")

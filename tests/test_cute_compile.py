@@ -215,20 +215,24 @@ def test_splitk_compiles_for_sm90():
     from k3fuse.kernels.triton import splitk_gemm
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
-           "cnt_ptr": "*i32", "push_ptr": "*i64", "gen_ptr": "*i64", "M": "i32", "N": "i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "K_SPLIT": "constexpr",
-           "SPLIT_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-           "HAS_BIAS": "constexpr", "PUSH_WORLD": "constexpr", "PUSH_RANK": "constexpr",
-           "PUSH_MAXT": "constexpr", "EVEN_N": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12)}
-    # (split, push, block_n, even_n): the last two cover a skinny N (W_b, 48 rows) in masked tiles
-    for split, push, block_n, even_n in ((8, 0, 64, True), (1, 0, 64, True), (2, 2, 64, True),
-                                         (1, 8, 64, True), (28, 0, 16, False), (1, 0, 16, False)):
+           "cnt_ptr": "*i32", "push_ptr": "*i64", "gen_ptr": "*i64", "w2_ptr": "*bf16", "M": "i32", "N": "i32",
+           "N1": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_w2n": "i32", "stride_ym": "i32",
+           "K_SPLIT": "constexpr", "SPLIT_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr",
+           "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr", "PUSH_WORLD": "constexpr", "PUSH_RANK": "constexpr",
+           "PUSH_MAXT": "constexpr", "EVEN_N": "constexpr", "TWO_W": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15)}
+    # (split, push, block_n, even_n, two_w): a skinny N (W_b, 48 rows) in masked tiles; two weights
+    # (the sharded MoE front: router slice + latent slice in one launch) with and without a push
+    for split, push, block_n, even_n, two_w in ((8, 0, 64, True, False), (1, 0, 64, True, False),
+                                                (2, 2, 64, True, False), (1, 8, 64, True, False),
+                                                (28, 0, 16, False, False), (1, 0, 16, False, False),
+                                                (2, 2, 64, True, True), (1, 0, 32, True, True)):
         src = triton.compiler.ASTSource(
             fn=splitk_gemm._splitk_kernel, signature=sig, attrs=attrs,
             constexprs={"K_SPLIT": 6144 // split if split != 28 else 256, "SPLIT_K": split,
                         "BLOCK_N": block_n, "BLOCK_M": 16, "BLOCK_K": 128, "HAS_BIAS": False,
-                        "PUSH_WORLD": push, "PUSH_RANK": push // 2, "PUSH_MAXT": 64, "EVEN_N": even_n})
+                        "PUSH_WORLD": push, "PUSH_RANK": push // 2, "PUSH_MAXT": 64, "EVEN_N": even_n,
+                        "TWO_W": two_w})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 5})
         ptx = k.asm["ptx"]
         # wgmma needs 64-row tiles: the 16-column skinny tiles run on mma.sync (a 688 KB weight)

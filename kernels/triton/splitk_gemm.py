@@ -59,12 +59,12 @@ if HAVE_TRITON:
                 tl.store(base + off, val, mask=n_ok[:, None] & m_mask[None, :])
 
     @triton.jit
-    def _splitk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, push_ptr, gen_ptr,
-                       M, N, stride_xm, stride_wn, stride_ym,
+    def _splitk_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, push_ptr, gen_ptr, w2_ptr,
+                       M, N, N1, stride_xm, stride_wn, stride_w2n, stride_ym,
                        K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        PUSH_WORLD: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_MAXT: tl.constexpr,
-                       EVEN_N: tl.constexpr):
+                       EVEN_N: tl.constexpr, TWO_W: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,7 +72,19 @@ if HAVE_TRITON:
         offs_kk = tl.arange(0, BLOCK_K)
         m_mask = offs_m < M
         k0 = pid_k * K_SPLIT
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_kk)[None, :]
+        # TWO_W: output rows [0, N1) come from w, rows [N1, N) from w2 (the sharded MoE front's
+        # router and latent slices, one launch without a stacked copy); N1 % BLOCK_N == 0, so a
+        # column tile never straddles the two
+        w_base = w_ptr
+        row0 = pid_n * BLOCK_N
+        stride_w = stride_wn
+        if TWO_W:
+            if row0 >= N1:
+                w_base = w2_ptr
+                row0 = row0 - N1
+                stride_w = stride_w2n
+        w_ptrs = (w_base + (row0 + tl.arange(0, BLOCK_N))[:, None].to(tl.int64) * stride_w
+                  + (k0 + offs_kk)[None, :])
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_kk)[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         n_ok = offs_n < N
@@ -103,20 +115,28 @@ if HAVE_TRITON:
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-def pick_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
+def pick_config(M: int, N: int, K: int, sms: int = 132, rows_first: int | None = None) -> dict | None:
     """BLOCK_N, BLOCK_K, SPLIT_K, warps, stages for a shape; None when unsupported.
 
     The measured table (splitk_tuned.py) first. Otherwise what the H200 sweep showed wins: one
     CTA per SM streaming a 64-column tile through a 5-stage cp.async pipeline, K split only as
     far as needed to give about one CTA per SM (each split keeping >= 2 K blocks).
+    rows_first: the rows of the first of two weights (run's weight2); a column tile must not
+    straddle the two, so the tile width divides it (None when even 16 does not).
     """
     if K % BLOCK_K or M > MAX_M or M < 1:
         return None
-    tuned = _tuned(M, N, K)
-    if tuned is not None:
-        return tuned
-    # full 64/32-column tiles where N allows; else 16-column tiles with the last one masked
-    block_n = 64 if N % 64 == 0 else (32 if N % 32 == 0 else 16)
+    if rows_first is not None:
+        if rows_first % MIN_BLOCK_N:
+            return None
+        widths = [b for b in (64, 32, 16) if rows_first % b == 0 and N % b == 0] or [MIN_BLOCK_N]
+        block_n = widths[0]
+    else:
+        tuned = _tuned(M, N, K)
+        if tuned is not None:
+            return tuned
+        # full 64/32-column tiles where N allows; else 16-column tiles with the last one masked
+        block_n = 64 if N % 64 == 0 else (32 if N % 32 == 0 else 16)
     tiles = -(-N // block_n)
     kb = K // BLOCK_K
     split = 1
@@ -205,11 +225,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     else:
         ptrs, gen, pr, pm = push
         pw = ptrs.numel()
-    args = (x, weight, bias if bias is not None else weight, out, ws, cnt, ptrs, gen,
-            M, N, x.stride(0), weight.stride(0), out.stride(0))
+    w2 = weight2 if weight2 is not None else weight
+    args = (x, weight, bias if bias is not None else weight, out, ws, cnt, ptrs, gen, w2,
+            M, N, N1, x.stride(0), weight.stride(0), w2.stride(0), out.stride(0))
     kw = dict(K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
               BLOCK_K=bk, HAS_BIAS=bias is not None, PUSH_WORLD=pw, PUSH_RANK=pr, PUSH_MAXT=pm,
-              EVEN_N=N % cfg["BLOCK_N"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+              EVEN_N=N % cfg["BLOCK_N"] == 0, TWO_W=weight2 is not None, num_warps=cfg["num_warps"],
+              num_stages=cfg["num_stages"])
     if warmup:
         _splitk_kernel.warmup(*args, grid=grid, **kw)
     else:
@@ -219,18 +241,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-        config: dict | None = None, push: tuple | None = None) -> torch.Tensor:
+        config: dict | None = None, push: tuple | None = None,
+        weight2: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias); push=(ptr_table int64[W], gen int64[4], rank, max_tokens) writes
-    fp32 into every rank's Lamport buffer instead (see kernels/cute/oneshot_ar.py)."""
-    return _launch(x, weight, bias, out_dtype, out, config, push, warmup=False)
+    fp32 into every rank's Lamport buffer instead (see kernels/cute/oneshot_ar.py).
+    weight2 (no bias): y = x @ cat([weight, weight2]).T without the copy (rows of weight first)."""
+    return _launch(x, weight, bias, out_dtype, out, config, push, warmup=False, weight2=weight2)
 
 
 def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, config: dict | None = None,
-               push: tuple | None = None) -> None:
+               push: tuple | None = None, weight2: torch.Tensor | None = None) -> None:
     """Compile (and cache) exactly the kernel `run` would launch with these arguments, without
     launching it: the fused all-reduce compiles everything before its first remote store."""
-    _launch(x, weight, bias, out_dtype, None, config, push, warmup=True)
+    _launch(x, weight, bias, out_dtype, None, config, push, warmup=True, weight2=weight2)
 
 
 # --- dispatcher registration ---------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""The MoE front at K3 widths: replicated router + latent down-projection vs the sharded op.
+
+Arms (one run, the same inputs; µs per decode step, median over CUDA-graph replays of STEPS steps
+over COPIES rotating weight copies, fresh activations per step, the slower rank):
+  stock       torch.compile of the model's spelling, replicated on every rank:
+              F.linear(x.float(), W_r.float()) and F.linear(x, W_down)
+  gemv        k3fuse.decode_gemm on both, replicated (the GEMV / split-K kernels, fp32 router out)
+  sharded     k3fuse.moe_front_sharded over the process group: 1/W of the rows per rank, one push
+              GEMM and the NVLink gather (triton.moe_front_sharded)
+  slice       (--as-tp N on one GPU) the op on one rank with 1/N of the rows: what each rank of TP N
+              computes, with the gather of its own slot only; no peer, so no NVLink time
+Also the weight-read floor of each arm (bytes / copy bandwidth measured in the same process).
+
+    python bench/bench_moe_front.py [--world 2] [--as-tp 2] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from k3fuse.bench.timing import copy_bandwidth, graph_replay_us, slowest_rank
+from k3fuse.dist import launch
+from k3fuse.model.shapes import gemm_site
+
+E, H = gemm_site("router").n, gemm_site("router").k
+L = gemm_site("w_down").n
+STEPS, COPIES, MAX_T = 20, 4, 64
+#: NVLink multicast stays off (symmetric memory without multicast; the ranks inherit this)
+ENV = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
+
+
+def _worker(rank, world, tokens, as_tp, out_json):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import k3fuse.kernels  # noqa: F401
+    from k3fuse import runtime
+
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name
+    g = torch.Generator(device=dev).manual_seed(0)
+    wrs = [(torch.randn(E, H, device=dev, generator=g) * H ** -0.5).bfloat16() for _ in range(COPIES)]
+    wds = [(torch.randn(L, H, device=dev, generator=g) * H ** -0.5).bfloat16() for _ in range(COPIES)]
+    op = torch.ops.k3fuse.moe_front_sharded
+    gemm = torch.ops.k3fuse.decode_gemm
+
+    def stock(x, wr, wd):   # the model's spelling (kernels/reference/stock.py)
+        return F.linear(x.float(), wr.float()), F.linear(x, wd)
+
+    stock_c = torch.compile(stock, fullgraph=True)
+    gbps = copy_bandwidth(dev)
+    floor = lambda rows: rows * H * 2 / gbps * 1e6   # µs to read `rows` bf16 rows of H once
+    rows_out = []
+    for T in tokens:
+        xs = [torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(STEPS)]
+        res: dict = {"M": T}
+        for _ in range(2):
+            stock_c(xs[0], wrs[0], wds[0])
+        res["stock"] = graph_replay_us(lambda i: stock_c(xs[i], wrs[i % COPIES], wds[i % COPIES]), STEPS)
+        runtime.reset_stats()
+        with runtime.strict():
+            res["gemv"] = graph_replay_us(lambda i: (gemm(xs[i], wrs[i % COPIES], None, torch.float32, True),
+                                                     gemm(xs[i], wds[i % COPIES], None, None, True)), STEPS)
+            op(xs[0], wrs[0], wds[0], group, world, MAX_T, True)   # compiles, creates the workspace
+            res["sharded"] = graph_replay_us(lambda i: op(xs[i], wrs[i % COPIES], wds[i % COPIES], group, world,
+                                                          MAX_T, True), STEPS)
+        res["impl"] = runtime.stats()
+        res["floor_replicated"] = floor(E + L)
+        res["floor_sharded"] = floor((E + L) // world)
+        if as_tp and world == 1:
+            e1, l1 = E // as_tp, L // as_tp
+            sl = [(w[:e1].contiguous(), d[:l1].contiguous()) for w, d in zip(wrs, wds)]
+            with runtime.strict():
+                op(xs[0], *sl[0], group, 1, MAX_T, True)
+                res["slice"] = graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True), STEPS)
+            res["floor_slice"] = floor(e1 + l1)
+        for k in ("stock", "gemv", "sharded", "slice"):
+            if k in res:
+                res[k] = slowest_rank(res[k], dev)
+        res["sharded_vs_stock"] = res["stock"] / res["sharded"]
+        rows_out.append(res)
+        if rank == 0:
+            extra = f"  slice(1/{as_tp}) {res['slice']:6.2f} (floor {res['floor_slice']:5.2f})" if "slice" in res else ""
+            print(f"T={T:2d} stock {res['stock']:6.2f}  gemv {res['gemv']:6.2f}  sharded(W={world}) "
+                  f"{res['sharded']:6.2f} (floor {res['floor_sharded']:5.2f}) x{res['sharded_vs_stock']:.2f}{extra}",
+                  flush=True)
+    if rank == 0:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from bench_decode_gemm import conditions
+
+        meta = conditions()
+        meta["world"] = world
+        meta["copy_GBps"] = gbps / 1e9
+        meta["env"] = {k: os.environ.get(k) for k in ENV}
+        with open(out_json, "w") as f:
+            json.dump({"conditions": meta, "steps": STEPS, "weight_copies": COPIES, "E": E, "L": L, "H": H,
+                       "rows": rows_out}, f, indent=1, default=str)
+    dist.barrier()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="ranks (one GPU each)")
+    ap.add_argument("--as-tp", type=int, default=0, help="with --world 1: also time one rank's 1/N slice")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--json", default="bench_moe_front.json")
+    args = ap.parse_args(argv)
+    if torch.cuda.device_count() < args.world:
+        print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
+        return 1
+    os.environ.update(ENV)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    launch(_worker, args.world, backend="nccl", args=(tokens, args.as_tp, os.path.abspath(args.json)),
+           timeout_s=3600)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
