@@ -12,6 +12,7 @@ over COPIES rotating weight copies, fresh activations per step, the slower rank)
 Also the weight-read floor of each arm (bytes / copy bandwidth measured in the same process).
 
     python bench/bench_moe_front.py [--world 2] [--as-tp 2] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python bench/bench_moe_front.py --sweep [--as-tp 2] [--tokens 1,8,64]   # push-GEMM configs, one GPU
 """
 from __future__ import annotations
 
@@ -102,13 +103,69 @@ def _worker(rank, world, tokens, as_tp, out_json):
     dist.barrier()
 
 
+def _sweep_worker(rank, world, tokens, as_tp, out_json):
+    """Time the op on one rank's 1/as_tp slice under every push-GEMM config; print the best per
+    token count as entries for kernels/triton/moe_front_sharded.TUNED."""
+    import itertools
+
+    import torch.distributed as dist
+
+    import k3fuse.kernels  # noqa: F401
+    from k3fuse import runtime
+    from k3fuse.kernels.triton import moe_front_sharded as K
+    from k3fuse.kernels.triton import splitk_gemm
+
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name
+    e1, l1 = E // as_tp, L // as_tp
+    g = torch.Generator(device=dev).manual_seed(0)
+    sl = [((torch.randn(e1, H, device=dev, generator=g) * H ** -0.5).bfloat16(),
+           (torch.randn(l1, H, device=dev, generator=g) * H ** -0.5).bfloat16()) for _ in range(COPIES * 2)]
+    op = torch.ops.k3fuse.moe_front_sharded
+    kb = H // splitk_gemm.BLOCK_K
+    results, best = [], {}
+    for T in tokens:
+        xs = [torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(STEPS)]
+        key = (e1, l1, H, splitk_gemm._block_m(T))
+        for bn, split, warps, stages in itertools.product((16, 32, 64), (1, 2, 4, 7, 8, 14), (4,), (3, 5)):
+            if e1 % bn or kb % split or kb // split < 2:
+                continue
+            cfg = dict(BLOCK_N=bn, SPLIT_K=split, BLOCK_K=splitk_gemm.BLOCK_K, num_warps=warps, num_stages=stages)
+            K.TUNED[key] = cfg
+            try:
+                with runtime.strict():
+                    op(xs[0], *sl[0], group, 1, MAX_T, True)
+                    us = graph_replay_us(lambda i: op(xs[i], *sl[i % len(sl)], group, 1, MAX_T, True), STEPS)
+            except Exception as exc:  # a config that does not compile (shared memory) is skipped
+                print(f"T={T} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            results.append(dict(M=T, us=us, **cfg))
+            if key not in best or us < best[key][0]:
+                best[key] = (us, cfg)
+        K.TUNED.pop(key, None)
+        us, cfg = best[key]
+        print(f"T={T:2d} best {us:6.2f} us {cfg}", flush=True)
+    print("TUNED = {")
+    for key, (us, cfg) in best.items():
+        print(f"    {key}: {cfg},  # {us:.2f} us")
+    print("}")
+    with open(out_json, "w") as f:
+        json.dump({"as_tp": as_tp, "e1": e1, "l1": l1, "rows": results}, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2, help="ranks (one GPU each)")
     ap.add_argument("--as-tp", type=int, default=0, help="with --world 1: also time one rank's 1/N slice")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--json", default="bench_moe_front.json")
+    ap.add_argument("--sweep", action="store_true", help="push-GEMM configs on one rank's slice (one GPU)")
     args = ap.parse_args(argv)
+    if args.sweep:
+        os.environ.update(ENV)
+        launch(_sweep_worker, 1, backend="nccl", args=([int(t) for t in args.tokens.split(",")], args.as_tp or 2,
+                                                        os.path.abspath(args.json)), timeout_s=3600)
+        return 0
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
         return 1

@@ -110,6 +110,21 @@ if HAVE_TRITON:
             tl.store(gen_ptr + 3, tl.where(nb >= 3, nb - 3, nb))
 
 
+#: push-GEMM configs measured fastest on H200 (bench/bench_moe_front.py --sweep), keyed by
+#: (router rows per rank, latent rows per rank, K, BLOCK_M bucket); other shapes use the heuristic
+TUNED: dict[tuple[int, int, int, int], dict] = {}
+
+
+def push_config(T: int, e1: int, l1: int, H: int) -> dict | None:
+    """The split-K config of the push GEMM: the measured one for this shape, else the heuristic."""
+    from . import splitk_gemm
+
+    cfg = TUNED.get((e1, l1, H, splitk_gemm._block_m(T)))
+    if cfg is not None:
+        return dict(cfg, BLOCK_M=splitk_gemm._block_m(T))
+    return splitk_gemm.pick_config(T, e1 + l1, H, rows_first=e1 if l1 else None)
+
+
 def _protocol() -> str:
     from ..cute.gemm_ar_residual import protocol
 
@@ -146,7 +161,7 @@ def decide(T: int, H: int, E: int, L: int, x_dtype, w_dtype, world_size: int, ma
         return f"tokens {T} outside [1, max_tokens {min(max_tokens, splitk_gemm.MAX_M)}]"
     e1, l1 = E // world_size, L // world_size
     rows_first = e1 if l1 else None
-    if splitk_gemm.pick_config(T, e1 + l1, H, rows_first=rows_first) is None:
+    if H % splitk_gemm.BLOCK_K or splitk_gemm.pick_config(T, e1 + l1, H, rows_first=rows_first) is None:
         return (f"no split-K tile for router slice {e1} + latent slice {l1} rows, K={H} "
                 f"(needs K % {splitk_gemm.BLOCK_K} == 0 and the router slice a multiple of "
                 f"{splitk_gemm.MIN_BLOCK_N})")
@@ -235,6 +250,7 @@ def _launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor |
     logits = torch.empty((T, ws.world * e1), dtype=torch.float32, device=x2.device)
     latent = torch.empty((T, ws.world * l1), dtype=x2.dtype, device=x2.device)
     push = (ws.ptrs, ws.gen, ws.rank, max_tokens)
+    cfg = push_config(T, e1, l1, x2.shape[1])
     block = _block(nb)
     grid = (T, ws.world)
     args = (ws.datas[ws.rank].view(torch.int32), ws.gen, ws.err, logits, latent if l1 else logits, T,
@@ -243,10 +259,10 @@ def _launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor |
               num_warps=_num_warps(block))
     # 1. both kernels compiled before anything is pushed (Triton compiles on first launch)
     if not torch.cuda.is_current_stream_capturing():
-        splitk_gemm.precompile(x2, w_r, None, torch.float32, push=push, weight2=w_d)
+        splitk_gemm.precompile(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d)
         _gather_kernel.warmup(*args, grid=grid, **kw)
     # 2. push this rank's slice into every rank, then gather the W slices locally
-    splitk_gemm.run(x2, w_r, None, torch.float32, push=push, weight2=w_d)
+    splitk_gemm.run(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d)
     _gather_kernel[grid](*args, **kw)
     ws.after_call()
     return logits, latent

@@ -207,10 +207,12 @@ def _num_sms(index: int) -> int:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out_dtype: torch.dtype | None, out: torch.Tensor | None, config: dict | None,
-            push: tuple | None, warmup: bool):
+            push: tuple | None, warmup: bool, weight2: torch.Tensor | None = None):
     M, K = x.shape
-    N = weight.shape[0]
-    cfg = config or pick_config(M, N, K, _num_sms(x.device.index or 0))
+    N1 = weight.shape[0]
+    N = N1 + (weight2.shape[0] if weight2 is not None else 0)
+    cfg = config or pick_config(M, N, K, _num_sms(x.device.index or 0),
+                                rows_first=N1 if weight2 is not None else None)
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device) if push is None else x
     split = cfg["SPLIT_K"]
