@@ -79,13 +79,32 @@ def _worker(rank, world, tokens, as_tp, out_json):
                 op(xs[0], *sl[0], group, 1, MAX_T, True)
                 res["slice"] = graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True), STEPS)
             res["floor_slice"] = floor(e1 + l1)
+            # where the slice's time goes: its push GEMM alone (no gather), and the CuTe/Triton
+            # decode GEMM over the same rows stacked into one weight (what one kernel reaches)
+            from k3fuse.kernels.symm_workspace import get_workspace
+            from k3fuse.kernels.triton import moe_front_sharded as K
+            from k3fuse.kernels.triton import splitk_gemm
+
+            ws = get_workspace(group, 1, MAX_T, e1 + l1, dev)
+            cfg = K.push_config(T, e1, l1, H)
+            push = (ws.ptrs, ws.gen, 0, MAX_T)
+            res["slice_push_only"] = graph_replay_us(lambda i: splitk_gemm.run(
+                xs[i], sl[i % COPIES][0], None, torch.float32, config=cfg, push=push, weight2=sl[i % COPIES][1]), STEPS)
+            ws.gen[3] = 0   # the pushes above overwrote buffer gen[3] without a gather: reset the slot
+            ws.datas[0].view(torch.int32).fill_(-2**31)
+            stacked = [torch.cat([w, d]) for w, d in sl]
+            with runtime.strict():
+                res["slice_stacked_gemm"] = graph_replay_us(lambda i: gemm(xs[i], stacked[i % COPIES], None, None, True),
+                                                            STEPS)
         for k in ("stock", "gemv", "sharded", "slice"):
             if k in res:
                 res[k] = slowest_rank(res[k], dev)
         res["sharded_vs_stock"] = res["stock"] / res["sharded"]
         rows_out.append(res)
         if rank == 0:
-            extra = f"  slice(1/{as_tp}) {res['slice']:6.2f} (floor {res['floor_slice']:5.2f})" if "slice" in res else ""
+            extra = (f"  slice(1/{as_tp}) {res['slice']:6.2f} (floor {res['floor_slice']:5.2f}; push GEMM alone "
+                     f"{res['slice_push_only']:5.2f}, one stacked decode GEMM {res['slice_stacked_gemm']:5.2f})"
+                     if "slice" in res else "")
             print(f"T={T:2d} stock {res['stock']:6.2f}  gemv {res['gemv']:6.2f}  sharded(W={world}) "
                   f"{res['sharded']:6.2f} (floor {res['floor_sharded']:5.2f}) x{res['sharded_vs_stock']:.2f}{extra}",
                   flush=True)

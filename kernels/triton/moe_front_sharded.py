@@ -112,7 +112,11 @@ if HAVE_TRITON:
 
 #: push-GEMM configs measured fastest on H200 (bench/bench_moe_front.py --sweep), keyed by
 #: (router rows per rank, latent rows per rank, K, BLOCK_M bucket); other shapes use the heuristic
-TUNED: dict[tuple[int, int, int, int], dict] = {}
+TUNED: dict[tuple[int, int, int, int], dict] = {
+    # K3 at TP 2 (896 / 2 router rows, 3584 / 2 latent rows, H 7168); H200, 2026-12-01
+    (448, 1792, 7168, 16): dict(BLOCK_N=64, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),  # 14.0 us (T 1, 8)
+    (448, 1792, 7168, 64): dict(BLOCK_N=64, SPLIT_K=2, BLOCK_K=128, num_warps=4, num_stages=5),  # 18.1 us (T 64)
+}
 
 
 def push_config(T: int, e1: int, l1: int, H: int) -> dict | None:
