@@ -90,8 +90,7 @@ def _worker(rank, world, tokens, as_tp, out_json):
             push = (ws.ptrs, ws.gen, 0, MAX_T)
             res["slice_push_only"] = graph_replay_us(lambda i: splitk_gemm.run(
                 xs[i], sl[i % COPIES][0], None, torch.float32, config=cfg, push=push, weight2=sl[i % COPIES][1]), STEPS)
-            ws.gen[3] = 0   # the pushes above overwrote buffer gen[3] without a gather: reset the slot
-            ws.datas[0].view(torch.int32).fill_(-2**31)
+            ws.datas[0].view(torch.int32).fill_(-2**31)   # pushed without a gather: back to the sentinel
             stacked = [torch.cat([w, d]) for w, d in sl]
             with runtime.strict():
                 res["slice_stacked_gemm"] = graph_replay_us(lambda i: gemm(xs[i], stacked[i % COPIES], None, None, True),
