@@ -79,10 +79,17 @@ def _worker(rank, world, tokens, as_tp, out_json):
                 op(xs[0], *sl[0], group, 1, MAX_T, True)
                 res["slice"] = graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True), STEPS)
             res["floor_slice"] = floor(e1 + l1)
+            from k3fuse.kernels.triton import moe_front_sharded as K
+
+            K.USE_PDL = False   # the same slice without programmatic dependent launch
+            with runtime.strict():
+                op(xs[0], *sl[0], group, 1, MAX_T, True)
+                res["slice_no_pdl"] = graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True),
+                                                      STEPS)
+            K.USE_PDL = True
             # where the slice's time goes: its push GEMM alone (no gather), and the CuTe/Triton
             # decode GEMM over the same rows stacked into one weight (what one kernel reaches)
             from k3fuse.kernels.symm_workspace import get_workspace
-            from k3fuse.kernels.triton import moe_front_sharded as K
             from k3fuse.kernels.triton import splitk_gemm
 
             ws = get_workspace(group, 1, MAX_T, e1 + l1, dev)
@@ -101,7 +108,8 @@ def _worker(rank, world, tokens, as_tp, out_json):
         res["sharded_vs_stock"] = res["stock"] / res["sharded"]
         rows_out.append(res)
         if rank == 0:
-            extra = (f"  slice(1/{as_tp}) {res['slice']:6.2f} (floor {res['floor_slice']:5.2f}; push GEMM alone "
+            extra = (f"  slice(1/{as_tp}) {res['slice']:6.2f} (no PDL {res['slice_no_pdl']:5.2f}; floor "
+                     f"{res['floor_slice']:5.2f}; push GEMM alone "
                      f"{res['slice_push_only']:5.2f}, one stacked decode GEMM {res['slice_stacked_gemm']:5.2f})"
                      if "slice" in res else "")
             print(f"T={T:2d} stock {res['stock']:6.2f}  gemv {res['gemv']:6.2f}  sharded(W={world}) "

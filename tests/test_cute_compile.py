@@ -219,7 +219,7 @@ def test_splitk_compiles_for_sm90():
            "N1": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_w2n": "i32", "stride_ym": "i32",
            "K_SPLIT": "constexpr", "SPLIT_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr",
            "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr", "PUSH_WORLD": "constexpr", "PUSH_RANK": "constexpr",
-           "PUSH_MAXT": "constexpr", "EVEN_N": "constexpr", "TWO_W": "constexpr"}
+           "PUSH_MAXT": "constexpr", "EVEN_N": "constexpr", "TWO_W": "constexpr", "PDL_TRIGGER": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15)}
     # (split, push, block_n, even_n, two_w): a skinny N (W_b, 48 rows) in masked tiles; two weights
     # (the sharded MoE front: router slice + latent slice in one launch) with and without a push
@@ -232,13 +232,14 @@ def test_splitk_compiles_for_sm90():
             constexprs={"K_SPLIT": 6144 // split if split != 28 else 256, "SPLIT_K": split,
                         "BLOCK_N": block_n, "BLOCK_M": 16, "BLOCK_K": 128, "HAS_BIAS": False,
                         "PUSH_WORLD": push, "PUSH_RANK": push // 2, "PUSH_MAXT": 64, "EVEN_N": even_n,
-                        "TWO_W": two_w})
+                        "TWO_W": two_w, "PDL_TRIGGER": two_w})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 5})
         ptx = k.asm["ptx"]
         # wgmma needs 64-row tiles: the 16-column skinny tiles run on mma.sync (a 688 KB weight)
         assert ("wgmma.mma_async" if block_n == 64 else "mma.sync") in ptx and "cp.async" in ptx
         assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1)
         assert "multimem" not in ptx
+        assert ("griddepcontrol.launch_dependents" in ptx) == two_w   # the MoE front's gather starts early
         if push:   # issue 10: buffer index is the rotated int64 word [3], never a remainder
             assert not re.search(r"\brem\.", ptx), "signed remainder in the push index"
             assert re.search(r"ld\.global(\.\w+)*\.b64", ptx) or re.search(r"ld\.global(\.\w+)*\.(u|s)64", ptx)

@@ -117,4 +117,5 @@ def test_gather_kernel_compiles_for_sm90():
                              options={"num_warps": K._num_warps(K._block(e1 + l1))}).asm["ptx"]
         assert "%globaltimer" in ptx and "ld.volatile.global" in ptx      # bounded spin, real polls
         assert "atom.global.gpu.acq_rel.add" in ptx                       # the last program rotates
+        assert "griddepcontrol.wait" in ptx                                # ... after the whole push GEMM
         assert not re.search(r"\brem\.", ptx) and "multimem" not in ptx   # issue 10; never multicast

@@ -11,7 +11,8 @@ kernels/symm_workspace.py), no multicast:
    `weight2`: rows [0, E/W) from the router slice, the rest from the latent slice; no stacked copy)
    with its Lamport push epilogue: fp32 into slot [rank] of buffer gen[3] of every rank's symmetric
    workspace (hidden = E/W + L/W), +0.0 written for -0.0 (the "not written" sentinel);
-2. gather (this file): one program per (token row, source rank) polls its slot of the local buffer
+2. gather (this file), launched with programmatic dependent launch (USE_PDL) so that it starts
+   while the GEMM streams: one program per (token row, source rank) polls its slot of the local buffer
    with volatile loads until no word is the sentinel, writes the router columns into the fp32
    logits and the latent columns into the latent (x's dtype), resets that source's rows of the
    buffer used two calls ago and, as the last program, advances the protocol words (row count,
@@ -44,7 +45,7 @@ MAX_WORLD = 8
 _IO_DTYPES = (torch.bfloat16, torch.float16)
 
 if HAVE_TRITON:
-    from triton.language.extra.cuda import globaltimer
+    from triton.language.extra.cuda import gdc_wait, globaltimer
 
     SENTINEL = tl.constexpr(-2**31)     # 0x80000000, the bits of -0.0: "not written yet"
 
@@ -99,7 +100,10 @@ if HAVE_TRITON:
             lat_cols = cols - E1
             tl.store(latent_ptr + t * (WORLD * L1) + src * L1 + lat_cols,
                      vals.to(latent_ptr.dtype.element_ty), mask=(cols >= E1) & in_row)
-        # 4. the last program records this call's row count, advances the epoch, rotates b
+        # 4. the last program records this call's row count, advances the epoch, rotates b; under
+        #    PDL first wait for the whole push GEMM (it reads gen[3]), so stream order after this
+        #    kernel still covers the GEMM (a no-op without PDL)
+        gdc_wait()
         tl.debug_barrier()
         old = tl.atomic_add(gen_ptr + 1, 1, sem="acq_rel", scope="gpu")
         if old == n_rows * WORLD - 1:
@@ -109,6 +113,10 @@ if HAVE_TRITON:
             nb = b + 1
             tl.store(gen_ptr + 3, tl.where(nb >= 3, nb - 3, nb))
 
+
+#: programmatic dependent launch: the gather launches while the push GEMM streams its weights and
+#: polls as the pushes land, instead of launching after the GEMM's last CTA exits
+USE_PDL = True
 
 #: push-GEMM configs measured fastest on H200 (bench/bench_moe_front.py --sweep), keyed by
 #: (router rows per rank, latent rows per rank, K, BLOCK_M bucket); other shapes use the heuristic
@@ -259,14 +267,15 @@ def _launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor |
     grid = (T, ws.world)
     args = (ws.datas[ws.rank].view(torch.int32), ws.gen, ws.err, logits, latent if l1 else logits, T,
             timeout_ns())
+    pdl = USE_PDL
     kw = dict(WORLD=ws.world, MAXT=max_tokens, NB=nb, E1=e1, L1=l1, BLOCK=block, KIND=ERR_KIND,
-              num_warps=_num_warps(block))
+              num_warps=_num_warps(block), launch_pdl=pdl)
     # 1. both kernels compiled before anything is pushed (Triton compiles on first launch)
     if not torch.cuda.is_current_stream_capturing():
-        splitk_gemm.precompile(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d)
+        splitk_gemm.precompile(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d, pdl_trigger=pdl)
         _gather_kernel.warmup(*args, grid=grid, **kw)
     # 2. push this rank's slice into every rank, then gather the W slices locally
-    splitk_gemm.run(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d)
+    splitk_gemm.run(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d, pdl_trigger=pdl)
     _gather_kernel[grid](*args, **kw)
     ws.after_call()
     return logits, latent

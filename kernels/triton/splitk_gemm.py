@@ -19,6 +19,8 @@ try:
     import triton
     import triton.language as tl
 
+    from triton.language.extra.cuda import gdc_launch_dependents
+
     HAVE_TRITON = True
 except Exception:  # pragma: no cover - CPU CI without triton
     HAVE_TRITON = False
@@ -64,7 +66,9 @@ if HAVE_TRITON:
                        K_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        PUSH_WORLD: tl.constexpr, PUSH_RANK: tl.constexpr, PUSH_MAXT: tl.constexpr,
-                       EVEN_N: tl.constexpr, TWO_W: tl.constexpr):
+                       EVEN_N: tl.constexpr, TWO_W: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+        if PDL_TRIGGER:   # the next kernel (a gather launched with PDL) may start while this one runs
+            gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,7 +211,8 @@ def _num_sms(index: int) -> int:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out_dtype: torch.dtype | None, out: torch.Tensor | None, config: dict | None,
-            push: tuple | None, warmup: bool, weight2: torch.Tensor | None = None):
+            push: tuple | None, warmup: bool, weight2: torch.Tensor | None = None,
+            pdl_trigger: bool = False):
     M, K = x.shape
     N1 = weight.shape[0]
     N = N1 + (weight2.shape[0] if weight2 is not None else 0)
@@ -232,8 +237,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             M, N, N1, x.stride(0), weight.stride(0), w2.stride(0), out.stride(0))
     kw = dict(K_SPLIT=K // split, SPLIT_K=split, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"],
               BLOCK_K=bk, HAS_BIAS=bias is not None, PUSH_WORLD=pw, PUSH_RANK=pr, PUSH_MAXT=pm,
-              EVEN_N=N % cfg["BLOCK_N"] == 0, TWO_W=weight2 is not None, num_warps=cfg["num_warps"],
-              num_stages=cfg["num_stages"])
+              EVEN_N=N % cfg["BLOCK_N"] == 0, TWO_W=weight2 is not None, PDL_TRIGGER=pdl_trigger,
+              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if warmup:
         _splitk_kernel.warmup(*args, grid=grid, **kw)
     else:
@@ -244,19 +249,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
         config: dict | None = None, push: tuple | None = None,
-        weight2: torch.Tensor | None = None) -> torch.Tensor:
+        weight2: torch.Tensor | None = None, pdl_trigger: bool = False) -> torch.Tensor:
     """y = x @ weight.T (+ bias); push=(ptr_table int64[W], gen int64[4], rank, max_tokens) writes
     fp32 into every rank's Lamport buffer instead (see kernels/cute/oneshot_ar.py).
-    weight2 (no bias): y = x @ cat([weight, weight2]).T without the copy (rows of weight first)."""
-    return _launch(x, weight, bias, out_dtype, out, config, push, warmup=False, weight2=weight2)
+    weight2 (no bias): y = x @ cat([weight, weight2]).T without the copy (rows of weight first).
+    pdl_trigger: let a next kernel launched with programmatic dependent launch start at once."""
+    return _launch(x, weight, bias, out_dtype, out, config, push, warmup=False, weight2=weight2,
+                   pdl_trigger=pdl_trigger)
 
 
 def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, config: dict | None = None,
-               push: tuple | None = None, weight2: torch.Tensor | None = None) -> None:
+               push: tuple | None = None, weight2: torch.Tensor | None = None, pdl_trigger: bool = False) -> None:
     """Compile (and cache) exactly the kernel `run` would launch with these arguments, without
     launching it: the fused all-reduce compiles everything before its first remote store."""
-    _launch(x, weight, bias, out_dtype, None, config, push, warmup=True, weight2=weight2)
+    _launch(x, weight, bias, out_dtype, None, config, push, warmup=True, weight2=weight2, pdl_trigger=pdl_trigger)
 
 
 # --- dispatcher registration ---------------------------------------------------------------------
