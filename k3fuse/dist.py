@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 # Set by the people running the GPUs; children inherit them and we never unset them.
-_PRESERVED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+_PRESERVED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 _HOST = "127.0.0.1"
 
 
@@ -77,6 +77,22 @@ def disagreements(group: dist.ProcessGroup | None, mine: dict[str, object]) -> l
     return diffs
 
 
+def shared_values(group: dist.ProcessGroup | None, mine: object) -> list[str]:
+    """The values several ranks of `group` hold, as "value: ranks 0, 1" lines ([] when all differ).
+
+    Collective like `disagreements`: every rank gets the same answer and can raise the same error
+    (e.g. two ranks of a TP group on one GPU, which symmetric memory cannot serve)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return []
+    got: list = [None] * world
+    dist.all_gather_object(got, repr(mine), group=group)
+    ranks: dict[str, list[int]] = {}
+    for r, v in enumerate(got):
+        ranks.setdefault(v, []).append(r)
+    return [f"{v}: ranks {', '.join(map(str, rs))}" for v, rs in ranks.items() if len(rs) > 1]
+
+
 def pick_backend(world_size: int, backend: str | None = None) -> str:
     """nccl when CUDA has a GPU per rank, else gloo; validates an explicit choice."""
     if backend is None:
@@ -114,11 +130,11 @@ def _child(fn: Callable, rank: int, world_size: int, backend: str, port: int, ar
         store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        result = fn(rank, world_size, *args)
         payload = ("ok", pickle.dumps(result))
+        # after a success only: destroy_process_group flushes pending work and can block on a peer
+        # that is stuck in a collective, so a failed rank reports at once (the parent kills the rest)
+        dist.destroy_process_group()
     except BaseException as exc:  # report everything, including SystemExit from the fn
         payload = ("err", (type(exc).__name__, str(exc), traceback.format_exc()))
     results.put((rank,) + payload)

@@ -160,6 +160,7 @@ class ArWorkspace:
         mine = dict(world=world_size, max_tokens=max_tokens, hidden=hidden, lane=lane, start=start,
                     **(facts or {}))
         _agree(group, mine, f"fused all-reduce workspace of group {group_name!r}")
+        _one_gpu_per_rank(group, group_name, device)
         W, MT, H = self.world, max_tokens, hidden
         n_data = 3 * W * MT * H                    # even: hidden is a multiple of 4
         n_flags = (2 * W * MT + 3) // 4 * 4        # int64 words as fp32 words, 16-byte multiple
@@ -290,6 +291,20 @@ def _agree(group, mine: dict, what: str) -> None:
     if diffs:
         raise CollectiveError(f"{what}: ranks disagree ({'; '.join(diffs)}); every rank must run "
                               "the same configuration")
+
+
+def _one_gpu_per_rank(group, group_name: str, device: torch.device) -> None:
+    """Every rank of `group` on its own GPU, else every rank raises the same error before the
+    symmetric allocation (torch's rendezvous would refuse "overlapping devices" less clearly)."""
+    import socket
+
+    from k3fuse.dist import shared_values
+
+    gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    shared = shared_values(group, gpu)
+    if shared:
+        raise CollectiveError(f"fused all-reduce workspace of group {group_name!r}: ranks share a GPU "
+                              f"({'; '.join(shared)}); the symmetric-memory collectives need one GPU per rank")
 
 
 def get_workspace(group_name: str, world_size: int, max_tokens: int, hidden: int,

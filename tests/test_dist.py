@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from k3fuse.dist import (LaunchTimeout, ProcessGroupMissing, RankFailedError, launch, pick_backend,
-                         require_group)
+                         require_group, shared_values)
 
 
 def _collective_worker(rank: int, world_size: int, scale: float) -> dict:
@@ -18,6 +18,11 @@ def _collective_worker(rank: int, world_size: int, scale: float) -> dict:
     return {"rank": rank, "world": world_size, "sum": t, "backend": dist.get_backend(),
             "nvls": os.environ.get("NCCL_NVLS_ENABLE"),
             "multicast": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")}
+
+
+def _sharing_worker(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    """Ranks 0 and 2 hold "gpu0", rank 1 "gpu1": one shared value; then every value distinct."""
+    return shared_values(None, ("host", "gpu0" if rank != 1 else "gpu1")), shared_values(None, rank)
 
 
 def _failing_worker(rank: int, world_size: int) -> int:
@@ -44,6 +49,12 @@ def test_launch_returns_results_in_rank_order(monkeypatch):
         assert r["world"] == 2 and r["backend"] == "gloo"
         assert torch.equal(r["sum"], torch.full((3,), 6.0))  # (1 + 2) * 2
         assert (r["nvls"], r["multicast"]) == ("0", "1")
+
+
+@pytest.mark.slow
+def test_shared_values_names_the_ranks_that_share_one():
+    results = launch(_sharing_worker, 3, backend="gloo", timeout_s=120)
+    assert results == [(["('host', 'gpu0'): ranks 0, 2"], [])] * 3   # the same answer on every rank
 
 
 @pytest.mark.slow
