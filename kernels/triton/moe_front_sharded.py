@@ -19,8 +19,9 @@ kernels/symm_workspace.py), no multicast:
    epoch, buffer index). Every rank reads the same words, so the logits are bitwise identical on
    every rank, which keeps routing identical across ranks.
 Same rules as the fused all-reduces: accept/decline from shared facts only (`decide`), every spin
-bounded (K3FUSE_AR_TIMEOUT_S; a timeout writes the error words, NaN-fills the outputs and the host
-raises CollectiveTimeoutError naming the op, this rank and the missing peer), every kernel compiled
+bounded (K3FUSE_AR_TIMEOUT_S; a timeout writes the error words, NaN-fills the columns of the source
+that never arrived and the host raises CollectiveTimeoutError naming the op, this rank and the
+missing peer), every kernel compiled
 before the first remote store, a failure after it fails the workspace on every rank.
 The Lamport protocol only (K3FUSE_AR_PROTOCOL=lamport, the default): the flag protocol never resets
 the sentinels, so under `flags` this kernel declines (a configuration fact every rank shares).

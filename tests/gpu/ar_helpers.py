@@ -1,5 +1,5 @@
-"""What the 2-GPU tests of the fused all-reduce ops share: multicast kept off, ranks started with
-k3fuse.dist.launch, and NaN-poisoned allocations."""
+"""What the GPU tests of the fused collective ops share: multicast kept off, ranks started with
+k3fuse.dist.launch (one GPU each), and NaN-poisoned allocations."""
 from __future__ import annotations
 
 import pytest
@@ -19,13 +19,23 @@ def poison(shape, dtype, device) -> None:
     del t
 
 
-def spawn_two_gpus(fn, protocol: str) -> None:
-    """fn(rank, 2, protocol) on 2 GPUs (k3fuse.dist.launch, NCCL) under K3FUSE_AR_PROTOCOL=protocol;
-    the ranks inherit the environment. A failing rank fails the test with its traceback."""
+def spawn(fn, world: int, args: tuple = (), **env: str) -> None:
+    """fn(rank, world, *args) on `world` GPUs (k3fuse.dist.launch, NCCL), with `env` and multicast
+    off in the ranks' environment (K3FUSE_AR_PROTOCOL defaults to lamport). World 1 runs on one GPU:
+    the push lands in the rank's own buffer, which exercises the kernels and the protocol words
+    without a peer. Skips when fewer GPUs are visible; a failing rank fails the test with its
+    traceback."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in dict(MULTICAST_OFF, K3FUSE_AR_PROTOCOL=protocol).items():
+        for key, value in {**MULTICAST_OFF, "K3FUSE_AR_PROTOCOL": "lamport", **env}.items():
             mp.setenv(key, value)
         try:
-            launch(fn, 2, backend="nccl", args=(protocol,), timeout_s=900)
+            launch(fn, world, backend="nccl", args=args, timeout_s=900)
         except RankFailedError as exc:
             pytest.fail(f"worker failed:\n{exc}")
+
+
+def spawn_two_gpus(fn, protocol: str) -> None:
+    """fn(rank, 2, protocol) on 2 GPUs under K3FUSE_AR_PROTOCOL=protocol."""
+    spawn(fn, 2, (protocol,), K3FUSE_AR_PROTOCOL=protocol)

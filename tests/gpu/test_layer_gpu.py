@@ -2,8 +2,8 @@
 
 - l2_prefetch's CUDA kernel runs in strict mode and under CUDA-graph replay;
 - the routed experts' grouped-GEMM spelling computes what the gathered reference does;
-- the compiled K3-width layer at TP 2 runs in strict mode at every token count 1..64 (no
-  fallback anywhere, the kernels the counters name) and matches stock eager bf16.
+- the compiled K3-width layer at TP 1 (one GPU) and TP 2 runs in strict mode at every token count
+  1..64 (every default rule that applies fired, no fallback anywhere) and matches stock eager bf16.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
+
+from ar_helpers import MULTICAST_OFF  # noqa: E402
 
 import k3fuse  # noqa: E402
 from k3fuse import runtime, spelling  # noqa: E402
@@ -79,24 +81,63 @@ def _layer_rank(rank: int, world: int) -> dict:
             "why": {r: s["why"] for r, s in rlog.summary().items()}}
 
 
-def test_compiled_layer_strict_every_token_count_tp2():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+#: the default rules that must rewrite the reference layer at each TP size (weight_prefetch is off by
+#: default: measured slower in the layer, docs/perf.md; moe_tail_allreduce_norm too, until measured)
+LIVE_RULES = {1: ("shared_expert_stream", "kda_delta_rule", "decode_gemm", "fused_routing", "routed_experts"),
+              2: ("oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "kda_delta_rule",
+                  "decode_gemm", "fused_routing", "routed_experts")}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_layer_strict_every_token_count(world):
+    """The K3 layer (K3 widths, moe_inter 128) through torch.compile(backend="k3fuse") in strict mode
+    at every token count 1..64: every default rule that applies at this TP fired, no op fell back or
+    ran its reference, and the output stays within bf16 noise of eager."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     from k3fuse.dist import launch
 
-    for out in launch(_layer_rank, 2, backend="nccl", timeout_s=900):
+    with pytest.MonkeyPatch.context() as mp:
+        # multicast off in the ranks; a long spin bound: after the dynamic recompile each rank's
+        # first fused collective waits for the other's Inductor compile
+        for key, value in {**MULTICAST_OFF, "K3FUSE_AR_TIMEOUT_S": "60"}.items():
+            mp.setenv(key, value)
+        outs = launch(_layer_rank, world, backend="nccl", timeout_s=900)
+    for out in outs:
         print(out["applied"], out["stats"])
-        # weight_prefetch is off by default (measured slower in the layer, docs/perf.md)
-        live = ("oproj_allreduce_residual", "shared_expert_stream", "kda_delta_rule", "decode_gemm")
-        assert all(out["applied"].get(r, 0) > 0 for r in live), out["applied"]
-        # no CUDA kernel yet for the sharded MoE front (issue 9): refused up front, never a fallback
-        assert out["applied"].get("moe_front_sharded", 0) == 0
-        assert set(out["why"]["moe_front_sharded"]) == {"contract:kernel"}
+        missing = [r for r in LIVE_RULES[world] if out["applied"].get(r, 0) == 0]
+        assert not missing, (missing, out["why"])
         fallbacks = {op: k for op, impls in out["stats"].items() for k in impls if k.startswith("fallback")
                      or k == "reference"}
         assert not fallbacks, fallbacks
+        # a gross-error bound only: bf16 rounding reorders near-tie router scores, and one flipped
+        # expert of one token moves the output by ~0.1 (seen at 5 tokens on H200); whether every
+        # difference is such a flip is what test_layer_error_is_explained checks
         worst = max(out["errors"].items(), key=lambda kv: kv[1])
-        assert worst[1] < 5e-2, f"worst token count {worst[0]}: rel err {worst[1]:.3e} vs eager bf16"
+        assert worst[1] < 0.3, f"worst token count {worst[0]}: rel err {worst[1]:.3e} vs eager bf16"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_layer_error_is_explained(world):
+    """`k3fuse validate` in-process at K3 widths (moe_inter 128), 5 tokens, 3 decode steps: against
+    a float64 copy of the layer, k3fuse's output and state errors are within 2x stock torch.compile's
+    or follow a top-k flip near a tie; strict mode, the fused ops on their GPU kernels."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    from k3fuse import validate as v
+
+    cfg = v.ValidateConfig(preset="k3", layers=1, tp=world, tokens=5, steps=3, device="cuda",
+                           overrides=(("moe_inter", 128),), layer_outputs=False, timeout_s=900)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {**MULTICAST_OFF, "K3FUSE_AR_TIMEOUT_S": "60"}.items():
+            mp.setenv(key, value)
+        reports = v.run_validate(cfg)
+    for r in reports:
+        print(r["steps"], [(lr["flips"], lr["flips_near_tie"], lr["min_flip_margin"]) for lr in r["layers"]],
+              r["output_err_k3fuse"], r["output_err_stock"])
+        assert not r["fallbacks"], r["fallbacks"]
+        assert set(r["runtime_stats"].get("routed_experts", {})) == {"triton.routed_experts"}, r["runtime_stats"]
+    assert v.passed(reports), [r["unexplained"] for r in reports]
 
 
 def test_fused_situ_activation_matches_the_models_spelling():

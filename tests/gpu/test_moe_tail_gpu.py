@@ -1,13 +1,16 @@
-"""GPU correctness of allreduce_rmsnorm (the MoE tail) at TP 2 over symmetric memory (no multicast).
+"""GPU correctness of allreduce_rmsnorm (the MoE tail) over symmetric memory (no multicast).
 
-Two processes, one GPU each (k3fuse.dist.launch, NCCL). The K3 latent width L = 3584 in bf16.
+One process per GPU (k3fuse.dist.launch, NCCL): world 2 on two GPUs (NVLink), world 1 on one GPU
+(the push lands in the rank's own buffer: the kernels, the sentinel and the protocol words without
+a peer). The K3 latent width L = 3584 in bf16.
 Checks against a float64 reference (partials all-reduced in fp64 through NCCL) at every token count
 1..64 (K3FUSE_TEST_AR_TOKENS=1,2,7 limits the sweep), NaN-poisoned allocator blocks (an unwritten
 output element fails), bitwise-identical outputs on both ranks, partials holding -0.0 (the Lamport
 sentinel must never be pushed), a late rank, CUDA-graph capture with 1000 replays on changing
 inputs (the push reads its buffer index from gen[3] on the device), strict mode, and
 runtime.stats() naming only the protocol's kernel. Both protocols (K3FUSE_AR_PROTOCOL=lamport,
-flags). Written without a GPU: not run yet (see the report of issue 9 item 3).
+flags). A push that never happens (lamport): the epilogue stops at the bound with NaN outputs and
+the host raises CollectiveTimeoutError naming the op.
 """
 from __future__ import annotations
 
@@ -16,11 +19,9 @@ import os
 import pytest
 import torch
 
-from ar_helpers import poison, spawn_two_gpus
+from ar_helpers import poison, spawn
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs 2 CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 L = 3584
 MAX_T = 64
@@ -96,7 +97,7 @@ def _body(rank, world, dist, protocol):
         for T in (1, 17, 64):
             x = inputs(T, 77 + T)
             dist.barrier()
-            if rank == 1:
+            if rank == world - 1:
                 torch.cuda._sleep(100_000_000)
             verify(call(x), x, f"late T={T}")
 
@@ -125,6 +126,41 @@ def _body(rank, world, dist, protocol):
     assert impls and set(impls) == {PROTOCOLS[protocol]}, f"{protocol}: {impls}"
 
 
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("protocol", ["lamport", "flags"])
-def test_allreduce_rmsnorm_tp2(protocol):
-    spawn_two_gpus(_worker, protocol)
+def test_allreduce_rmsnorm_matches_float64(protocol, world):
+    spawn(_worker, world, (protocol,), K3FUSE_AR_PROTOCOL=protocol)
+
+
+def _no_push(rank, world):
+    """The op with its push left out (lamport): the epilogue polls sentinels until the bound, writes
+    NaN and the error words; the host raises CollectiveTimeoutError, and the workspace stays failed."""
+    import time
+
+    import torch.distributed as dist
+
+    import k3fuse.kernels  # noqa: F401
+    from k3fuse.kernels.symm_workspace import CollectiveTimeoutError, check_errors
+    from k3fuse.kernels.triton import lamport_push
+
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name
+    nw = torch.ones(L, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(2, L, device=dev, dtype=torch.bfloat16)
+    torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T, True)   # compiles, creates it
+    torch.cuda.synchronize()
+    lamport_push.run = lambda *args, **kwargs: None
+    t0 = time.perf_counter()
+    summed, normed = torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T, True)
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    assert 0.2 <= took < 5, took                          # K3FUSE_AR_TIMEOUT_S=0.3 bounds it
+    assert torch.isnan(summed).all() and torch.isnan(normed).all()
+    with pytest.raises(CollectiveTimeoutError, match=r"allreduce_rmsnorm.*timed out.*peer rank 0"):
+        check_errors()
+    with pytest.raises(CollectiveTimeoutError):           # failed stays failed: no second spin
+        torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T, True)
+
+
+def test_a_missing_push_stops_at_the_bound():
+    spawn(_no_push, 1, K3FUSE_AR_TIMEOUT_S="0.3")
