@@ -2,17 +2,26 @@
 # One script for anyone with a GPU: install the CuTe DSL wheel if present, print versions, run the
 # GPU tests, then the benchmarks. Logs and JSON go to ${OUT:-out}.
 #
-#   scripts/gpu_check.sh [all | STEP...]   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety tests sweep
-#                                          test-layer bench-layer bench-attnres test-moe bench-moe
-#                                          test-front bench-front
-#   (all = test-gemm bench-gemm test-ar bench-ar test-front bench-front test-moe bench-moe test-layer
-#   bench-layer; test-moe: the routed-experts and route top-k kernels, bench-moe their benchmarks;
-#   test-front / bench-front: the sharded MoE front (2 ranks on 2 GPUs; on one GPU its 1-rank tests
-#   and the benchmark of one rank's TP-2 slice); each step has a timeout, logs
-#   go to $OUT/<step>.log; PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches;
-#   PACK=1 packs everything under $OUT into $OUT/results.tgz, for transports that return few files)
+#   scripts/gpu_check.sh [all | x2-tests | x2-safety | x2-layer | x2-bench | STEP...]
+#   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety tests sweep test-layer bench-layer
+#          bench-attnres test-moe bench-moe test-front bench-front test-tail bench-tail
+#   all      = test-gemm bench-gemm test-ar bench-ar test-front bench-front test-tail bench-tail test-moe
+#              bench-moe test-layer bench-layer
+#   what needs 2 GPUs (NVLink), grouped to fit a device call of 10 minutes each (rough times on
+#   2 x H200 from earlier runs and the step timeouts):
+#   x2-tests  = test-ar test-front test-tail         (~5 min: both protocols, world 1 and 2)
+#   x2-safety = test-safety                          (~6-8 min: issue 10's hang/corruption tests)
+#   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
+#   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
+#   test-moe: the routed-experts and route top-k kernels, bench-moe their benchmarks; test-front /
+#   bench-front: the sharded MoE front, test-tail / bench-tail: the MoE tail (latent all-reduce +
+#   RMSNorm, W_up replicated vs sharded): 2 ranks on 2 GPUs, on one GPU their 1-rank tests and the
+#   benchmark of one rank's TP-2 slice. Each step has a timeout, logs go to $OUT/<step>.log;
+#   PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches; PACK=1 packs everything
+#   under $OUT into $OUT/results.tgz, for transports that return few files.
 #   test-ar runs both all-reduce protocols (lamport, flags); K3FUSE_TEST_AR_TOKENS=1,2,64 limits its
-#   token sweep, PYTEST_X= runs on past a failure, PYTEST_ARGS adds pytest options
+#   token sweep, PYTEST_X=-x stops a step at its first failure (default: runs on, so one run
+#   reports every test), PYTEST_ARGS adds pytest options
 #
 # NVLink multicast stays off everywhere (it can take the host's shared GPUs down): these three are
 # exported explicitly and never unset; k3fuse never creates a multicast object.
@@ -22,9 +31,18 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
-STEPS=("$@")
-[[ ${#STEPS[@]} -eq 0 || "${STEPS[0]}" == all ]] && STEPS=(test-gemm bench-gemm test-ar bench-ar test-front bench-front test-moe bench-moe test-layer
-                                                                 bench-layer)
+STEPS=()
+for s in "${@:-all}"; do
+  case "$s" in
+    all) STEPS+=(test-gemm bench-gemm test-ar bench-ar test-front bench-front test-tail bench-tail test-moe bench-moe
+                 test-layer bench-layer) ;;
+    x2-tests) STEPS+=(test-ar test-front test-tail) ;;
+    x2-safety) STEPS+=(test-safety) ;;
+    x2-layer) STEPS+=(test-layer bench-layer) ;;
+    x2-bench) STEPS+=(bench-front bench-tail bench-ar bench-attnres) ;;
+    *) STEPS+=("$s") ;;
+  esac
+done
 PY="${PYTHON:-python3}"
 
 # CuTe DSL (+ apache-tvm-ffi for --enable-tvm-ffi) from local wheels, never from a registry.
@@ -74,7 +92,7 @@ step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.lo
 }
 # -v: one line per test as it finishes, so a run cut short by the device's time limit still says
 # which tests passed and failed; -rA --tb=short: every outcome and a short traceback at the end
-PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X--x} -v --tb=short -rA -p no:cacheprovider -o addopts=
+PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X:-} -v --tb=short -rA -p no:cacheprovider -o addopts=
         --timeout=${PYTEST_TIMEOUT:-400} ${PYTEST_K:+-k "$PYTEST_K"})
 for s in "${STEPS[@]}"; do
   case "$s" in
@@ -103,6 +121,11 @@ for s in "${STEPS[@]}"; do
                  else FRONT=(--world 1 --as-tp 2); fi
                  step bench_moe_front "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_moe_front.py "${FRONT[@]}" \
                    --json "$OUT/bench_moe_front.json" ;;
+    test-tail) step pytest_tail "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_moe_tail_gpu.py ;;
+    bench-tail) if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then TAIL=(--world 2)
+                else TAIL=(--world 1 --as-tp 2); fi
+                step bench_moe_tail "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_moe_tail.py "${TAIL[@]}" \
+                  --json "$OUT/bench_moe_tail.json" ;;
     bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_fused_ar.py --json "$OUT/bench_fused_ar.json" ;;
     versions)  ;;
     *) echo "unknown step $s"; rc=1 ;;
