@@ -112,7 +112,7 @@ def _check_group(cfg: ValidateConfig):
 def _build(cfg: ValidateConfig, n_layers: int, rank: int, group, device):
     from .model import K3DecodeStack, get_config
 
-    over = {"n_layers": n_layers, "residual": cfg.residual}
+    over = {**dict(cfg.overrides), "n_layers": n_layers, "residual": cfg.residual}
     if cfg.dtype:
         over["dtype"] = cfg.dtype
     mcfg = get_config(cfg.preset, **over)

@@ -6,6 +6,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from .bench.cli import parse_overrides
 from .fileio import check_output_file, write_text_atomic
 from .validate_config import ValidateConfig
 
@@ -15,6 +16,8 @@ def register_validate(sub: Any) -> None:
     p = sub.add_parser("validate", help="decode N steps through stock and k3fuse and explain every difference "
                                         "against a float64 copy of the model")
     p.add_argument("--preset", default=d.preset, help="model preset (tiny, small, k3)")
+    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
+                   help="K3Config fields, e.g. moe_inter=128 (the preset k3 with small routed experts)")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--residual", choices=("plain", "attnres"), default=d.residual)
     p.add_argument("--tp", type=int, default=d.tp)
@@ -50,7 +53,8 @@ def _cmd_validate(args: Any) -> int:
                          tokens=args.tokens, steps=args.steps, dtype=args.dtype, device=args.device,
                          compiler=args.compiler, stock=args.stock, seed=args.seed, skew=args.skew,
                          temperature=args.temperature, tie_margin=args.tie_margin, strict=args.strict,
-                         layer_outputs=args.layer_outputs, timeout_s=args.timeout)
+                         layer_outputs=args.layer_outputs, timeout_s=args.timeout,
+                         overrides=tuple(sorted(args.overrides.items())))
     try:
         reports = run_validate(cfg)
     except (ValidateError, ValueError) as exc:

@@ -24,4 +24,5 @@ class ValidateConfig:
     layer_outputs: bool = True
     timeout_s: float = 900.0
     inject: float = 0.0                 # tests: scale k3fuse's fused all-reduce outputs by 1 + inject
+    overrides: tuple[tuple[str, object], ...] = ()   # K3Config fields (`--set moe_inter=128`)
 __all__ = ["ValidateConfig"]

@@ -22,7 +22,7 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _overrides(text: str) -> dict[str, Any]:
+def parse_overrides(text: str) -> dict[str, Any]:
     """'moe_inter=128,latent=3584' -> {"moe_inter": 128, "latent": 3584} (numbers as int/float)."""
     out: dict[str, Any] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -48,7 +48,7 @@ def register_bench(sub: Any) -> None:
                                    "on gloo ranks on CPU (a smoke run).")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when 2 GPUs are visible")
     p.add_argument("--preset", default=None, help="model preset (k3, small, tiny)")
-    p.add_argument("--set", dest="overrides", type=_overrides, default=None,
+    p.add_argument("--set", dest="overrides", type=parse_overrides, default=None,
                    help="K3Config fields, e.g. moe_inter=128 (default on cuda) or latent=3584")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--residual", choices=("plain", "attnres"), default="plain")
@@ -95,7 +95,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible", "lower --tp")
     if any(not 1 <= t <= 64 for t in args.tokens):
         raise UsageError(f"--tokens {args.tokens} outside decode (1..64)", "pass counts from 1 to 64")
-    overrides = args.overrides if args.overrides is not None else _overrides(defaults["set"])
+    overrides = args.overrides if args.overrides is not None else parse_overrides(defaults["set"])
     try:
         parse_arms(args.arms.split(","))
         cfg = BenchConfig(preset=args.preset or defaults["preset"], overrides=overrides, layers=args.layers,
