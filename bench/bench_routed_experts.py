@@ -5,10 +5,12 @@ K3's routed experts on one GPU: latent a [T, 3584] bf16, 16 of 896 experts per t
 widths at TP 1 and 2; 1536: the published width at TP 2). Arms: "eager" (spelling
 `routed_experts_grouped`: argsort, searchsorted, three torch._grouped_mm, index_copy), "compiled"
 (the same under torch.compile, Inductor's kernels around the grouped GEMMs), "triton"
-(kernels/triton/routed_experts.py). Each is timed with k3fuse.bench.timing's CUDA-graph timer: one
-graph replays STEPS calls, new tokens and experts per replay, median µs per call. "floor" is the
-touched experts' weight bytes over the measured copy bandwidth (the expected number of distinct
-experts for T tokens drawing 16 of 896 each).
+(kernels/triton/routed_experts.py in the mode pick_config chooses, printed after its time), and
+"triton_pairwise" / "triton_grouped" (each mode forced: where they cross is PAIRWISE_MAX_PAIRS).
+Each is timed with k3fuse.bench.timing's CUDA-graph timer: one graph replays STEPS calls, new
+tokens and experts per replay, median µs per call. "floor" is the touched experts' weight bytes
+over the measured copy bandwidth (the expected number of distinct experts for T tokens drawing 16
+of 896 each).
 
     python bench/bench_routed_experts.py [--inter 128,64] [--tokens 1,2,4,8,16,32,64] [--json out.json]
 """
@@ -59,11 +61,18 @@ def main(argv: list[str] | None = None) -> int:
 
             refill()
             out = torch.empty(STEPS, T * K, L, device="cuda", dtype=torch.bfloat16)
+
+            def triton_arm(config: dict | None):
+                return lambda: [kernel.run(a[i], experts[i], *w, K, *situ, out=out[i], config=config)
+                                for i in range(STEPS)]
+
             arms = {"eager": lambda: [routed_experts_grouped(a[i], experts[i], *w, K, *situ) for i in range(STEPS)],
                     "compiled": lambda: [compiled(a[i], experts[i], *w, K, *situ) for i in range(STEPS)],
-                    "triton": lambda: [kernel.run(a[i], experts[i], *w, K, *situ, out=out[i]) for i in range(STEPS)]}
+                    "triton": triton_arm(None), "triton_pairwise": triton_arm({"pairwise": True}),
+                    "triton_grouped": triton_arm({"pairwise": False})}
             touched = E * (1 - (1 - K / E) ** T)
-            row = {"inter": I, "tokens": T, "experts_touched": touched,
+            mode = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"
+            row = {"inter": I, "tokens": T, "triton_mode": mode, "experts_touched": touched,
                    "floor": touched * 3 * I * L * 2 / bandwidth * 1e6}
             for name, steps in arms.items():
                 graph = capture(steps, warmup=2)
@@ -72,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             row["speedup_vs_compiled"] = row["compiled"] / row["triton"]
             rows.append(row)
             print(f"I={I:>5} T={T:>3}  eager {row['eager']:8.1f}  compiled {row['compiled']:8.1f}  "
-                  f"triton {row['triton']:8.1f} µs  ({row['speedup_vs_compiled']:.2f}x)  floor {row['floor']:7.1f}",
-                  flush=True)
+                  f"triton {row['triton']:8.1f} µs {'[' + mode + ']':<10} ({row['speedup_vs_compiled']:.2f}x)  "
+                  f"forced: pairwise {row['triton_pairwise']:8.1f} grouped {row['triton_grouped']:8.1f}  "
+                  f"floor {row['floor']:7.1f}", flush=True)
         w = None  # free this width's weights before the next width's
         torch.cuda.empty_cache()
     if args.json:

@@ -213,7 +213,10 @@ def test_gpu_context_refuses_experts_no_kernel_covers(fake_kernel):
 
 # --- the Triton kernel through Triton's interpreter (a subprocess: TRITON_INTERPRET must be set
 # before triton is imported). fp16: the interpreter (Triton 3.6, numpy) mis-reads bf16 loads; the
-# GPU test (tests/gpu/test_routed_experts_gpu.py) covers bf16 ----------------------------------------
+# GPU test (tests/gpu/test_routed_experts_gpu.py) covers bf16. Every case runs pairwise and grouped,
+# whatever pick_config's threshold would choose; "bad_ids" has expert ids -1 and E, whose rows are
+# unspecified: the other rows are checked ---------------------------------------------------------
+CASES = ["one_token", "k3_like", "many_tokens", "crowded", "wide_inter", "bad_ids"]
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os
     assert os.environ["TRITON_INTERPRET"] == "1"
@@ -224,7 +227,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     out = []
     for name, T, E, I, L, k in (("one_token", 1, 8, 16, 32, 2), ("k3_like", 3, 24, 32, 48, 4),
                                 ("many_tokens", 17, 40, 16, 32, 8), ("crowded", 20, 8, 16, 32, 4),
-                                ("wide_inter", 2, 8, 160, 32, 2)):
+                                ("wide_inter", 2, 8, 160, 32, 2), ("bad_ids", 3, 8, 16, 32, 2)):
         g = torch.Generator().manual_seed(T)
         a = torch.randn(T, L, generator=g).half()
         w1, w3 = ((torch.randn(E, I, L, generator=g) * L ** -0.5).half() for _ in range(2))
@@ -233,12 +236,19 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
             experts = torch.arange(k).repeat(T)
         else:
             experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
-        z = torch.full((T * k, L), float("nan"), dtype=torch.float16)
-        K.run(a, experts, w1, w3, w2, k, B, LB, out=z)
         ref = routed_experts_gathered(a.double(), experts, w1.double(), w3.double(), w2.double(), k, B, LB)
         half = routed_experts_gathered(a, experts, w1, w3, w2, k, B, LB)  # the fp16 spelling's own error
-        err = lambda x: float((x.double() - ref).norm() / ref.norm())
-        out.append({"case": name, "written": not bool(torch.isnan(z).any()), "rel": err(z), "rel_fp16": err(half)})
+        kept = torch.ones(T * k, dtype=torch.bool)
+        if name == "bad_ids":
+            kept[[1, 4]] = False
+            experts = experts.clone()
+            experts[1], experts[4] = -1, E
+        for pairwise in (True, False):
+            z = torch.full((T * k, L), float("nan"), dtype=torch.float16)
+            K.run(a, experts, w1, w3, w2, k, B, LB, out=z, config={"pairwise": pairwise})
+            err = lambda x: float((x[kept].double() - ref[kept]).norm() / ref[kept].norm())
+            out.append({"case": name, "pairwise": pairwise, "written": not bool(torch.isnan(z[kept]).any()),
+                        "rel": err(z), "rel_fp16": err(half)})
     print("RESULT " + json.dumps(out))
 """)
 
@@ -250,44 +260,68 @@ def test_triton_kernel_in_the_interpreter_against_float64():
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
-    assert [r["case"] for r in results] == ["one_token", "k3_like", "many_tokens", "crowded", "wide_inter"]
+    assert [(r["case"], r["pairwise"]) for r in results] == [(c, p) for c in CASES for p in (True, False)]
     for r in results:
-        assert r["written"], r  # every row of the NaN-poisoned output was written
+        assert r["written"], r  # every (kept) row of the NaN-poisoned output was written
         assert r["rel"] < 3e-3 and r["rel"] < 2 * r["rel_fp16"] + 1e-4, r  # fp16 rounding, as the spelling's
 
 
+#: the kernels' runtime arguments; pointers 16-byte aligned, as a launch specializes them
+SM90_TYPES = {"a_ptr": "*bf16", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "gu_ptr": "*bf16", "w2_ptr": "*bf16",
+              "z_ptr": "*bf16", "experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "scratch_ptr": "*i32",
+              "P": "i32", "E": "i32", "beta": "fp32", "linear_beta": "fp32"}
+
+
 def test_triton_kernels_compile_for_sm90():
-    """The three kernels compile to PTX for sm_90 at K3's shapes (E 896, top-16, L 3584, I 64/128/1536)."""
+    """The kernels compile to PTX for sm_90 at K3's shapes (E 896, top-16, L 3584, I 64/128/1536), grouped
+    and pairwise (no rows or groups: None), without atomics; gate/up's loads are software-pipelined
+    (cp.async) in both modes, the reason pairwise keeps tl.dot on one live row."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
     from k3fuse.kernels.triton import routed_experts as K
 
-    target = GPUTarget("cuda", 90, 32)
-    for T, I in ((1, 64), (64, 128), (8, 1536)):
-        cfg = K.pick_config(T, 896, I, 3584, 16)
+    def compile_ptx(fn, constexprs: dict, launch: dict) -> str:
+        sig = {n: "constexpr" if n in constexprs else SM90_TYPES[n] for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch).asm["ptx"]
+
+    for T, I, pairwise in ((1, 64, True), (1, 64, False), (2, 128, True), (64, 128, False), (64, 128, True),
+                           (8, 1536, False)):
+        cfg = K.pick_config(T, 896, I, 3584, 16, {"pairwise": pairwise})
         gu, dn = cfg["gate_up"], cfg["down"]
-        kernels = [
-            (K._group_kernel, {"experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "scratch_ptr": "*i32",
-                               "P": "i32", "E": "i32", "BLOCK_P": "constexpr"},
-             {"BLOCK_P": cfg["BLOCK_P"]}, 4),
-            (K._gate_up_kernel, {"a_ptr": "*bf16", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "gu_ptr": "*bf16",
-                                 "rows_ptr": "*i32", "groups_ptr": "*i32", "P": "i32", "I": "constexpr",
-                                 "L": "constexpr", "TOP_K": "constexpr", "ROW_BLOCKS": "constexpr",
-                                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-             {"I": I, "L": 3584, "TOP_K": 16, "ROW_BLOCKS": cfg["row_blocks"], "BLOCK_M": K.BLOCK_M,
-              "BLOCK_N": gu["BLOCK_N"], "BLOCK_K": gu["BLOCK_K"]}, gu["num_warps"]),
-            (K._down_kernel, {"gu_ptr": "*bf16", "w2_ptr": "*bf16", "z_ptr": "*bf16", "rows_ptr": "*i32",
-                              "groups_ptr": "*i32", "P": "i32", "beta": "fp32", "linear_beta": "fp32",
-                              "I": "constexpr", "L": "constexpr", "ROW_BLOCKS": "constexpr", "N_TILES": "constexpr",
-                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-             {"I": I, "L": 3584, "ROW_BLOCKS": cfg["row_blocks"], "N_TILES": dn["N_TILES"], "BLOCK_M": K.BLOCK_M,
-              "BLOCK_N": dn["BLOCK_N"], "BLOCK_K": dn["BLOCK_K"]}, dn["num_warps"]),
-        ]
-        for fn, sig, constexprs, warps in kernels:
-            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-            ptx = triton.compile(src, target=target, options={"num_warps": warps}).asm["ptx"]
-            assert ".entry" in ptx and "atom." not in ptx, (fn.__name__, T, I)  # no atomics: deterministic
+        mode = {"PAIRWISE": pairwise, **({"rows_ptr": None, "groups_ptr": None} if pairwise else {})}
+        shape = {"I": I, "L": 3584, "ROW_BLOCKS": cfg["row_blocks"], "BLOCK_M": K.BLOCK_M, **mode}
+        kernels = {
+            "gate_up": (K._gate_up_kernel, {**shape, "TOP_K": 16, "BLOCK_N": gu["BLOCK_N"], "BLOCK_K": gu["BLOCK_K"]},
+                        gu),
+            "down": (K._down_kernel, {**shape, "N_TILES": dn["N_TILES"], "BLOCK_N": dn["BLOCK_N"],
+                                      "BLOCK_K": dn["BLOCK_K"]}, dn),
+        }
+        if not pairwise:
+            kernels["group"] = (K._group_kernel, {"BLOCK_P": cfg["BLOCK_P"]}, {"num_warps": 4})
+        for name, (fn, constexprs, launch) in kernels.items():
+            ptx = compile_ptx(fn, constexprs, {k: launch[k] for k in ("num_warps", "num_stages") if k in launch})
+            where = (name, T, I, pairwise)
+            assert ".entry" in ptx and "atom." not in ptx, where  # no atomics: deterministic
+            assert name != "gate_up" or "cp.async" in ptx, where
+
+
+def test_pick_config_goes_pairwise_at_one_or_two_tokens_of_top16_and_overrides_win():
+    from k3fuse.kernels.triton import routed_experts as K
+
+    assert K.PAIRWISE_MAX_PAIRS == 32  # a first guess: bench/bench_routed_experts.py times both modes
+    for T in (1, 2, 3, 4, 8, 64):
+        cfg = K.pick_config(T, 896, 64, 3584, 16)
+        assert cfg["pairwise"] == (T <= 2), T
+        assert (cfg["groups"], cfg["row_blocks"] == 1) == ((16 * T, True) if T <= 2 else (min(896, 16 * T), False)), T
+    forced = K.pick_config(64, 896, 64, 3584, 16, {"pairwise": True, "gate_up": {"BLOCK_N": 32}})
+    assert forced["pairwise"] and (forced["groups"], forced["row_blocks"], forced["gate_up"]["BLOCK_N"]) == (1024, 1, 32)
+    assert not K.pick_config(1, 896, 64, 3584, 16, {"pairwise": False})["pairwise"]
+    # down's N_TILES follows the group count: T*k pairs pairwise, the expected distinct experts grouped
+    tiles = [K.pick_config(4, 16, 64, 3584, 16, {"pairwise": p})["down"]["N_TILES"] for p in (True, False)]
+    assert tiles == [2, 1]
 
 
 def test_kernel_covers_k3_shapes_and_names_its_limits():

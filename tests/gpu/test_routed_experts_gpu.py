@@ -4,8 +4,10 @@ K3's routed experts (E = 896, top-16, latent L = 3584) at the widths the layer b
 (moe_inter 128 at TP 1, 64 per rank at TP 2) and at the published width (3072, 1536 per rank at
 TP 2): every token count 1..64 against the gathered spelling in float64 and against the model's
 stock grouped GEMMs, with a NaN-poisoned output (an unwritten row fails); crowded experts (every
-token picks the same 16, so a group spans several 16-row blocks); the op through the dispatcher in
-strict mode with runtime.stats() checked; 1000 CUDA-graph replays on changing tokens and experts.
+token picks the same 16, so a group spans several 16-row blocks); both checks in each mode forced
+(pairwise: no grouping launch, one pair per program; grouped), whatever pick_config would choose;
+the op through the dispatcher in strict mode with runtime.stats() checked; 1000 CUDA-graph replays
+on changing tokens and experts (the mode pick_config chooses: pairwise at 1 token).
 
     python -m pytest -m gpu tests/gpu/test_routed_experts_gpu.py -q
 """
@@ -30,6 +32,8 @@ DEV = "cuda"
 BF16 = torch.bfloat16
 E, K, L = 896, 16, 3584
 SITU = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
+#: kernel.run's config forcing each mode
+MODES = pytest.mark.parametrize("mode", [{"pairwise": True}, {"pairwise": False}], ids=["pairwise", "grouped"])
 
 
 def _weights(I: int, seed: int = 0):
@@ -75,14 +79,15 @@ def weights(request):
     torch.cuda.empty_cache()
 
 
-def test_every_token_count_against_float64_and_the_stock_grouped_gemms(weights):
+@MODES
+def test_every_token_count_against_float64_and_the_stock_grouped_gemms(weights, mode):
     I = weights[0].shape[1]
     tokens = range(1, 65) if I <= 128 else (1, 2, 3, 8, 17, 33, 64)  # the published width is 30 GB of weights
     for T in tokens:
         a, experts = _tokens(T, seed=T)
         assert kernel.supports(a, experts, *weights, K, *SITU) is None
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
-        z = kernel.run(a, experts, *weights, K, *SITU, out=out)
+        z = kernel.run(a, experts, *weights, K, *SITU, out=out, config=mode)
         assert z.data_ptr() == out.data_ptr() and not torch.isnan(z).any(), T
         ref = _ref64(a, experts, weights)
         stock = routed_experts_grouped(a, experts, *weights, K, *SITU)
@@ -94,11 +99,12 @@ def test_every_token_count_against_float64_and_the_stock_grouped_gemms(weights):
             assert _rel(gathered, ref) < 1e-2, T
 
 
+@MODES
 @pytest.mark.parametrize("T", [1, 16, 17, 64])
-def test_crowded_experts_span_several_row_blocks(weights, T):
+def test_crowded_experts_span_several_row_blocks(weights, T, mode):
     a, experts = _tokens(T, seed=100 + T, crowded=True)
     out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
-    z = kernel.run(a, experts, *weights, K, *SITU, out=out)
+    z = kernel.run(a, experts, *weights, K, *SITU, out=out, config=mode)
     assert not torch.isnan(z).any()
     assert _rel(z, _ref64(a, experts, weights)) < 1e-2
 
