@@ -7,12 +7,16 @@ over COPIES rotating weight copies, fresh activations per step, the slower rank)
   gemv        k3fuse.decode_gemm on both, replicated (the GEMV / split-K kernels, fp32 router out)
   sharded     k3fuse.moe_front_sharded over the process group: 1/W of the rows per rank, one push
               GEMM and the NVLink gather (triton.moe_front_sharded)
-  slice       (--as-tp N on one GPU) the op on one rank with 1/N of the rows: what each rank of TP N
-              computes, with the gather of its own slot only; no peer, so no NVLink time
+  slice       (--as-tp N[,N...] on one GPU) the op on one rank with 1/N of the rows: what each rank of
+              TP N computes, with the gather of its own slot only; no peer, so no NVLink time. Per row
+              "slices" holds every N ({"2": {"slice": ..., ...}, "16": {"skipped": why}}); the first N's
+              timings also stay at the row's top level ("slice", "slice_push_only", ...) as before
 Also the weight-read floor of each arm (bytes / copy bandwidth measured in the same process).
 
-    python bench/bench_moe_front.py [--world 2] [--as-tp 2] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python bench/bench_moe_front.py [--world 2] [--as-tp 2,4,8,16] [--tokens 1,2,4,8,16,32,64] [--json out.json]
     python bench/bench_moe_front.py --sweep [--as-tp 2] [--tokens 1,8,64]   # push-GEMM configs, one GPU
+    python bench/bench_moe_front.py --project bench/results/h200_moe_front_slice.json [more.json ...]
+        # no GPU: fit k3fuse/bench/front_model.py on the slices, print the TP 2/4/8/16 projection
 """
 from __future__ import annotations
 
@@ -73,48 +77,26 @@ def _worker(rank, world, tokens, as_tp, out_json):
         res["floor_replicated"] = floor(E + L)
         res["floor_sharded"] = floor((E + L) // world)
         if as_tp and world == 1:
-            e1, l1 = E // as_tp, L // as_tp
-            sl = [(w[:e1].contiguous(), d[:l1].contiguous()) for w, d in zip(wrs, wds)]
-            with runtime.strict():
-                op(xs[0], *sl[0], group, 1, MAX_T, True)
-                res["slice"] = graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True), STEPS)
-            res["floor_slice"] = floor(e1 + l1)
-            from k3fuse.kernels.triton import moe_front_sharded as K
-
-            K.USE_PDL = False   # the same slice without programmatic dependent launch
-            with runtime.strict():
-                op(xs[0], *sl[0], group, 1, MAX_T, True)
-                res["slice_no_pdl"] = graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True),
-                                                      STEPS)
-            K.USE_PDL = True
-            # where the slice's time goes: its push GEMM alone (no gather), and the CuTe/Triton
-            # decode GEMM over the same rows stacked into one weight (what one kernel reaches)
-            from k3fuse.kernels.symm_workspace import get_workspace
-            from k3fuse.kernels.triton import splitk_gemm
-
-            ws = get_workspace(group, 1, MAX_T, e1 + l1, dev)
-            cfg = K.push_config(T, e1, l1, H)
-            push = (ws.ptrs, ws.gen, 0, MAX_T)
-            res["slice_push_only"] = graph_replay_us(lambda i: splitk_gemm.run(
-                xs[i], sl[i % COPIES][0], None, torch.float32, config=cfg, push=push, weight2=sl[i % COPIES][1]), STEPS)
-            ws.datas[0].view(torch.int32).fill_(-2**31)   # pushed without a gather: back to the sentinel
-            stacked = [torch.cat([w, d]) for w, d in sl]
-            with runtime.strict():
-                res["slice_stacked_gemm"] = graph_replay_us(lambda i: gemm(xs[i], stacked[i % COPIES], None, None, True),
-                                                            STEPS)
+            res["slices"] = {str(n): _time_slice(n, T, xs, wrs, wds, group, dev, floor) for n in as_tp}
+            first = res["slices"][str(as_tp[0])]
+            if "skipped" not in first:   # the first N's keys at the top level, as before lists
+                res.update({k: v for k, v in first.items() if k != "errors"})
         for k in ("stock", "gemv", "sharded", "slice"):
             if k in res:
                 res[k] = slowest_rank(res[k], dev)
         res["sharded_vs_stock"] = res["stock"] / res["sharded"]
         rows_out.append(res)
         if rank == 0:
-            extra = (f"  slice(1/{as_tp}) {res['slice']:6.2f} (no PDL {res['slice_no_pdl']:5.2f}; floor "
-                     f"{res['floor_slice']:5.2f}; push GEMM alone "
-                     f"{res['slice_push_only']:5.2f}, one stacked decode GEMM {res['slice_stacked_gemm']:5.2f})"
-                     if "slice" in res else "")
             print(f"T={T:2d} stock {res['stock']:6.2f}  gemv {res['gemv']:6.2f}  sharded(W={world}) "
-                  f"{res['sharded']:6.2f} (floor {res['floor_sharded']:5.2f}) x{res['sharded_vs_stock']:.2f}{extra}",
+                  f"{res['sharded']:6.2f} (floor {res['floor_sharded']:5.2f}) x{res['sharded_vs_stock']:.2f}",
                   flush=True)
+            for n, sl in res.get("slices", {}).items():
+                if "skipped" in sl:
+                    print(f"      slice(1/{n}) skipped: {sl['skipped']}", flush=True)
+                    continue
+                print(f"      slice(1/{n}) {sl['slice']:6.2f} (no PDL {_us(sl['slice_no_pdl'])}; floor "
+                      f"{sl['floor_slice']:5.2f}; push GEMM alone {_us(sl['slice_push_only'])}, one stacked "
+                      f"decode GEMM {_us(sl['slice_stacked_gemm'])})", flush=True)
     if rank == 0:
         sys.path.insert(0, os.path.dirname(__file__))
         from bench_decode_gemm import conditions
@@ -125,8 +107,77 @@ def _worker(rank, world, tokens, as_tp, out_json):
         meta["env"] = {k: os.environ.get(k) for k in ENV}
         with open(out_json, "w") as f:
             json.dump({"conditions": meta, "steps": STEPS, "weight_copies": COPIES, "E": E, "L": L, "H": H,
-                       "rows": rows_out}, f, indent=1, default=str)
+                       "as_tp": list(as_tp) if world == 1 else [], "rows": rows_out}, f, indent=1, default=str)
     dist.barrier()
+
+
+def _us(v) -> str:
+    return "  n/a" if v is None else f"{v:5.2f}"
+
+
+def _time_slice(n, T, xs, wrs, wds, group, dev, floor) -> dict:
+    """One rank's TP-n slice on this GPU (world 1): the op, the op without PDL, its push GEMM alone
+    and one decode GEMM over the same rows stacked; {"skipped": why} where the kernel declines.
+    A side arm that fails (no kernel for the stacked rows in strict mode) is None, its error kept."""
+    from k3fuse import runtime
+    from k3fuse.kernels.symm_workspace import get_workspace
+    from k3fuse.kernels.triton import moe_front_sharded as K
+    from k3fuse.kernels.triton import splitk_gemm
+
+    op = torch.ops.k3fuse.moe_front_sharded
+    gemm = torch.ops.k3fuse.decode_gemm
+    e1, l1 = E // n, L // n
+    why = K.decide(T, H, e1, l1, torch.bfloat16, torch.bfloat16, 1, MAX_T, triton_ok=K.HAVE_TRITON, dist_ok=True,
+                   protocol=K._protocol()) if E % n == 0 and L % n == 0 else f"E {E} / L {L} not divisible by {n}"
+    if why is not None:
+        return {"skipped": why}
+    out: dict = {"floor_slice": floor(e1 + l1), "errors": {}}
+    sl = [(w[:e1].contiguous(), d[:l1].contiguous()) for w, d in zip(wrs, wds)]
+    with runtime.strict():
+        op(xs[0], *sl[0], group, 1, MAX_T, True)
+        out["slice"] = graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True), STEPS)
+
+    def side(key, fn):
+        try:
+            out[key] = fn()
+        except Exception as exc:   # recorded, never the whole run lost
+            out[key] = None
+            out["errors"][key] = f"{type(exc).__name__}: {exc}"[:300]
+
+    def no_pdl():
+        K.USE_PDL = False   # the same slice without programmatic dependent launch
+        try:
+            with runtime.strict():
+                op(xs[0], *sl[0], group, 1, MAX_T, True)
+                return graph_replay_us(lambda i: op(xs[i], *sl[i % COPIES], group, 1, MAX_T, True), STEPS)
+        finally:
+            K.USE_PDL = True
+
+    side("slice_no_pdl", no_pdl)
+    # where the slice's time goes: its push GEMM alone (no gather), and the CuTe/Triton decode GEMM
+    # over the same rows stacked into one weight (what one kernel reaches)
+    ws = get_workspace(group, 1, MAX_T, e1 + l1, dev)
+    cfg = K.push_config(T, e1, l1, H)
+    push = (ws.ptrs, ws.gen, 0, MAX_T)
+
+    def push_only():
+        try:
+            return graph_replay_us(lambda i: splitk_gemm.run(xs[i], sl[i % COPIES][0], None, torch.float32, config=cfg,
+                                                             push=push, weight2=sl[i % COPIES][1]), STEPS)
+        finally:
+            ws.datas[0].view(torch.int32).fill_(-2**31)   # pushed without a gather: back to the sentinel
+
+    side("slice_push_only", push_only)
+    stacked = [torch.cat([w, d]) for w, d in sl]
+
+    def stacked_gemm():
+        with runtime.strict():
+            return graph_replay_us(lambda i: gemm(xs[i], stacked[i % COPIES], None, None, True), STEPS)
+
+    side("slice_stacked_gemm", stacked_gemm)
+    if not out["errors"]:
+        del out["errors"]
+    return out
 
 
 def _sweep_worker(rank, world, tokens, as_tp, out_json):
@@ -179,28 +230,98 @@ def _sweep_worker(rank, world, tokens, as_tp, out_json):
         json.dump({"as_tp": as_tp, "e1": e1, "l1": l1, "rows": results}, f, indent=1)
 
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: perf.md section 2's fused out-projection all-reduce (TP 2) and its GEMM alone: the pessimistic
+#: bracket of the exchange in --project
+BRACKET = (os.path.join(RESULTS, "h200_fused_ar_tp2.json"), os.path.join(RESULTS, "h200_decode_gemm.json"))
+
+
+def _coverage(tps) -> dict:
+    """Per TP: None where the kernel takes K3's front (the op at world W, and one rank's slice) at
+    1, 8 and 64 tokens, else its reasons; {} when the kernel module cannot be imported here."""
+    try:
+        from k3fuse.kernels.triton import moe_front_sharded as K
+    except Exception:  # pragma: no cover - a checkout without the kernels
+        return {}
+    out = {}
+    for W in tps:
+        whys = []
+        for T in (1, 8, MAX_T):
+            for why in (K.decide(T, H, E, L, torch.bfloat16, torch.bfloat16, W, MAX_T, triton_ok=True,
+                                 dist_ok=True, protocol="lamport"),
+                        K.decide(T, H, E // W, L // W, torch.bfloat16, torch.bfloat16, 1, MAX_T, triton_ok=True,
+                                 dist_ok=True, protocol="lamport")):
+                if why and why not in whys:
+                    whys.append(why)
+        out[W] = "; ".join(whys) or None
+    return out
+
+
+def project(paths, out_json, bracket=BRACKET, nvlink_GBps=None, nvlink_latency_us=None) -> int:
+    """Fit k3fuse/bench/front_model.py on slice JSON(s), print the projection, write its JSON."""
+    from k3fuse.bench import front_model as M
+
+    runs = M.load_runs(paths)
+    br, br_src, gemm = None, "", None
+    if bracket and all(os.path.exists(b) for b in bracket):
+        with open(bracket[0]) as f, open(bracket[1]) as g:
+            fused, gemm = json.load(f), json.load(g)
+        br = M.bracket_from_json(fused, gemm)
+        br_src = (f"measured on 2 x H200 (perf.md section 2): 'k3fuse' of {os.path.basename(bracket[0])} minus "
+                  f"'k3fuse' of oproj_tp2 in {os.path.basename(bracket[1])}, per token count: the fused "
+                  f"out-projection all-reduce's whole cost over its GEMM (exchange, second kernel, launch "
+                  f"boundary, skew), charged instead of the exchange")
+    kw = {}
+    if nvlink_GBps is not None:
+        kw["nvlink_GBps"] = nvlink_GBps
+    if nvlink_latency_us is not None:
+        kw["nvlink_latency_us"] = nvlink_latency_us
+    params = M.fit_params(runs, bracket_us=br, bracket_source=br_src, **kw)
+    lines, js = M.report(params, runs, _coverage(M.TABLE_TP), decode_gemm=gemm)
+    print("\n".join(lines))
+    with open(out_json, "w") as f:
+        json.dump(js, f, indent=1)
+    print(f"\nwrote {out_json}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2, help="ranks (one GPU each)")
-    ap.add_argument("--as-tp", type=int, default=0, help="with --world 1: also time one rank's 1/N slice")
+    ap.add_argument("--as-tp", default="", help="with --world 1: also time one rank's 1/N slice for each N "
+                    "of a comma list (2,4,8,16)")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
-    ap.add_argument("--json", default="bench_moe_front.json")
+    ap.add_argument("--json", default=None, help="output (default bench_moe_front.json; with --project "
+                    "bench_moe_front_projection.json)")
     ap.add_argument("--sweep", action="store_true", help="push-GEMM configs on one rank's slice (one GPU)")
+    ap.add_argument("--project", nargs="+", metavar="JSON", help="no GPU: project TP 2/4/8/16 from these runs")
+    ap.add_argument("--no-bracket", action="store_true", help="--project without bench/results' fused-AR bracket "
+                    "column and split-K check")
+    ap.add_argument("--nvlink-GBps", type=float, default=None, help="--project: override the assumed bandwidth")
+    ap.add_argument("--nvlink-latency-us", type=float, default=None, help="--project: override the assumed latency")
     args = ap.parse_args(argv)
+    if args.project:
+        return project(args.project, args.json or "bench_moe_front_projection.json",
+                       bracket=None if args.no_bracket else BRACKET, nvlink_GBps=args.nvlink_GBps,
+                       nvlink_latency_us=args.nvlink_latency_us)
+    out_json = os.path.abspath(args.json or "bench_moe_front.json")
+    as_tp = [int(n) for n in args.as_tp.split(",") if n.strip()]
     if args.sweep:
+        if len(as_tp) > 1:
+            ap.error("--sweep takes one --as-tp value")
         os.environ.update(ENV)
-        launch(_sweep_worker, 1, backend="nccl", args=([int(t) for t in args.tokens.split(",")], args.as_tp or 2,
-                                                        os.path.abspath(args.json)), timeout_s=3600)
+        launch(_sweep_worker, 1, backend="nccl", args=([int(t) for t in args.tokens.split(",")],
+                                                        as_tp[0] if as_tp else 2, out_json), timeout_s=3600)
         return 0
+    if as_tp and args.world != 1:
+        ap.error("--as-tp times one rank's slice on one GPU: use it with --world 1")
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
         return 1
     os.environ.update(ENV)
     tokens = [int(t) for t in args.tokens.split(",")]
-    launch(_worker, args.world, backend="nccl", args=(tokens, args.as_tp, os.path.abspath(args.json)),
-           timeout_s=3600)
+    launch(_worker, args.world, backend="nccl", args=(tokens, as_tp, out_json), timeout_s=3600)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

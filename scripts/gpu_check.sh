@@ -16,7 +16,7 @@
 #   test-moe: the routed-experts and route top-k kernels, bench-moe their benchmarks; test-front /
 #   bench-front: the sharded MoE front, test-tail / bench-tail: the MoE tail (latent all-reduce +
 #   RMSNorm, W_up replicated vs sharded): 2 ranks on 2 GPUs, on one GPU their 1-rank tests and the
-#   benchmark of one rank's TP-2 slice. Each step has a timeout, logs go to $OUT/<step>.log;
+#   benchmark of one rank's TP-N slice (bench-front: N in FRONT_AS_TP=2,4,8,16; bench-tail: N=2). Each step has a timeout, logs go to $OUT/<step>.log;
 #   PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches; PACK=1 packs everything
 #   under $OUT into $OUT/results.tgz, for transports that return few files.
 #   test-ar runs both all-reduce protocols (lamport, flags); K3FUSE_TEST_AR_TOKENS=1,2,64 limits its
@@ -118,8 +118,8 @@ for s in "${STEPS[@]}"; do
                  --json "$OUT/bench_route_topk.json" ;;
     test-front) step pytest_front "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_moe_front_gpu.py ;;
     bench-front) if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then FRONT=(--world 2)
-                 else FRONT=(--world 1 --as-tp 2); fi
-                 step bench_moe_front "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_moe_front.py "${FRONT[@]}" \
+                 else FRONT=(--world 1 --as-tp "${FRONT_AS_TP:-2,4,8,16}"); fi
+                 step bench_moe_front "${BENCH_TIMEOUT:-600}" "$PY" bench/bench_moe_front.py "${FRONT[@]}" \
                    --json "$OUT/bench_moe_front.json" ;;
     test-tail) step pytest_tail "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_moe_tail_gpu.py ;;
     bench-tail) if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then TAIL=(--world 2)
