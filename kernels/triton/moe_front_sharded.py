@@ -125,6 +125,11 @@ TUNED: dict[tuple[int, int, int, int], dict] = {
     # K3 at TP 2 (896 / 2 router rows, 3584 / 2 latent rows, H 7168); H200, 2026-12-01
     (448, 1792, 7168, 16): dict(BLOCK_N=64, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),  # 14.0 us (T 1, 8)
     (448, 1792, 7168, 64): dict(BLOCK_N=64, SPLIT_K=2, BLOCK_K=128, num_warps=4, num_stages=5),  # 18.1 us (T 64)
+    # TP 4 and TP 8 (one rank's slice on one H200, --sweep --as-tp 4 / 8; op time, gather included)
+    (224, 896, 7168, 16): dict(BLOCK_N=32, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=5),   # 9.15 us (T 1, 8)
+    (224, 896, 7168, 64): dict(BLOCK_N=32, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),   # 13.9 us (T 64)
+    (112, 448, 7168, 16): dict(BLOCK_N=16, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=5),   # 8.01 us (T 1, 8)
+    (112, 448, 7168, 64): dict(BLOCK_N=16, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),   # 11.2 us (T 64)
 }
 
 
