@@ -217,7 +217,10 @@ def _pow2(n: int, floor: int = 16) -> int:
 TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
 MAX_N_TILES = 8
 #: pairwise (no grouping launch) up to this many pairs: 2 tokens at top-16, where the pairs almost never
-#: share an expert. A first guess pending measurement (bench/bench_routed_experts.py times both modes)
+#: share an expert. Measured on H200 (bench/bench_routed_experts.py, both modes forced; K3 E 896,
+#: L 3584): 1 token 15.8 vs 18.5 µs grouped at I = 64 (TP 2 width), 22.6 vs 24.4 at I = 128; 2 tokens
+#: 21.2 vs 25.8 at I = 64, 42.6 vs 40.8 at I = 128; from 4 tokens on the two are within ~5% either
+#: way, and at 64 tokens grouped wins by 1.4-1.5x (bench/results/h200_routed_experts_pairwise.json)
 PAIRWISE_MAX_PAIRS = 32
 #: launch configurations; bench/bench_routed_experts.py --sweep on H200 found alternatives at most 12%
 #: faster (down BLOCK_N 256 at 8 tokens, I = 64), most under 10%; that sweep predates the sort-based
