@@ -379,7 +379,8 @@ def compute_checks(p: FrontParams, runs: Runs) -> list[Check]:
     for T, us in sorted(runs.world1_op_us.items()):
         if T in p.push:
             out.append(Check("world-1 op", 1, T, us, compute_us(p, 1, T, slots=1),
-                             "out of the fit: the op over all rows, heuristic push config (TUNED is for TP 2)"))
+                             "out of the fit: the op over all rows, heuristic push config "
+                             "(TUNED has no entry for all 4480 rows)"))
     return out
 
 

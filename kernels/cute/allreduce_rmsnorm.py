@@ -13,7 +13,8 @@ Same workspace family (symm_workspace.get_workspace per group / hidden = L / lan
 accept/decline from shared facts only (`decide`), no per-rank fallback (dispatch raises
 K3FuseCollectiveError), every spin bounded (K3FUSE_AR_TIMEOUT_S), every kernel compiled before the
 first remote store, and a failure after it fails the workspace on every rank.
-Not run on a GPU yet (written and compile-checked on CPU only; tests/gpu/test_moe_tail_gpu.py).
+Run on one H200 at world 1 (tests/gpu/test_moe_tail_gpu.py, both protocols, docs/perf.md 0c); its
+world-2 run over NVLink, and so the rule's default, wait for a 2-GPU machine.
 """
 from __future__ import annotations
 
