@@ -18,14 +18,12 @@ import sys
 import torch
 
 from k3fuse.bench.timing import graph_replay_us
-from k3fuse.dist import launch
+from k3fuse.dist import MULTICAST_OFF, launch
 from k3fuse.model.shapes import gemm_site
 
 _OPROJ = gemm_site("oproj_tp2")  # the out-projection at TP 2: W_o [H, P/2] per rank
 H, P = _OPROJ.n, _OPROJ.k
 STEPS, COPIES, EPS = 20, 4, 1e-5
-#: NVLink multicast stays off (symmetric memory without multicast; the ranks inherit this)
-ENV = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
 
 
 def _graph_time(step, replays=20) -> float:
@@ -94,8 +92,7 @@ def _worker(rank, world, tokens, out_json):
 
         meta = conditions()
         meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        meta["env"] = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                      "NVSHMEM_DISABLE_NVLS")}
+        meta["env"] = {k: os.environ.get(k) for k in MULTICAST_OFF}
         with open(out_json, "w") as f:
             json.dump({"conditions": meta, "steps": STEPS, "weight_copies": COPIES, "rows": rows}, f,
                       indent=1, default=str)
@@ -115,7 +112,7 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() < 2:
         print("needs 2 GPUs")
         return 1
-    os.environ.update(ENV)
+    os.environ.update(MULTICAST_OFF)
     tokens = [int(t) for t in args.tokens.split(",")]
     launch(_worker, 2, backend="nccl", args=(tokens, os.path.abspath(args.json)), timeout_s=3600)
     return 0

@@ -28,14 +28,12 @@ import sys
 import torch
 
 from k3fuse.bench.timing import copy_bandwidth, graph_replay_us, slowest_rank
-from k3fuse.dist import launch
+from k3fuse.dist import MULTICAST_OFF, launch
 from k3fuse.model.shapes import gemm_site
 
 E, H = gemm_site("router").n, gemm_site("router").k
 L = gemm_site("w_down").n
 STEPS, COPIES, MAX_T = 20, 4, 64
-#: NVLink multicast stays off (symmetric memory without multicast; the ranks inherit this)
-ENV = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
 
 
 def _worker(rank, world, tokens, as_tp, out_json):
@@ -104,7 +102,7 @@ def _worker(rank, world, tokens, as_tp, out_json):
         meta = conditions()
         meta["world"] = world
         meta["copy_GBps"] = gbps / 1e9
-        meta["env"] = {k: os.environ.get(k) for k in ENV}
+        meta["env"] = {k: os.environ.get(k) for k in MULTICAST_OFF}
         with open(out_json, "w") as f:
             json.dump({"conditions": meta, "steps": STEPS, "weight_copies": COPIES, "E": E, "L": L, "H": H,
                        "as_tp": list(as_tp) if world == 1 else [], "rows": rows_out}, f, indent=1, default=str)
@@ -309,7 +307,7 @@ def main(argv=None) -> int:
     if args.sweep:
         if len(as_tp) > 1:
             ap.error("--sweep takes one --as-tp value")
-        os.environ.update(ENV)
+        os.environ.update(MULTICAST_OFF)
         launch(_sweep_worker, 1, backend="nccl", args=([int(t) for t in args.tokens.split(",")],
                                                         as_tp[0] if as_tp else 2, out_json), timeout_s=3600)
         return 0
@@ -318,7 +316,7 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
         return 1
-    os.environ.update(ENV)
+    os.environ.update(MULTICAST_OFF)
     tokens = [int(t) for t in args.tokens.split(",")]
     launch(_worker, args.world, backend="nccl", args=(tokens, as_tp, out_json), timeout_s=3600)
     return 0

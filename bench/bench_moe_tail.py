@@ -30,13 +30,11 @@ import sys
 import torch
 
 from k3fuse.bench.timing import copy_bandwidth, graph_replay_us, slowest_rank
-from k3fuse.dist import launch
+from k3fuse.dist import MULTICAST_OFF, launch
 from k3fuse.model.shapes import gemm_site
 
 H, L = gemm_site("w_up").n, gemm_site("w_up").k
 STEPS, COPIES, MAX_T, EPS = 20, 4, 64, 1e-5
-#: NVLink multicast stays off (symmetric memory without multicast; the ranks inherit this)
-ENV = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
 ARMS = ("norm_stock", "norm_k3fuse", "up_stock", "up_k3fuse", "up_sharded", "tail_stock", "tail_k3fuse",
         "tail_sharded")
 
@@ -118,7 +116,8 @@ def _worker(rank, world, tokens, as_tp, out_json):
         from bench_decode_gemm import conditions
 
         meta = conditions()
-        meta.update(world=world, as_tp=as_tp, copy_GBps=gbps / 1e9, env={k: os.environ.get(k) for k in ENV})
+        meta.update(world=world, as_tp=as_tp, copy_GBps=gbps / 1e9,
+                    env={k: os.environ.get(k) for k in MULTICAST_OFF})
         with open(out_json, "w") as f:
             json.dump({"conditions": meta, "steps": STEPS, "weight_copies": COPIES, "H": H, "L": L,
                        "rows": out_rows}, f, indent=1, default=str)
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} GPUs, found {torch.cuda.device_count()}")
         return 1
-    os.environ.update(ENV)
+    os.environ.update(MULTICAST_OFF)
     tokens = [int(t) for t in args.tokens.split(",")]
     launch(_worker, args.world, backend="nccl", args=(tokens, args.as_tp, os.path.abspath(args.json)),
            timeout_s=3600)

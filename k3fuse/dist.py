@@ -21,8 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# Set by the people running the GPUs; children inherit them and we never unset them.
-_PRESERVED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+#: NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM (it can take a host's shared GPUs
+#: down): set by the people running the GPUs, exported by the benches and GPU tests, never unset
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+# children inherit these from the parent's environment
+_PRESERVED_ENV = tuple(MULTICAST_OFF)
 _HOST = "127.0.0.1"
 
 

@@ -40,8 +40,9 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
         cond["cuda"] = torch.version.cuda
         cond["copy_bandwidth_TBps"] = round(reports[0].get("copy_bandwidth_Bps", 0) / 1e12, 3)
         cond["multicast"] = reports[0].get("multicast")
-        cond["env"] = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                      "NVSHMEM_DISABLE_NVLS")}
+        from ..dist import MULTICAST_OFF
+
+        cond["env"] = {k: os.environ.get(k) for k in MULTICAST_OFF}
     return cond
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3fuse.dist import RankFailedError, launch
-
-#: NVLink multicast stays off on the shared H200 hosts; the ranks inherit these
-MULTICAST_OFF = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
+from k3fuse.dist import MULTICAST_OFF, RankFailedError, launch
 
 
 def poison(shape, dtype, device) -> None:
@@ -34,8 +31,3 @@ def spawn(fn, world: int, args: tuple = (), **env: str) -> None:
             launch(fn, world, backend="nccl", args=args, timeout_s=900)
         except RankFailedError as exc:
             pytest.fail(f"worker failed:\n{exc}")
-
-
-def spawn_two_gpus(fn, protocol: str) -> None:
-    """fn(rank, 2, protocol) on 2 GPUs under K3FUSE_AR_PROTOCOL=protocol."""
-    spawn(fn, 2, (protocol,), K3FUSE_AR_PROTOCOL=protocol)
