@@ -22,7 +22,7 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 from k3fuse.bench.timing import median, slowest_rank, time_graph  # noqa: E402
-from ar_helpers import poison, spawn_two_gpus  # noqa: E402
+from ar_helpers import poison, spawn  # noqa: E402
 from k3fuse.model.shapes import gemm_site  # noqa: E402
 
 _OPROJ = gemm_site("oproj_tp2")  # out-projection per rank at TP 2: [H, P/2] with P/2 = 6144
@@ -35,7 +35,7 @@ TOKENS = [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",")
 
 
 def _worker(rank: int, world: int, protocol: str) -> None:
-    """One rank under k3fuse.dist.launch (NCCL group up, GPU `rank` current, env from spawn_two_gpus)."""
+    """One rank under k3fuse.dist.launch (NCCL group up, GPU `rank` current, env from ar_helpers.spawn)."""
     import torch.distributed as dist
 
     _body(rank, world, dist, protocol)
@@ -197,9 +197,9 @@ def _timeout_worker(rank, world, protocol):
 
 @pytest.mark.parametrize("protocol", ["flags", "lamport"])
 def test_fused_ar_tp2(protocol):
-    spawn_two_gpus(_worker, protocol)
+    spawn(_worker, 2, (protocol,), K3FUSE_AR_PROTOCOL=protocol)
 
 
 @pytest.mark.parametrize("protocol", ["flags", "lamport"])
 def test_debug_spin_timeout(protocol):
-    spawn_two_gpus(_timeout_worker, protocol)
+    spawn(_timeout_worker, 2, (protocol,), K3FUSE_AR_PROTOCOL=protocol)
