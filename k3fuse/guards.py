@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.fx as fx
@@ -30,13 +30,21 @@ class KernelCatalog:
 
     ops_without_kernel(ops): the ops with no CUDA kernel in this build.
     import_errors(): kernel modules that failed to import, {module: error}.
-    coverage(op, shape, tokens): token counts no CUDA kernel of `op` serves for `shape`, each
-    with every kernel's limit.
+    coverage(spec, tokens): token counts at which no CUDA kernel of `spec.op` accepts `spec`, each
+    with every kernel's reason.
     """
 
     ops_without_kernel: Callable[[Iterable[str]], list[str]]
     import_errors: Callable[[], dict[str, str]]
-    coverage: Callable[[str, dict[str, Any], Iterable[int]], dict[int, list[str]]]
+    coverage: Callable[[KernelSpec, Iterable[int]], dict[int, list[str]]]
+
+
+class KernelSpec(Protocol):
+    """What the coverage guard reads of an op's Spec (k3fuse.kernels.spec.Spec)."""
+
+    op: ClassVar[str]
+
+    def site_values(self) -> dict[str, Any]: ...
 
 
 _catalog: KernelCatalog | None = None
@@ -153,10 +161,11 @@ def _spans(counts: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def kernel_covers(ctx: DecodeContext, op: str, shape: dict[str, Any], tokens: int | None,
+def kernel_covers(ctx: DecodeContext, spec: KernelSpec, tokens: int | None,
                   level: GuardLevel = "site") -> GuardFailure | None:
-    """On a GPU, some CUDA kernel of `op` serves this site's `shape` at every token count the site
-    can see: `tokens` when the graph fixes it, else the context's whole range.
+    """On a GPU, some CUDA kernel of `spec.op` accepts this site's `spec` (the op's Spec, built by
+    the rule; the kernels' own predicates decide) at every token count the site can see: `tokens`
+    when the graph fixes it, else the context's whole range.
 
     Why: an op inserted where no kernel serves the shape falls back on every call (strict mode
     raises, and the rewrite only adds a dispatch). On CPU the reference is the implementation.
@@ -164,10 +173,11 @@ def kernel_covers(ctx: DecodeContext, op: str, shape: dict[str, Any], tokens: in
     if ctx.device_capability is None:
         return None
     counts = [tokens] if tokens is not None else range(ctx.tokens[0], ctx.tokens[1] + 1)
-    uncovered = _kernel_catalog().coverage(op, shape, counts)
+    uncovered = _kernel_catalog().coverage(spec, counts)
     if not uncovered:
         return None
     limits = sorted({why for whys in uncovered.values() for why in whys})
+    op, shape = spec.op, spec.site_values()
     described = " ".join(f"{k}={v}" for k, v in shape.items())
     return GuardFailure(level, "kernel_shape",
                         f"no CUDA kernel of k3fuse.{op} serves {described} at tokens {_spans(uncovered)}",

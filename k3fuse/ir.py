@@ -4,7 +4,7 @@ Qualified op names, what a collective, its handle and a synchronisation point ar
 doors put on static placeholders, and node order. Ops declare their own traits (`OpTraits`: a
 synchronisation point, an anchor that only orders itself inside a collective's window, argument
 positions taken only for ordering) with `declare_op_traits`; k3fuse's fused ops do so where they
-are declared (kernels/ops.py), so the verifier and the rules know no op by name.
+are declared (kernels/ops/), so the verifier and the rules know no op by name.
 
 A leaf over torch.fx: imports nothing from k3fuse.
 """

@@ -20,6 +20,7 @@ from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, failures, is_static, kernel_covers, site_tokens,
                            static_weight, token_count)
 from k3fuse.ir import node_order
+from k3fuse.kernels.ops.decode_gemm import DecodeGemmSpec
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root
 from k3fuse.rule import Match, PatternSpec, Rule
@@ -88,9 +89,9 @@ class DecodeGemm(Rule):
         if found:
             return found
         x, w = match.val("x"), match.val("weight")
-        shape = {"N": int(w.shape[0]), "K": int(w.shape[1]), "dtype": x.dtype,
-                 "out_dtype": self._out_dtype(match) or x.dtype, "bias": "bias" in match.inputs}
-        return failures(kernel_covers(ctx, "decode_gemm", shape, site_tokens(match["x"])))
+        spec = DecodeGemmSpec(N=int(w.shape[0]), K=int(w.shape[1]), dtype=x.dtype,
+                              out_dtype=self._out_dtype(match) or x.dtype, bias="bias" in match.inputs)
+        return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     @staticmethod
     def _out_dtype(match: Match) -> torch.dtype | None:

@@ -33,6 +33,7 @@ import torch.fx as fx
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, decode_token_range, failures, kernel_covers, shape_of, token_count
 from k3fuse.ir import node_order
+from k3fuse.kernels.ops.kda_delta import KDADeltaSpec
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.rule import Match, PatternSpec, Rule
 from k3fuse.spelling import delta_rule
@@ -106,8 +107,8 @@ class KDADeltaRule(Rule):
         if found:
             return found
         T, h, dk, dv = shape_of(match["recurrent"])
-        shape = {"heads": h, "dk": dk, "dv": dv, "dtype": torch.float32}
-        return failures(kernel_covers(ctx, "kda_delta_rule", shape, T if isinstance(T, int) else None))
+        spec = KDADeltaSpec(heads=h, dk=dk, dv=dv, dtype=torch.float32)
+        return failures(kernel_covers(ctx, spec, T if isinstance(T, int) else None))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         fused = match.insert(torch.ops.k3fuse.kda_delta_rule.default,

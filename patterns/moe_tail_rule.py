@@ -3,7 +3,7 @@
 Why: after the routed experts each TP rank holds a latent partial [T, L] (L = 3584 in K3); the
 model all-reduces it (NCCL, a latency-bound collective of a few KB to 450 KB) and RMSNorms the sum
 (a second, memory-bound launch) before W_up. k3fuse.allreduce_rmsnorm does both in the one-shot
-protocol family of the out-projection op (kernels/cute/allreduce_rmsnorm.py: a push of the partial
+protocol family of the out-projection op (kernels/ops/allreduce_rmsnorm.py: a push of the partial
 into every peer's symmetric buffer, then the one-shot epilogue polls, sums in fixed rank order and
 normalises in registers), issue 9 item 3.
 
@@ -33,6 +33,7 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count, tp_at_least)
+from k3fuse.kernels.ops.allreduce_rmsnorm import AllReduceNormSpec
 from k3fuse.matcher import forward_users, op_name
 from k3fuse.normalize import is_metadata_check
 from k3fuse.rule import Match, PatternSpec, Rule
@@ -117,10 +118,10 @@ class MoETailAllReduceNorm(Rule):
                          token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype), same_group)
         if found:
             return found
-        shape = {"L": int(shape_of(match["x"])[-1]), "dtype": dtype_of(match["x"]),
-                 "w_dtype": dtype_of(match["norm_weight"]), "world_size": ctx.tp_size,
-                 "max_tokens": ctx.tokens[1]}
-        return failures(kernel_covers(ctx, "allreduce_rmsnorm", shape, site_tokens(match["x"])))
+        spec = AllReduceNormSpec(L=int(shape_of(match["x"])[-1]), dtype=dtype_of(match["x"]),
+                                 w_dtype=dtype_of(match["norm_weight"]), world_size=ctx.tp_size,
+                                 max_tokens=ctx.tokens[1])
+        return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         fused = match.insert(torch.ops.k3fuse.allreduce_rmsnorm.default,

@@ -2,7 +2,7 @@
 
 Why: at decode the router tail is a chain of small launch-bound kernels per layer (sigmoid, add,
 topk, gather, sum, add, div, mul on [T, 896] fp32); k3fuse.route_topk does it in one kernel, one
-program per token (kernels/triton/route_topk.py), with ties broken to the lowest expert index and
+program per token (kernels/lib/triton/route_topk.py), with ties broken to the lowest expert index and
 the weight sum in a fixed order, so its result is the same bits on every rank.
 
 Spelling: `route` of k3fuse/spelling.py, imported and traced as is (the model calls the same
@@ -34,6 +34,7 @@ import torch.fx as fx
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count)
+from k3fuse.kernels.ops.route_topk import RouteTopkSpec
 from k3fuse.matcher import compiled_patterns, near_miss, op_name
 from k3fuse.normalize import skip_transparent
 from k3fuse.rule import Match, PatternSpec, Rule
@@ -117,8 +118,8 @@ class FusedRouting(Rule):
         found = failures(token_count(match["logits"], ctx))
         if found:
             return found
-        shape = {"E": int(shape_of(match["logits"])[1]), "top_k": match["top_k"], "dtype": torch.float32}
-        return failures(kernel_covers(ctx, "route_topk", shape, site_tokens(match["logits"])))
+        spec = RouteTopkSpec(E=int(shape_of(match["logits"])[1]), top_k=match["top_k"], dtype=torch.float32)
+        return failures(kernel_covers(ctx, spec, site_tokens(match["logits"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         fused = match.insert(torch.ops.k3fuse.route_topk.default,

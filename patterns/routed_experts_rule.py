@@ -37,6 +37,7 @@ import torch.fx as fx
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count)
+from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
 from k3fuse.matcher import compiled_patterns, int_sentinel, near_miss
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 from k3fuse.spelling import routed_experts_gathered, routed_experts_grouped
@@ -140,8 +141,8 @@ class RoutedExperts(Rule):
         if found:
             return found
         w1 = shape_of(match["w1"])
-        shape = {"E": w1[0], "I": w1[1], "L": w1[2], "top_k": match["top_k"], "dtype": dtype_of(match["a"])}
-        return failures(kernel_covers(ctx, "routed_experts", shape, site_tokens(match["a"])))
+        spec = RoutedExpertsSpec(E=w1[0], I=w1[1], L=w1[2], top_k=match["top_k"], dtype=dtype_of(match["a"]))
+        return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         z = match.insert(torch.ops.k3fuse.routed_experts.default,

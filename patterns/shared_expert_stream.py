@@ -22,7 +22,7 @@ Rewrite (per branch), x = the MoE input:
   x_pass = k3fuse.shared_expert_fork(x, [W_i], [b_i], W_down|None, b_down|None, act, site)  before x's
   first reader; every other reader of x (router / latent / routed path) reads x_pass, so no scheduler
   can sink the fork below the routed experts; `act` is the activation's own ATen ops as a program
-  (kernels/reference/shared_expert.py), so the fork computes the model's sequence, rounding points
+  (kernels/lib/reference/shared_expert.py), so the fork computes the model's sequence, rounding points
   included, on any GPU or CPU;
   y = k3fuse.shared_expert_join(x_pass, anchor=y_routed, [x, W..., b...], site, out_features)  right
   before the consumer of the branch output (the all_reduce, the add, or the fused reduction). The
@@ -241,7 +241,7 @@ def _encode_arg(arg: Any, index: dict[fx.Node, int], where: fx.Node) -> Any:
 
 def _program(b: _Branch) -> str:
     """The activation as a JSON program of its own ATen ops over the projections (see
-    kernels/reference/shared_expert.py); layout-only views are dropped (the fork runs on [T, F])."""
+    kernels/lib/reference/shared_expert.py); layout-only views are dropped (the fork runs on [T, F])."""
     index: dict[fx.Node, int] = {p.out: i for i, p in enumerate(b.projs)}
     steps: list[list[Any]] = []
     for n in b.act_nodes:

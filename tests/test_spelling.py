@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from k3fuse import spelling
-from k3fuse.kernels.reference import shared_expert, stock
+from k3fuse.kernels.lib.reference import shared_expert, stock
 from k3fuse.model import layers
 from k3fuse.model.config import get_config
 from k3fuse.patterns import _spelling
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPELLING = ROOT / "k3fuse" / "spelling.py"
 MATH = {"rms_norm", "situ", "situ_glu", "delta_rule"}
 #: kernels computing the same function (not torch spellings of it), checked against it in their tests
-KERNELS = {"kernels/triton/glu_act.py": {"situ_glu"}}  # the one-launch Triton SiTU-GLU
+KERNELS = {"kernels/lib/triton/glu_act.py": {"situ_glu"}}  # the one-launch Triton SiTU-GLU
 
 
 def test_model_patterns_stock_and_references_share_the_functions():

@@ -15,15 +15,13 @@ import functools
 
 import torch
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     from triton.language.extra.cuda import gdc_launch_dependents
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
 
 BLOCK_K = 128
 MAX_M = 64
@@ -48,7 +46,7 @@ if HAVE_TRITON:
             else:
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_mask[None, :])
         else:
-            # Lamport push (kernels/cute/oneshot_ar.py): fp32 into slot [rank] of buffer gen%3
+            # Lamport push (kernels/lib/cute/oneshot_epilogue.py): fp32 into slot [rank] of buffer gen%3
             # of every rank; -0.0 is the "not written" sentinel, so write +0.0 instead
             # gen_ptr: the workspace's int64 protocol words; [3] is the buffer index in {0, 1, 2},
             # rotated by the epilogue (never a signed remainder of a wrapping counter); 64-bit offsets
@@ -192,18 +190,6 @@ def _scratch(device: torch.device) -> torch.Tensor:
     return t
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> bool:
-    if not HAVE_TRITON or not x.is_cuda or x.dim() != 2 or weight.dim() != 2:
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        return False
-    if x.stride(1) != 1 or weight.stride(1) != 1 or x.shape[1] != weight.shape[1]:
-        return False
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or bias.stride(0) != 1):
-        return False
-    return 1 <= x.shape[0] <= MAX_M and pick_config(x.shape[0], weight.shape[0], x.shape[1]) is not None
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -251,7 +237,7 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
         config: dict | None = None, push: tuple | None = None,
         weight2: torch.Tensor | None = None, pdl_trigger: bool = False) -> torch.Tensor:
     """y = x @ weight.T (+ bias); push=(ptr_table int64[W], gen int64[4], rank, max_tokens) writes
-    fp32 into every rank's Lamport buffer instead (see kernels/cute/oneshot_ar.py).
+    fp32 into every rank's Lamport buffer instead (see kernels/lib/cute/oneshot_epilogue.py).
     weight2 (no bias): y = x @ cat([weight, weight2]).T without the copy (rows of weight first).
     pdl_trigger: let a next kernel launched with programmatic dependent launch start at once."""
     return _launch(x, weight, bias, out_dtype, out, config, push, warmup=False, weight2=weight2,
@@ -266,46 +252,3 @@ def precompile(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _launch(x, weight, bias, out_dtype, None, config, push, warmup=True, weight2=weight2, pdl_trigger=pdl_trigger)
 
 
-# --- dispatcher registration ---------------------------------------------------------------------
-def _supports(x, weight, bias, out_dtype=None, **_) -> str | None:
-    if not HAVE_TRITON:
-        return "triton not installed"
-    x2 = x.reshape(-1, x.shape[-1])
-    if not supports(x2, weight, bias, out_dtype or x.dtype):
-        return (f"unsupported (x {tuple(x.shape)} {x.dtype}, w {tuple(weight.shape)}; needs "
-                f"M<=64, K%{BLOCK_K}==0, bf16/fp16, unit inner stride)")
-    return None
-
-
-def _covers(shape: dict) -> str | None:
-    """Compile-time limit of the split-K kernel (see dispatch.Impl.covers)."""
-    if shape.get("dtype") not in (torch.bfloat16, torch.float16):
-        return f"dtype {shape.get('dtype')} (bf16/fp16 only)"
-    if shape.get("out_dtype") not in (None, shape["dtype"], torch.float32):
-        return f"out_dtype {shape.get('out_dtype')}"
-    if pick_config(shape["M"], shape["N"], shape["K"]) is None:
-        return f"M={shape['M']} K={shape['K']} (needs 1 <= M <= {MAX_M}, K % {BLOCK_K} == 0)"
-    return None
-
-
-def _run(x, weight, bias, out_dtype=None, **_):
-    y = run(x.reshape(-1, x.shape[-1]), weight, bias, out_dtype or x.dtype)
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def _warmup(shapes) -> None:
-    """Triton compiles on first launch: launch once per shape on scratch tensors."""
-    for s in shapes:
-        dt = s.get("dtype", torch.bfloat16)
-        dev = s.get("device", "cuda")
-        x = torch.zeros((s["M"], s["K"]), dtype=dt, device=dev)
-        w = torch.zeros((s["N"], s["K"]), dtype=dt, device=dev)
-        if supports(x, w, None, s.get("out_dtype") or dt):
-            run(x, w, None, s.get("out_dtype") or dt)
-
-
-if HAVE_TRITON:
-    from ..dispatch import Impl, register_impl
-
-    register_impl("decode_gemm", Impl("triton.splitk", supports=_supports, run=_run, priority=50,
-                                      warmup=_warmup, covers=_covers))

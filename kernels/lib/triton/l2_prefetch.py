@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import torch
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
 
 CHUNK_BYTES = 32 << 10   # one prefetch per thread: spreads a 24 MB budget over ~6 CTAs
 BLOCK = 128
@@ -80,26 +78,9 @@ def _table(weights: list[torch.Tensor], budget_bytes: int) -> tuple[torch.Tensor
     return table
 
 
-def supports(anchor: torch.Tensor, weights: list[torch.Tensor], budget_bytes: int) -> str | None:
-    if not HAVE_TRITON:
-        return "triton not installed"
-    if not weights or budget_bytes < ALIGN:
-        return "nothing to prefetch"
-    if any(not w.is_cuda or w.device != weights[0].device for w in weights):
-        return "weights not on one CUDA device"
-    if torch.cuda.get_device_capability(weights[0].device) < (9, 0):
-        return "cp.async.bulk.prefetch needs sm_90"
-    return None
-
-
 def run(anchor: torch.Tensor, weights: list[torch.Tensor], budget_bytes: int) -> None:
     addrs, sizes = _table(weights, budget_bytes)
     n = addrs.numel()
     if n:
         _prefetch_kernel[(triton.cdiv(n, BLOCK),)](addrs, sizes, n, BLOCK=BLOCK, num_warps=4)
 
-
-if HAVE_TRITON:
-    from ..dispatch import Impl, register_impl
-
-    register_impl("l2_prefetch", Impl("triton.l2_prefetch", supports=supports, run=run, priority=50))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from k3fuse import compat
 from k3fuse.spelling import ROUTE_EPS, delta_rule, rms_norm, route
 
-from .. import streams
+from ... import streams
 from . import shared_expert
 
 

@@ -46,14 +46,12 @@ import os
 
 import torch
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
 
 MAX_TOKENS = 64
 MAX_EXPERTS = 4096  # expert * BLOCK_P + pair must fit an int32 sort key
@@ -260,50 +258,12 @@ def _cached_config(T: int, E: int, I: int, L: int, top_k: int) -> dict:
     return pick_config(T, E, I, L, top_k)
 
 
-def _shape_limit(T: int, E: int, I: int, L: int, top_k: int, dtype: torch.dtype) -> str | None:
-    if dtype not in DTYPES:
-        return f"dtype {dtype} (bf16/fp16 only)"
-    if not 1 <= T <= MAX_TOKENS:
-        return f"T={T} (needs 1 <= T <= {MAX_TOKENS})"
-    if not 1 <= E <= MAX_EXPERTS:
-        return f"E={E} (needs 1 <= E <= {MAX_EXPERTS})"
-    if not 1 <= T * top_k <= MAX_PAIRS:
-        return f"T*top_k={T * top_k} (needs <= {MAX_PAIRS})"
-    if I < 16 or L < 16:
-        return f"I={I}, L={L} (needs both >= 16 for tl.dot)"
-    return None
-
-
-def _triton_limit() -> str | None:
-    if not HAVE_TRITON:
-        return "triton not installed"
+def missing_features() -> str | None:
+    """What this triton lacks for the kernels (tl.sort, tl.cumsum), or None."""
     missing = [name for name in ("sort", "cumsum") if not hasattr(tl, name)]
     if missing:
         return f"triton {triton.__version__} lacks tl.{', tl.'.join(missing)}"
     return None
-
-
-def supports(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta) -> str | None:
-    if (limit := _triton_limit()) is not None:
-        return limit
-    tensors = (a, experts, w1, w3, w2)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return "a, experts and the weights must be tensors"
-    if not all(t.is_cuda for t in tensors) or len({t.device for t in tensors}) != 1:
-        return "not CUDA tensors on one device"
-    if not all(t.is_contiguous() for t in tensors):
-        return "a, experts and the weights must be contiguous"
-    if a.dim() != 2 or w1.dim() != 3 or w1.shape != w3.shape or w2.dim() != 3:
-        return f"a {tuple(a.shape)} / w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} / w2 {tuple(w2.shape)} " \
-               "are not [T, L] / [E, I, L] / [E, I, L] / [E, L, I]"
-    E, I, L = w1.shape
-    if a.shape[1] != L or tuple(w2.shape) != (E, L, I):
-        return f"a {tuple(a.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} do not agree on E, I, L"
-    if experts.dtype != torch.int64 or experts.dim() != 1 or experts.shape[0] != a.shape[0] * top_k:
-        return f"experts {experts.dtype} {tuple(experts.shape)} is not int64 [T*top_k]"
-    if not a.dtype == w1.dtype == w3.dtype == w2.dtype:
-        return f"dtypes differ: a {a.dtype}, w1 {w1.dtype}, w3 {w3.dtype}, w2 {w2.dtype}"
-    return _shape_limit(a.shape[0], E, I, L, top_k, a.dtype)
 
 
 def run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, out: torch.Tensor | None = None,
@@ -336,38 +296,3 @@ def run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, out: torch.T
     return z
 
 
-# --- dispatcher registration ---------------------------------------------------------------------
-def _supports(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, **_) -> str | None:
-    return supports(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta)
-
-
-def _covers(shape: dict) -> str | None:
-    """Compile-time limit (dispatch.Impl.covers): shape {"M": tokens, "E", "I", "L", "top_k", "dtype"}."""
-    if (limit := _triton_limit()) is not None:
-        return limit
-    return _shape_limit(shape["M"], shape["E"], shape["I"], shape["L"], shape["top_k"], shape["dtype"])
-
-
-def _run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, **_):
-    return run(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta)
-
-
-def _warmup(shapes) -> None:
-    """Triton compiles on first launch: launch once per {"M", "E", "I", "L", "top_k", "dtype"} on
-    small random inputs (the compiled code depends on the block sizes, which follow the shapes)."""
-    for s in shapes:
-        dev, dtype = s.get("device", "cuda"), s.get("dtype", torch.bfloat16)
-        T, E, I, L, k = s["M"], s["E"], s["I"], s["L"], s["top_k"]
-        a = torch.zeros((T, L), dtype=dtype, device=dev)
-        experts = torch.arange(T * k, device=dev, dtype=torch.int64) % E
-        w1 = torch.empty((E, I, L), dtype=dtype, device=dev)  # values never matter: the output is dropped
-        w2 = torch.empty((E, L, I), dtype=dtype, device=dev)
-        if supports(a, experts, w1, w1, w2, k, 1.0, 1.0) is None:
-            run(a, experts, w1, w1, w2, k, 1.0, 1.0)
-
-
-if HAVE_TRITON:
-    from ..dispatch import Impl, register_impl
-
-    register_impl("routed_experts", Impl("triton.routed_experts", supports=_supports, run=_run, priority=50,
-                                         warmup=_warmup, covers=_covers))

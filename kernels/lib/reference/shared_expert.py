@@ -5,8 +5,8 @@ down projection optional (without it the output is the activation, [T, S/tp]: th
 was fused into the MoE final reduction, gemm_ar_residual). Every implementation runs the model's own
 sequence, op for op: the projections through a `linear(x2d, weight, bias)` it chooses (F.linear on
 CPU and in the stock path; on CUDA the decode-GEMM kernels, cuBLAS where none supports the shape,
-see kernels/cuda_shared_expert.py), the activation with the stock pointwise ops in the model dtype,
-so the rounding points are the model's (kernels/reference/stock.py), never a float32 upcast.
+see kernels/ops/shared_expert.py), the activation with the stock pointwise ops in the model dtype,
+so the rounding points are the model's (kernels/lib/reference/stock.py), never a float32 upcast.
 
 `act` names the activation, one of
   * a named activation, spelled as the model code spells it (each input in the model dtype):
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, situ, situ_glu  # noqa: F401 (situ: re-exported)
 
-from .. import streams
+from ... import streams
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 Activation = Callable[[Sequence[torch.Tensor]], torch.Tensor]

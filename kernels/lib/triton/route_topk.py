@@ -7,7 +7,7 @@ tensor: launch-bound, not bandwidth-bound. One program per token does all of it.
 One program per token: it loads the token's E logits (E <= MAX_EXPERTS, one block), computes
 scores = sigmoid(logits) and biased = scores + b_corr, packs each expert into one uint64 key (the
 biased score's order-preserving bits, then the inverted index, so ties go to the lowest index as in
-the reference's stable sort, kernels/reference/routing.py) and takes the k largest keys with one
+the reference's stable sort, kernels/lib/reference/routing.py) and takes the k largest keys with one
 bitonic top-k (tl.topk): no per-selection block reductions, which made a 16-step selection loop cost
 ~10 µs. The selected scores are recomputed from their logits and added in selection order, so the
 weights are w_i / (((w_0 + w_1) + ...) + eps) * routed_scaling with the reference's order of additions.
@@ -36,14 +36,12 @@ import os
 
 import torch
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
 
 MAX_TOKENS = 64
 MAX_EXPERTS = 2048  # one block of E scores per program (K3: 896 -> a 1024 block)
@@ -135,40 +133,11 @@ def pick_config(E: int, top_k: int) -> dict:
             "num_warps": WARPS_BY_BLOCK.get(block_e, 4 if block_e >= 1024 else 2)}
 
 
-def _shape_limit(M: int, E: int, top_k: int, dtype) -> str | None:
-    if dtype != torch.float32:
-        return f"dtype {dtype} (fp32 logits only)"
-    if not 1 <= M <= MAX_TOKENS:
-        return f"T={M} (needs 1 <= T <= {MAX_TOKENS})"
-    if not 1 <= E <= MAX_EXPERTS:
-        return f"E={E} (needs 1 <= E <= {MAX_EXPERTS})"
-    if not 1 <= top_k <= min(MAX_TOP_K, E):
-        return f"top_k={top_k} (needs 1 <= top_k <= {MAX_TOP_K} and <= E)"
-    return None
-
-
-def _triton_limit() -> str | None:
-    if not HAVE_TRITON:
-        return "triton not installed"
+def missing_features() -> str | None:
+    """What this triton lacks for the kernel (tl.topk), or None."""
     if not hasattr(tl, "topk"):
         return f"triton {triton.__version__} has no tl.topk (needs triton >= 3.4)"
     return None
-
-
-def supports(logits, b_corr, top_k, routed_scaling, eps=1e-20) -> str | None:
-    if (limit := _triton_limit()) is not None:
-        return limit
-    if not (isinstance(logits, torch.Tensor) and isinstance(b_corr, torch.Tensor)):
-        return "logits and b_corr must be tensors"
-    if not (logits.is_cuda and b_corr.is_cuda):
-        return "not CUDA tensors"
-    if logits.dim() != 2 or b_corr.dim() != 1 or b_corr.shape[0] != logits.shape[1]:
-        return f"logits {tuple(logits.shape)} / b_corr {tuple(b_corr.shape)} are not [T, E] / [E]"
-    if b_corr.dtype != torch.float32:
-        return f"b_corr dtype {b_corr.dtype} (fp32 only)"
-    if logits.stride(1) != 1 or b_corr.stride(0) != 1:
-        return "logits and b_corr need a unit inner stride"
-    return _shape_limit(logits.shape[0], logits.shape[1], top_k, logits.dtype)
 
 
 def run(logits, b_corr, top_k, routed_scaling, eps=1e-20, out: tuple | None = None,
@@ -193,35 +162,3 @@ def run(logits, b_corr, top_k, routed_scaling, eps=1e-20, out: tuple | None = No
     return weights, idx
 
 
-# --- dispatcher registration ---------------------------------------------------------------------
-def _supports(logits, b_corr, top_k, routed_scaling, eps=1e-20, **_) -> str | None:
-    return supports(logits, b_corr, top_k, routed_scaling, eps)
-
-
-def _covers(shape: dict) -> str | None:
-    """Compile-time limit (dispatch.Impl.covers): shape {"M": tokens, "E", "top_k", "dtype"}."""
-    if (limit := _triton_limit()) is not None:
-        return limit
-    return _shape_limit(shape["M"], shape["E"], shape["top_k"], shape.get("dtype", torch.float32))
-
-
-def _run(logits, b_corr, top_k, routed_scaling, eps=1e-20, **_):
-    return run(logits, b_corr, top_k, routed_scaling, eps)
-
-
-def _warmup(shapes) -> None:
-    """Triton compiles on first launch: launch once per {"M", "E", "top_k"} on zeros (the compiled
-    code depends on E's block, top_k and the row stride's 16-divisibility)."""
-    for s in shapes:
-        dev = s.get("device", "cuda")
-        logits = torch.zeros((s["M"], s["E"]), dtype=torch.float32, device=dev)
-        b_corr = torch.zeros((s["E"],), dtype=torch.float32, device=dev)
-        if supports(logits, b_corr, s["top_k"], 1.0) is None:
-            run(logits, b_corr, s["top_k"], 1.0)
-
-
-if HAVE_TRITON:
-    from ..dispatch import Impl, register_impl
-
-    register_impl("route_topk", Impl("triton.route_topk", supports=_supports, run=_run, priority=50,
-                                     warmup=_warmup, covers=_covers))

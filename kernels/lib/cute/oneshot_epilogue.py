@@ -3,7 +3,7 @@
 Why: a decode all-reduce of [T, 7168] is latency-bound. Instead of push -> fence -> flag -> poll
 (a system-scope round trip after the GEMM), the GEMM itself pushes its fp32 partials with plain
 stores into slot [rank] of every rank's symmetric buffer while it streams its weights (the
-`push` epilogues of decode_gemv.py and triton/splitk_gemm.py); no multicast anywhere. The data is
+`push` epilogues of gemv.py and lib/triton/splitk_gemm.py); no multicast anywhere. The data is
 its own flag (Lamport): buffers hold the sentinel -0.0 (bits 0x80000000) until written, the GEMM
 never writes -0.0 (it writes +0.0 instead), and this kernel polls its *local* buffer with volatile
 16-byte loads until no word is the sentinel. It sums the W slots in fixed rank order 0..W-1 in
@@ -12,9 +12,9 @@ residual (and addend), writes `out` and optionally RMSNorm of the fp32 sum times
 reference's rounding points).
 
 Protocol state lives in device memory, so CUDA-graph replays stay correct: int64 words
-(symm_workspace.py) gen[0] = epoch (64-bit), gen[3] = buffer index b in {0, 1, 2} (the GEMM reads
-it too; rotated by the last CTA, never `g % 3`, which as int32 went negative after 2^31 calls and
-broke the rotation at 2^32); each CTA resets buffer (b + 2) mod 3 (used at the previous call,
+(kernels/collective.py) gen[0] = epoch (64-bit), gen[3] = buffer index b in {0, 1, 2} (the GEMM reads
+it too; rotated by the last CTA, never a remainder of the epoch, so the rotation survives
+every wrap of the counter); each CTA resets buffer (b + 2) mod 3 (used at the previous call,
 gen[2] rows) to the sentinel; the last CTA to finish (gen[1] arrival counter) stores the row count
 in gen[2], advances the epoch and rotates b. Three buffers suffice: a peer writes buffer b + 2 two
 calls later only after this rank pushed the next call, which it does after this kernel (and its
@@ -22,7 +22,7 @@ reset) finished.
 Every spin is bounded (%globaltimer, `timeout_ns` = K3FUSE_AR_TIMEOUT_S): on timeout err[] names
 the source rank that never arrived, the output is NaN, and a workspace whose err is set (here or
 by a failing peer, which writes it remotely) never spins again; the host raises
-(symm_workspace.CollectiveTimeoutError).
+(collective.CollectiveTimeoutError).
 
 Flag variant (`flags_rank` set; K3FUSE_AR_PROTOCOL=flags): the same GEMM push (plain stores into
 buffer g % 3), then explicit acquire/release flags instead of sentinels. Epoch e = g + 1 (gen[0]
@@ -32,16 +32,15 @@ flag [rank, t] of rank r (the GEMM's stores precede this kernel in stream order,
 them visible system-wide before the flag), then (thread s) spins with `ld.acquire.sys` on its own
 flag [s, t] until flag - e >= 0 (int64 signed difference: wrap-safe; flags only grow), a CTA barrier,
 and only then reads the peer slots. No buffer reset is needed (no sentinel); the flags live after
-the data in the same symmetric allocation (symm_workspace.py). PDL is never used here: the flag
+the data in the same symmetric allocation (kernels/collective.py). PDL is never used here: the flag
 store must follow the GEMM's completion.
 """
 from __future__ import annotations
 
+from ...collective import MAX_WORLD, NBUF, OP_KINDS
 from .compat import SELF as compat
 
 VEC = 4  # fp32 per 16-byte access
-MAX_WORLD = 8
-NBUF = 3
 
 if compat.HAVE_CUTE:
     import cutlass
@@ -60,8 +59,9 @@ if compat.HAVE_CUTE:
             # residual argument is then only the row count of the grid (pass `out`), never read
             assert has_residual or not has_addend
             self.has_residual = has_residual
-            # err[2] on a timeout: which op spun (symm_workspace.ArWorkspace.describe)
-            self.err_kind = 2 if not has_residual else (1 if has_norm else 0)
+            # err[2] on a timeout: which op spun (collective.ArWorkspace.describe)
+            self.err_kind = OP_KINDS["allreduce_rmsnorm" if not has_residual else
+                                     "gemm_ar_residual_rmsnorm" if has_norm else "gemm_ar_residual"]
             self.world, self.H, self.max_t = world, hidden, max_tokens
             self.threads, self.vpt = threads, hidden // (VEC * threads)
             self.has_addend, self.has_norm = has_addend, has_norm
@@ -105,7 +105,7 @@ if compat.HAVE_CUTE:
             warp = cute.arch.warp_idx()
             lane = cute.arch.lane_idx()
 
-            # protocol state (int64 words, symm_workspace.py): gen[0] epoch (flags protocol; 64-bit,
+            # protocol state (int64 words, kernels/collective.py): gen[0] epoch (flags protocol; 64-bit,
             # never wraps in practice, compared by signed difference so even the wrap is safe),
             # gen[1] arrival counter, gen[2] rows written last call, gen[3] buffer index in
             # {0, 1, 2}: rotated by the last CTA, never computed as a remainder of the epoch

@@ -5,8 +5,8 @@ are replicated on every rank, so every rank streams all E + L weight rows. Shard
 only its E/W router rows and L/W latent rows, and the ranks exchange the [T, E/W + L/W] results.
 The weight read drops by (W-1)/W; the exchange is T x (E + L) / W fp32 per peer (9 KB at one token).
 
-Two launches, in the one-shot all-reduce's protocol family (kernels/cute/oneshot_ar.py,
-kernels/symm_workspace.py), no multicast:
+Two launches, in the one-shot all-reduce's protocol family (kernels/lib/cute/oneshot_epilogue.py,
+kernels/collective.py), no multicast:
 1. push: the Triton split-K GEMM (triton/splitk_gemm.py) over the two weight slices at once (its
    `weight2`: rows [0, E/W) from the router slice, the rest from the latent slice; no stacked copy)
    with its Lamport push epilogue: fp32 into slot [rank] of buffer gen[3] of every rank's symmetric
@@ -29,21 +29,18 @@ the sentinels, so under `flags` this kernel declines (a configuration fact every
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
+from . import splitk_gemm
+from ...collective import OP_KINDS
 
-NAME = "triton.moe_front_sharded"
-OP = "moe_front_sharded"
-ERR_KIND = 3          # err[2] of a timeout in this op (symm_workspace.ArWorkspace.describe)
+ERR_KIND = OP_KINDS["moe_front_sharded"]  # err[2] of a timeout in this op (collective.ArWorkspace.describe)
 MAX_WORLD = 8
-_IO_DTYPES = (torch.bfloat16, torch.float16)
 
 if HAVE_TRITON:
     from triton.language.extra.cuda import gdc_wait, globaltimer
@@ -135,18 +132,10 @@ TUNED: dict[tuple[int, int, int, int], dict] = {
 
 def push_config(T: int, e1: int, l1: int, H: int) -> dict | None:
     """The split-K config of the push GEMM: the measured one for this shape, else the heuristic."""
-    from . import splitk_gemm
-
     cfg = TUNED.get((e1, l1, H, splitk_gemm._block_m(T)))
     if cfg is not None:
         return dict(cfg, BLOCK_M=splitk_gemm._block_m(T))
     return splitk_gemm.pick_config(T, e1 + l1, H, rows_first=e1 if l1 else None)
-
-
-def _protocol() -> str:
-    from ..cute.gemm_ar_residual import protocol
-
-    return protocol()
 
 
 def _block(nb: int) -> int:
@@ -157,96 +146,7 @@ def _num_warps(block: int) -> int:
     return max(1, min(8, block // 256))
 
 
-def decide(T: int, H: int, E: int, L: int, x_dtype, w_dtype, world_size: int, max_tokens: int, *,
-           triton_ok: bool, dist_ok: bool, protocol: str) -> str | None:
-    """Accept (None) or decline (the reason) from facts every rank shares: shapes, dtypes, world
-    size and configuration; never pointers or strides (misaligned inputs are staged)."""
-    from . import splitk_gemm
-
-    if not triton_ok:
-        return "triton unavailable"
-    if not dist_ok:
-        return "torch.distributed not initialized"
-    if protocol != "lamport":
-        return f"K3FUSE_AR_PROTOCOL={protocol} (the gather polls Lamport sentinels)"
-    if not 1 <= world_size <= MAX_WORLD:
-        return f"world_size {world_size} outside [1, {MAX_WORLD}]"
-    if x_dtype not in _IO_DTYPES or w_dtype != x_dtype:
-        return f"dtype x {x_dtype} / weights {w_dtype} (bf16 or fp16, the same)"
-    if E % world_size or L % world_size:
-        return f"router rows {E} / latent rows {L} not divisible by world_size {world_size}"
-    if not 1 <= T <= min(max_tokens, splitk_gemm.MAX_M):
-        return f"tokens {T} outside [1, max_tokens {min(max_tokens, splitk_gemm.MAX_M)}]"
-    e1, l1 = E // world_size, L // world_size
-    rows_first = e1 if l1 else None
-    if H % splitk_gemm.BLOCK_K or splitk_gemm.pick_config(T, e1 + l1, H, rows_first=rows_first) is None:
-        return (f"no split-K tile for router slice {e1} + latent slice {l1} rows, K={H} "
-                f"(needs K % {splitk_gemm.BLOCK_K} == 0 and the router slice a multiple of "
-                f"{splitk_gemm.MIN_BLOCK_N})")
-    return None
-
-
-def _triton_ok() -> bool:
-    return HAVE_TRITON
-
-
-def _dist_ok() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _staged(t: torch.Tensor) -> torch.Tensor:
-    """`t` if contiguous and 16-byte aligned, else an aligned copy (a decision no rank declines on)."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous() if not t.is_contiguous() else t.clone()
-
-
-def supports(x, router_w, down_w, group_name, world_size, max_tokens=64, **_) -> str | None:
-    H = x.shape[-1]
-    if router_w.dim() != 2 or router_w.shape[1] != H or (down_w is not None and
-                                                          (down_w.dim() != 2 or down_w.shape[1] != H)):
-        return "x / router_w / down_w shapes do not fit"
-    if not x.is_cuda:
-        return "not a CUDA tensor"
-    L = down_w.shape[0] if down_w is not None else 0
-    if down_w is not None and down_w.dtype != router_w.dtype:
-        return f"router_w {router_w.dtype} and down_w {down_w.dtype} differ"
-    return decide(x.numel() // max(H, 1), H, router_w.shape[0], L, x.dtype, router_w.dtype, world_size,
-                  max_tokens, triton_ok=_triton_ok(), dist_ok=_dist_ok(), protocol=_protocol())
-
-
-def covers(shape: dict) -> str | None:
-    """Compile-time limits for the rule's kernel-shape guard: {"M", "E", "L", "H", "dtype",
-    "world_size", "max_tokens"} (L = 0 for the router-only form)."""
-    dt = shape.get("dtype")
-    return decide(shape["M"], shape["H"], shape["E"], shape.get("L", 0), dt, dt, shape.get("world_size", 2),
-                  shape.get("max_tokens", 64), triton_ok=_triton_ok(), dist_ok=True, protocol=_protocol())
-
-
-def run(x, router_w, down_w, group_name, world_size, max_tokens=64, **_):
-    from ..symm_workspace import CollectiveError, get_workspace
-
-    H = x.shape[-1]
-    x2 = _staged(x.reshape(-1, H))
-    E = router_w.shape[0]
-    L = down_w.shape[0] if down_w is not None else 0
-    W = world_size
-    nb = (E + L) // W
-    ws = get_workspace(group_name, world_size, max_tokens, nb, x.device,
-                       facts=dict(protocol=_protocol(), path="moe_front_sharded"))
-    ws.before_call(OP)
-    try:
-        logits, latent = _launch(ws, x2, _staged(router_w), _staged(down_w) if down_w is not None else None,
-                                 max_tokens)
-    except Exception as exc:
-        if not isinstance(exc, CollectiveError):
-            ws.fail(OP, f"{type(exc).__name__}: {exc}")   # every peer stops spinning and raises too
-        raise
-    lead = x.shape[:-1]
-    return logits.view(*lead, E), latent.view(*lead, L)
-
-
-def _slices(ws, router_w: torch.Tensor, down_w: torch.Tensor | None):
+def slices(ws, router_w: torch.Tensor, down_w: torch.Tensor | None):
     """This rank's rows (views, no copy): the rank within the TP group, never the global one."""
     e1 = router_w.shape[0] // ws.world
     r = router_w.narrow(0, ws.rank * e1, e1)
@@ -256,12 +156,12 @@ def _slices(ws, router_w: torch.Tensor, down_w: torch.Tensor | None):
     return r, down_w.narrow(0, ws.rank * l1, l1)
 
 
-def _launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor | None, max_tokens: int):
-    from ..symm_workspace import timeout_ns
-    from . import splitk_gemm
-
+def launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor | None, max_tokens: int,
+           timeout_ns: int):
+    """Push this rank's slice of [router_w ; down_w] @ x2.T into every rank's workspace `ws`, then
+    gather the W slices locally -> (logits fp32 [T, E], latent [T, L] in x2's dtype)."""
     T = x2.shape[0]
-    w_r, w_d = _slices(ws, router_w, down_w)
+    w_r, w_d = slices(ws, router_w, down_w)
     e1 = w_r.shape[0]
     l1 = w_d.shape[0] if w_d is not None else 0
     nb = e1 + l1
@@ -272,7 +172,7 @@ def _launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor |
     block = _block(nb)
     grid = (T, ws.world)
     args = (ws.datas[ws.rank].view(torch.int32), ws.gen, ws.err, logits, latent if l1 else logits, T,
-            timeout_ns())
+            timeout_ns)
     pdl = USE_PDL
     kw = dict(WORLD=ws.world, MAXT=max_tokens, NB=nb, E1=e1, L1=l1, BLOCK=block, KIND=ERR_KIND,
               num_warps=_num_warps(block), launch_pdl=pdl)
@@ -285,15 +185,3 @@ def _launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor |
     _gather_kernel[grid](*args, **kw)
     ws.after_call()
     return logits, latent
-
-
-def _warmup(shapes) -> None:
-    """Nothing to compile ahead without a workspace: the first real call (before CUDA-graph
-    capture, which also creates the workspace collectively) compiles both kernels before its push."""
-    return None
-
-
-if HAVE_TRITON:
-    from ..dispatch import Impl, register_impl
-
-    register_impl(OP, Impl(NAME, supports=supports, run=run, priority=100, warmup=_warmup, covers=covers))

@@ -2,25 +2,23 @@
 
 Why: the MoE tail's all-reduce (k3fuse.allreduce_rmsnorm) has no projection in front of it whose
 epilogue could push, so this small kernel does what the GEMM push epilogues of
-cute/decode_gemv.py and triton/splitk_gemm.py do: x [T, H] (any float dtype) as fp32 into slot
-[rank] of buffer b of every rank's symmetric workspace (kernels/symm_workspace.py), with -0.0
+lib/cute/gemv.py and lib/triton/splitk_gemm.py do: x [T, H] (any float dtype) as fp32 into slot
+[rank] of buffer b of every rank's symmetric workspace (kernels/collective.py), with -0.0
 written as +0.0 (-0.0 is the "not written" sentinel the epilogue polls for). b is read on the device
 from the workspace's int64 protocol word gen[3] (rotated by the epilogue's last CTA), never a
 host-side value, so a captured CUDA graph pushes into the right buffer on every replay.
-The epilogue (cute/oneshot_ar.py, has_residual=False) then polls, sums in rank order and normalises.
-Not a dispatcher Impl: kernels/cute/allreduce_rmsnorm.py calls it.
+The epilogue (lib/cute/oneshot_epilogue.py, has_residual=False) then polls, sums in rank order and normalises.
+Not an implementation of its own: kernels/ops/allreduce_rmsnorm.py calls it.
 """
 from __future__ import annotations
 
 import torch
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
 
 BLOCK = 1024
 

@@ -32,7 +32,7 @@ if compat.HAVE_CUTE:
             self.iters = (K // VEC) // threads
             self.num_warps = threads // 32
             # push=(world, rank): write fp32 results into slot [rank] of buffer gen%3 of every
-            # rank's Lamport buffer (oneshot_ar.py) instead of mY; never the sentinel -0.0
+            # rank's Lamport buffer (oneshot_epilogue.py) instead of mY; never the sentinel -0.0
             self.push = push
 
         @cute.jit
@@ -163,7 +163,7 @@ def builder(M, K, rows, threads, x_dtype=torch.bfloat16, w_dtype=torch.bfloat16,
                   for _ in range(8)]
         if push is None:   # unused: a 16-byte int32 scratch
             gen = compat.fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
-        else:              # the workspace's int64 protocol words (symm_workspace.py)
+        else:              # the workspace's int64 protocol words (kernels/collective.py)
             gen = compat.fake_tensor(cutlass.Int64, (4,), (1,), align=8)
         k = DecodeGemv(M, K, rows, threads, has_bias, None if push is None else push[:2])
         return (k, x, w, b, y, *ds, gen, compat.fake_stream())
@@ -180,25 +180,6 @@ def _scratch(device: torch.device) -> torch.Tensor:
     if t is None:
         t = _dummy[device] = torch.zeros(4, dtype=torch.int32, device=device)
     return t
-
-
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> bool:
-    if not compat.available() or not x.is_cuda:
-        return False
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
-        return False
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if not (x.is_contiguous() and weight.is_contiguous()):
-        return False
-    if x.data_ptr() % 16 or weight.data_ptr() % 16:
-        return False
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or not bias.is_contiguous()):
-        return False
-    M, K = x.shape
-    return 1 <= M <= 8 and pick_config(M, weight.shape[0], K) is not None
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

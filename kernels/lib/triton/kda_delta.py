@@ -22,13 +22,11 @@ import functools
 
 import torch
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
 
 MAX_TOKENS = 64
 KEY_DIMS = (16, 32, 64, 128)  # dk: a power of two (one tl.arange over the key dim), K3: 128
@@ -88,40 +86,6 @@ def pick_config(T: int, heads: int, dk: int, dv: int) -> dict:
     return {"BLOCK_V": block_v, "num_warps": num_warps}
 
 
-def _shape_limit(M: int, dk: int, dv: int, dtype) -> str | None:
-    if dtype != torch.float32:
-        return f"dtype {dtype} (fp32 only)"
-    if not 1 <= M <= MAX_TOKENS:
-        return f"T={M} (needs 1 <= T <= {MAX_TOKENS})"
-    if dk not in KEY_DIMS:
-        return f"dk={dk} (needs dk in {KEY_DIMS})"
-    if not (16 <= dv <= MAX_DV and dv % 16 == 0):
-        return f"dv={dv} (needs a multiple of 16 up to {MAX_DV})"
-    return None
-
-
-def supports(recurrent, g, beta, k, v, q) -> str | None:
-    if not HAVE_TRITON:
-        return "triton not installed"
-    tensors = (recurrent, g, beta, k, v, q)
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-        return "not all operands are CUDA tensors"
-    if recurrent.dim() != 4:
-        return f"recurrent is {tuple(recurrent.shape)}, not [T, h, dk, dv]"
-    T, H, dk, dv = recurrent.shape
-    want = {"g": (T, H, dk), "beta": (T, H), "k": (T, H, dk), "v": (T, H, dv), "q": (T, H, dk)}
-    for name, t in zip(("g", "beta", "k", "v", "q"), tensors[1:]):
-        if tuple(t.shape) != want[name]:
-            return f"{name} is {tuple(t.shape)}, expected {want[name]}"
-    if any(t.dtype != torch.float32 for t in tensors):
-        return "operands must all be fp32"
-    if recurrent.stride(3) != 1 or recurrent.stride(2) != dv:
-        return f"recurrent's last two dims are not contiguous (strides {recurrent.stride()})"
-    if any(t.stride(-1) != 1 for t in (g, k, v, q)):
-        return "g, k, v and q need a unit inner stride"
-    return _shape_limit(T, dk, dv, recurrent.dtype)
-
-
 def run(recurrent, g, beta, k, v, q, config: dict | None = None, out: tuple | None = None):
     """(S_new, o); `out` = (S_new, o) contiguous fp32 buffers to write instead of new ones."""
     T, H, dk, dv = recurrent.shape
@@ -143,36 +107,3 @@ def run(recurrent, g, beta, k, v, q, config: dict | None = None, out: tuple | No
     return S_new, o
 
 
-# --- dispatcher registration ---------------------------------------------------------------------
-def _supports(recurrent, g, beta, k, v, q, **_) -> str | None:
-    return supports(recurrent, g, beta, k, v, q)
-
-
-def _covers(shape: dict) -> str | None:
-    """Compile-time limit (dispatch.Impl.covers): shape {"M": tokens, "heads", "dk", "dv", "dtype"}."""
-    return _shape_limit(shape["M"], shape["dk"], shape["dv"], shape.get("dtype", torch.float32))
-
-
-def _run(recurrent, g, beta, k, v, q, **_):
-    return run(recurrent, g, beta, k, v, q)
-
-
-def _warmup(shapes) -> None:
-    """Triton compiles on first launch: launch once per {"M", "heads", "dk", "dv"} on zeros.
-
-    Compiled code depends on dk, the column block, the warps and whether dv divides evenly (and on
-    Triton's 16-divisibility of the strides), so warm every token count the graphs will see."""
-    for s in shapes:
-        T, H, dk, dv = s["M"], s["heads"], s["dk"], s["dv"]
-        dev = s.get("device", "cuda")
-        z = functools.partial(torch.zeros, dtype=torch.float32, device=dev)
-        args = (z(T, H, dk, dv), z(T, H, dk), z(T, H), z(T, H, dk), z(T, H, dv), z(T, H, dk))
-        if supports(*args) is None:
-            run(*args)
-
-
-if HAVE_TRITON:
-    from ..dispatch import Impl, register_impl
-
-    register_impl("kda_delta_rule", Impl("triton.kda_delta", supports=_supports, run=_run, priority=50,
-                                         warmup=_warmup, covers=_covers))

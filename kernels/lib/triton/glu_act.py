@@ -13,16 +13,15 @@ import json
 
 import torch
 
-try:
+from . import HAVE_TRITON
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice  # the tanh Inductor's kernels call
 
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - CPU CI without triton
-    HAVE_TRITON = False
-
 BLOCK = 1024
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # g and u, one dtype, contiguous
 
 if HAVE_TRITON:
 
@@ -38,7 +37,7 @@ if HAVE_TRITON:
 
 
 #: K3's SiTU-GLU in a 16-bit trunk as shared_expert_stream copies it out of the model's graph (a JSON
-#: program, kernels/reference/shared_expert.py), with "B" / "L" where beta / linear_beta stand.
+#: program, kernels/lib/reference/shared_expert.py), with "B" / "L" where beta / linear_beta stand.
 #: tests/test_shared_expert_structural.py pins it to what the rule extracts from the reference model.
 _SITU_PROGRAM = {
     "n": 2,
@@ -82,12 +81,6 @@ def situ_params(act: str) -> tuple[float, float] | None:
     return (beta, linear_beta) if json.loads(template) == prog else None
 
 
-def supports(g: torch.Tensor, u: torch.Tensor) -> bool:
-    return (HAVE_TRITON and g.is_cuda and g.shape == u.shape and g.dtype == u.dtype
-            and g.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and g.is_contiguous() and u.is_contiguous())
-
-
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU-GLU of two projections (same shape and dtype), one launch."""
     out = torch.empty_like(g)
@@ -98,4 +91,4 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float) 
     return out
 
 
-__all__ = ["situ_glu", "situ_params", "supports"]
+__all__ = ["situ_glu", "situ_params", "DTYPES"]

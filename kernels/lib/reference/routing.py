@@ -7,7 +7,7 @@ model leaves to torch:
   and version dependent) tie order. -0.0 and +0.0 compare equal (a tie). NaN sorts above every
   number (as torch.sort and torch.topk treat it), NaNs among themselves by index;
 * the weight sum: the k selected (unbiased) scores are added one at a time in selection order,
-  starting from the first, so the Triton kernel (kernels/triton/route_topk.py), which adds them in
+  starting from the first, so the Triton kernel (kernels/lib/triton/route_topk.py), which adds them in
   the same order, gives the same bits. torch.sum's order is an implementation detail (vectorised
   on CPU), which may differ from this by an ulp or so in the weights.
 

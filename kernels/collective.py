@@ -1,12 +1,16 @@
-"""Symmetric-memory workspace of the one-shot all-reduce: unicast peer buffers only.
+"""The fused collectives' shared machinery: the symmetric-memory workspace (unicast peer buffers
+only), the protocol words and their arithmetic, the protocol choice, the order of a call (every
+kernel compiled, then the push, then the epilogue; a failure fails the workspace on every rank),
+the staging of misaligned tensors and the bounded spin. The collective ops (kernels/ops/
+oproj_allreduce.py, allreduce_rmsnorm.py, moe_front.py) run through `run_collective`.
 
-Why a module of its own: the buffers must be allocated once per (group, device, max_tokens,
+Why the workspace is shared: the buffers must be allocated once per (group, device, max_tokens,
 hidden, lane) before CUDA-graph capture, with every rank in the same order (rendezvous is
 collective), and the peer views must be plain tensors the CuTe kernel can take. NVLink multicast is
 never used: no multicast pointer is read, and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set before the
 first symmetric allocation so that torch does not create a multicast object either.
 
-Layout of the one symmetric fp32 allocation per rank (see kernels/cute/oneshot_ar.py):
+Layout of the one symmetric fp32 allocation per rank (see kernels/lib/cute/oneshot_epilogue.py):
   data  [3 buffers, world (source rank), max_tokens, hidden] fp32, initialised to the sentinel -0.0
   flags [world (source rank), max_tokens] int64 after it, initialised to the start epoch (only the
         acquire/release flag protocol, K3FUSE_AR_PROTOCOL=flags, uses them)
@@ -20,7 +24,7 @@ in {0, 1, 2}), ptrs int64[world] (each rank's data base address, for the Triton 
 Generation: 64-bit (2^63 calls) and compared by signed difference, so not even the wrap breaks
 the flag protocol; the buffer index is its own word, rotated 0 -> 1 -> 2 -> 0 by the epilogue's
 last CTA, never a remainder of a wrapping counter. `K3FUSE_AR_START_GENERATION` (tests) starts
-the epoch anywhere, e.g. near 2^63 or near 2^31 / 2^32 where the old int32 counter broke.
+the epoch anywhere, e.g. near 2^63 or near 2^31 / 2^32 (the int32 and uint32 wrap points).
 
 Streams: a workspace serves one stream at a time. Each lane (`stream_lane(name)`, default "main")
 has its own workspace; two streams that overlap (two-batch overlap) must use two lanes. A call
@@ -88,8 +92,83 @@ def start_generation() -> int:
     return settings.get("K3FUSE_AR_START_GENERATION")
 
 
+#: err[2] of a failure: which op the kernel ran (a timeout message names it)
+OP_KINDS: dict[str, int] = {"gemm_ar_residual": 0, "gemm_ar_residual_rmsnorm": 1, "allreduce_rmsnorm": 2,
+                            "moe_front_sharded": 3}
+MAX_WORLD = 8  # ranks a fused collective serves (the epilogue's fixed peer arity)
+_PROTOCOL: list[str] = []
+
+
+def protocol() -> str:
+    """K3FUSE_AR_PROTOCOL (lamport | flags), read on first use and then fixed for the process: both
+    share the workspace, and the Lamport one needs its sentinel invariant."""
+    if not _PROTOCOL:
+        _PROTOCOL.append(settings.get("K3FUSE_AR_PROTOCOL"))
+    return _PROTOCOL[0]
+
+
+def flags_rank(rank: int) -> int | None:
+    """The rank the epilogue's flag variant is specialised on, None under the Lamport protocol."""
+    return rank if protocol() == "flags" else None
+
+
+def staged(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` itself if contiguous and 16-byte aligned, else an aligned copy (fresh allocations are):
+    layout is per rank, so it is staged, never a reason to decline."""
+    if t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def dist_ready() -> bool:
+    """A process group exists (a call-time fact: a rewrite is made for a group that will exist)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def run_collective(op: str, group_name: str, world_size: int, max_tokens: int, hidden: int,
+                   device: torch.device, facts: dict, launch) -> object:
+    """One fused collective call: the workspace for (group, max_tokens, hidden, lane), then
+    `launch(ws)`, which compiles every kernel before its first remote store, pushes, runs the
+    epilogue and returns the result. Whatever fails (compile, launch, before or after this rank's
+    push) fails the workspace here and on every peer, so no rank spins to its timeout or reads
+    stale partial sums later; the caller (dispatch) raises, never a per-rank fallback."""
+    ws = get_workspace(group_name, world_size, max_tokens, hidden, device, facts=facts)
+    ws.before_call(op)
+    try:
+        return launch(ws)
+    except Exception as exc:
+        if not isinstance(exc, CollectiveError):
+            ws.fail(op, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def warmup_rank(shape: dict) -> int:
+    """The rank within the TP group for a warm-up shape: {"group": c10d group name} if given,
+    else WORLD only when its size is the shape's world_size (a sub-group needs "group")."""
+    W = shape.get("world_size", 2)
+    if not dist_ready():
+        return 0
+    name = shape.get("group") or shape.get("group_name")
+    if name is not None:
+        from k3fuse.compat import resolve_group
+
+        return dist.get_rank(resolve_group(name))
+    if dist.get_world_size() != W:
+        raise ValueError(f"fused all-reduce warm-up for world_size {W} in a process group of "
+                         f"{dist.get_world_size()} ranks: pass the TP group's name as shape['group'] "
+                         "(the kernels are specialised on the rank within that group)")
+    return dist.get_rank()
+
+
+def check_timeout(group_name: str, max_tokens: int, hidden: int, device: torch.device) -> None:
+    """Raise CollectiveTimeoutError if a spin on this workspace timed out (synchronises)."""
+    ws = _workspaces.get((group_name, device.index, max_tokens, hidden, current_lane()))
+    if ws is not None:
+        ws.raise_if_failed(ws.last_op, sync=True)
+
+
 # --- the protocol's generation arithmetic, as the kernels do it (pure Python, for CPU tests) -------
-NBUF = 3
+NBUF = 3  # data buffers the protocol rotates through (one written, one read, one being reset)
 _I64 = 2**64
 
 
@@ -207,8 +286,7 @@ class ArWorkspace:
 
     # --- failures -------------------------------------------------------------------------------
     def describe(self, code: int, peer: int, norm: int, row: int, op: str | None = None) -> str:
-        op = op or {3: "moe_front_sharded", 2: "allreduce_rmsnorm",
-                    1: "gemm_ar_residual_rmsnorm"}.get(norm, "gemm_ar_residual")
+        op = op or {kind: name for name, kind in OP_KINDS.items()}.get(norm, "gemm_ar_residual")
         me = f"rank {self.rank} (global {self.global_ranks[self.rank]}) of group {self.group_name!r}"
         if code == 1:
             g = self.global_ranks[peer] if 0 <= peer < self.world else "?"
@@ -270,7 +348,7 @@ class ArWorkspace:
                 f"{self.lane!r}) is in use on stream {self.stream.cuda_stream:#x} and stream "
                 f"{cur.cuda_stream:#x} called it before that call finished; two overlapping streams "
                 "would corrupt its buffers. Give each stream its own workspace with "
-                "`with k3fuse.kernels.symm_workspace.stream_lane(name):` (created collectively, "
+                "`with k3fuse.kernels.collective.stream_lane(name):` (created collectively, "
                 "same order on every rank), or order the streams (wait for the first)")
         self.stream = cur   # the previous stream's calls have finished: hand over
 
