@@ -25,7 +25,6 @@ the fused kernels make the peers raise as well.
 from __future__ import annotations
 
 import importlib
-import pkgutil
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence

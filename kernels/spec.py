@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from k3fuse.ir import leading_tokens
+
 
 def call_only(default: Any) -> Any:
     """A field only a call can know (contiguity, alignment, device); sites assume `default`."""
@@ -37,11 +39,8 @@ class Spec:
 
 
 def token_count(x: Any) -> int:
-    """Tokens of a decode activation [..., features]: the product of the leading dims."""
-    n = 1
-    for d in x.shape[:-1]:
-        n *= int(d)
-    return n
+    """Tokens of a decode activation tensor [..., features] (k3fuse.ir.leading_tokens)."""
+    return leading_tokens([int(d) for d in x.shape])
 
 
 def aligned(t: Any) -> bool:

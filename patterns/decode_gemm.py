@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, is_static, kernel_covers, site_tokens,
+from k3fuse.guards import (GuardFailure, failures, is_static, kernel_covers, site_tokens,
                            static_weight, token_count)
 from k3fuse.ir import node_order
 from k3fuse.kernels.ops.decode_gemm import DecodeGemmSpec
@@ -25,7 +25,7 @@ from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import cast_free, per_dtype, randn, trunk_dtype
+from ._pattern_tools import cast_free, per_dtype, randn, trunk_dtype
 
 T, K, N = 4, 16, 8  # example shapes
 
@@ -78,9 +78,6 @@ class DecodeGemm(Rule):
                 if not (set(m.nodes) & taken)]
         order = node_order(graph)
         return sorted(with_bias + rest, key=lambda m: order[m.outputs[0]])
-
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         bias = static_weight(match["bias"], "bias") if "bias" in match.inputs else None

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures, kernel_covers, shape_of,
+from k3fuse.guards import (GuardFailure, divisible, failures, kernel_covers, shape_of,
                            site_tokens, static_weight, token_count, tp_at_least)
 from k3fuse.ir import node_order
 from k3fuse.kernels.ops.moe_front import MoEFrontSpec
@@ -43,7 +43,7 @@ from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forwa
 from k3fuse.normalize import skip_transparent, value_root
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 
-from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
+from ._pattern_tools import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
 from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
@@ -280,7 +280,7 @@ class MoEFrontSharded(Rule):
                 "(sigmoid, softmax), add, masked_fill or a view", values)
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(tp_at_least(ctx, 2), decode_token_range(ctx))
+        return failures(tp_at_least(ctx, 2))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         e = (shape_of(match["router_w"]) or (None,))[0]

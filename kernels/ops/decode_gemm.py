@@ -16,7 +16,7 @@ from k3fuse import settings
 from ..declare import OpDecl, check_gemm, declare, rows
 from ..dispatch import Impl, register_impl
 from ..lib.reference import linear, stock
-from ..spec import Spec, aligned, call_only, token_count
+from ..spec import Spec, aligned, call_only
 
 OP = "decode_gemm"
 IO_DTYPES = (torch.bfloat16, torch.float16)

@@ -61,7 +61,7 @@ def _fake(anchor, weights, budget_bytes):
 
 
 DECL = OpDecl(OP, "(Tensor anchor, Tensor[] weights, int budget_bytes) -> ()",
-              _fake, stock.l2_prefetch, prefetch.l2_prefetch, traits=OpTraits(anchor=True), side_effect=True,
+              _fake, stock.l2_prefetch, prefetch.l2_prefetch, traits=OpTraits(collective_window=True), side_effect=True,
               spec=PrefetchSpec)
 DECLS = (DECL,)
 declare(DECL)

@@ -26,7 +26,7 @@ from .. import collective
 from ..declare import SYNC, OpDecl, check_gemm, declare
 from ..dispatch import Impl, loaded, register_impl
 from ..lib.reference import allreduce, stock
-from ..spec import Spec, call_only, token_count
+from ..spec import Spec, call_only
 from .decode_gemm import GEMV_MAX_ROWS, IO_DTYPES, gemv_max_m
 
 OP = "gemm_ar_residual"

@@ -18,8 +18,6 @@ contiguous, fp32.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import HAVE_TRITON

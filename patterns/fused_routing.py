@@ -19,7 +19,7 @@ from the router linear); the routed output that shared_expert_stream anchors its
 downstream of both, so the order of the three does not change what each finds.
 
 Needs: logits fp32 [T, E] (the fp32 router; any trunk dtype), b_corr a static fp32 [E], decode
-tokens; on a GPU, a kernel that covers (E, top_k) at those tokens. Off by default until measured.
+tokens; on a GPU, a kernel that covers (E, top_k) at those tokens.
 Ties: the model's torch.topk breaks ties its own way; the fused op picks the lowest index, so the
 rewrite can change the experts only where biased scores are exactly equal.
 """
@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
+from k3fuse.guards import (GuardFailure, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count)
 from k3fuse.kernels.ops.route_topk import RouteTopkSpec
 from k3fuse.matcher import compiled_patterns, near_miss, op_name
@@ -40,7 +40,7 @@ from k3fuse.normalize import skip_transparent
 from k3fuse.rule import Match, PatternSpec, Rule
 from k3fuse.spelling import route
 
-from ._spelling import dtype_of, numeric_literals
+from ._pattern_tools import dtype_of, numeric_literals
 
 #: example shapes: E large enough for topk's k to be the int wildcard's sentinel in a fake trace
 T, E = 4, 1 << 30
@@ -87,7 +87,7 @@ class FusedRouting(Rule):
     emits = ("route_topk",)
     description = ("the router tail (sigmoid, correction bias, top-k, gather, renormalise, scale) -> "
                    "k3fuse.route_topk (one kernel, lowest-index ties, same bits on every rank)")
-    anchor = torch.ops.aten.topk.default
+    site_op = torch.ops.aten.topk.default
 
     def patterns(self) -> list[PatternSpec]:
         return [PatternSpec("sigmoid", route, _example)]
@@ -106,10 +106,7 @@ class FusedRouting(Rule):
                 return (f"sigmoid: the top-k {node.name} selects from {kind} ({score.name}), not sigmoid(logits) + "
                         "bias: only the sigmoid router is fused",
                         {"topk": node.name, "score": score.name, "op": op_name(score), "kind": kind})
-        return near_miss(graph, compiled_patterns(self), anchor=self.anchor)
-
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
+        return near_miss(graph, compiled_patterns(self), site_op=self.site_op)
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         found = failures(_operand_failure(match), static_weight(match["b_corr"], "b_corr"))

@@ -102,7 +102,7 @@ class Match:
     values: dict[str, Any] = field(default_factory=dict)
     key: Variant | None = None
     payload: Any = None
-    _anchor: fx.Node | None = field(default=None, repr=False)
+    _insert_before: fx.Node | None = field(default=None, repr=False)
     _new: list[fx.Node] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,40 +153,42 @@ class Match:
             self.reason = reason
         self.values.update(values)
 
-    def _insertion_anchor(self) -> fx.Node:
+    def _insertion_point(self) -> fx.Node:
         """Insert before the earliest output, so no read moves earlier than the original outputs.
 
         If a bound input comes later than that (multi-output patterns), insert after the last
         input instead, provided every outside user of an output still comes after it.
         """
-        if self._anchor is not None:
-            return self._anchor
+        if self._insert_before is not None:
+            return self._insert_before
         order = node_order(self.graph)
         first_out = min(self.outputs, key=order.__getitem__)
         last_in = max(self.inputs.values(), key=order.__getitem__, default=None)
         if last_in is None or order[last_in] < order[first_out]:
-            self._anchor = first_out
+            self._insert_before = first_out
             return first_out
         matched = set(self.nodes)
         outside_users = [u for o in self.outputs for u in o.users if u not in matched]
         if any(order[u] <= order[last_in] for u in outside_users):
             raise RewriteError(f"cannot place the replacement: input {last_in.name} comes after a user of "
                                f"the outputs {[o.name for o in self.outputs]}")
-        self._anchor = last_in.next
-        return self._anchor
+        self._insert_before = last_in.next
+        return self._insert_before
 
     def insert(self, target: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any] | None = None) -> fx.Node:
-        """Insert `target(*args, **kwargs)` where the replacement belongs; fills meta["val"]."""
+               kwargs: dict[str, Any] | None = None, *, before: fx.Node | None = None,
+               provenance: fx.Node | None = None) -> fx.Node:
+        """Insert `target(*args, **kwargs)` where the replacement belongs (or before `before`); fills
+        meta["val"] and the provenance (stack trace, module stack) of `provenance` or of the match."""
         kwargs = kwargs or {}
-        anchor = self._insertion_anchor()
-        with self.graph.inserting_before(anchor):
+        with self.graph.inserting_before(before if before is not None else self._insertion_point()):
             node = self.graph.call_function(target, args, kwargs)
         val = fake_call(target, args, kwargs)
         if val is not None:
             node.meta["val"] = val
+        sources = (provenance,) if provenance is not None else (self.outputs[0], *self.nodes)
         for key in ("stack_trace", "nn_module_stack"):  # provenance: the code the match came from
-            src = next((n for n in (self.outputs[0], *self.nodes) if key in n.meta), None)
+            src = next((n for n in sources if key in n.meta), None)
             if src is not None:
                 node.meta[key] = src.meta[key]
         self._new.append(node)
