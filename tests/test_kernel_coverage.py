@@ -1,7 +1,8 @@
 """Compile-time kernel coverage: on a GPU a rule inserts an op only where a kernel serves the site.
 
 Each decode GEMM kernel states its limits once, as its predicate over the op's Spec
-(`Impl.accepts`); `kernel_covers` asks it for every token count the site can see, and the rule refuses a site no kernel serves, naming the shape
+(`Impl.accepts`); `kernel_covers` asks it for every token count the site can see, and the rule
+refuses a site no kernel serves, naming the shape
 and each kernel's limit, instead of inserting an op that would fall back on every call.
 """
 import pytest
