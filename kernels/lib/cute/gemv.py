@@ -185,7 +185,8 @@ def _scratch(device: torch.device) -> torch.Tensor:
 def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
         config: tuple[int, int] | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias) through the compiled GEMV (call `supports` first).
+    """y = x @ weight.T (+ bias) through the compiled GEMV (for what the predicate of the op's
+    "cute.gemv" implementation accepts, kernels/ops/decode_gemm.py).
 
     `config` = (rows, threads) overrides the table (sweeps only).
     """

@@ -1,16 +1,16 @@
-"""moe_front_sharded on CUDA: each rank's 1/TP slice of [router ; W_down] in one GEMM, gathered over NVLink.
+"""The sharded MoE front's kernels: each rank's 1/TP slice of [router ; W_down] in one GEMM, gathered over NVLink.
 
 Why: the router (E x H, fp32 logits) and the latent down-projection (L x H) read the same input and
 are replicated on every rank, so every rank streams all E + L weight rows. Sharded, rank r streams
 only its E/W router rows and L/W latent rows, and the ranks exchange the [T, E/W + L/W] results.
 The weight read drops by (W-1)/W; the exchange is T x (E + L) / W fp32 per peer (9 KB at one token).
 
-Two launches, in the one-shot all-reduce's protocol family (kernels/lib/cute/oneshot_epilogue.py,
+Two launches, in the one-shot all-reduce's protocol family (lib/cute/oneshot_epilogue.py,
 kernels/collective.py), no multicast:
-1. push: the Triton split-K GEMM (triton/splitk_gemm.py) over the two weight slices at once (its
-   `weight2`: rows [0, E/W) from the router slice, the rest from the latent slice; no stacked copy)
-   with its Lamport push epilogue: fp32 into slot [rank] of buffer gen[3] of every rank's symmetric
-   workspace (hidden = E/W + L/W), +0.0 written for -0.0 (the "not written" sentinel);
+1. push: the split-K GEMM (splitk_gemm.py) over the two weight slices at once (its `weight2`: rows
+   [0, E/W) from the router slice, the rest from the latent slice; no stacked copy) with its Lamport
+   push epilogue: fp32 into slot [rank] of buffer gen[3] of every rank's symmetric workspace
+   (hidden = E/W + L/W), +0.0 written for -0.0 (the "not written" sentinel);
 2. gather (this file), launched with programmatic dependent launch (USE_PDL) so that it starts
    while the GEMM streams: one program per (token row, source rank) polls its slot of the local buffer
    with volatile loads until no word is the sentinel, writes the router columns into the fp32
@@ -18,13 +18,10 @@ kernels/collective.py), no multicast:
    buffer used two calls ago and, as the last program, advances the protocol words (row count,
    epoch, buffer index). Every rank reads the same words, so the logits are bitwise identical on
    every rank, which keeps routing identical across ranks.
-Same rules as the fused all-reduces: accept/decline from shared facts only (`decide`), every spin
-bounded (K3FUSE_AR_TIMEOUT_S; a timeout writes the error words, NaN-fills the columns of the source
-that never arrived and the host raises CollectiveTimeoutError naming the op, this rank and the
-missing peer), every kernel compiled
-before the first remote store, a failure after it fails the workspace on every rank.
-The Lamport protocol only (K3FUSE_AR_PROTOCOL=lamport, the default): the flag protocol never resets
-the sentinels, so under `flags` this kernel declines (a configuration fact every rank shares).
+Every spin is bounded (K3FUSE_AR_TIMEOUT_S): a timeout writes the error words and NaN-fills the
+columns of the source that never arrived; the host raises CollectiveTimeoutError naming the op,
+this rank and the missing peer. When the op runs these (the Lamport protocol only, every kernel
+compiled before the first remote store) is kernels/ops/moe_front.py's business.
 """
 from __future__ import annotations
 
