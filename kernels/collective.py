@@ -58,8 +58,6 @@ from k3fuse import settings
 
 from .dispatch import K3FuseCollectiveError
 
-DEFAULT_TIMEOUT_S = settings.DEFAULT_AR_TIMEOUT_S
-
 _lock = threading.Lock()
 _workspaces: dict = {}
 _lane = threading.local()
@@ -78,12 +76,13 @@ class WorkspaceStreamError(CollectiveError):
 
 
 def timeout_s() -> float:
-    """Bound of every spin, in seconds: K3FUSE_AR_TIMEOUT_S (default 5), or the older
-    K3FUSE_AR_TIMEOUT_MS. Read per call (a runtime kernel argument, no recompile)."""
+    """Bound of every spin, in seconds (k3fuse.settings.spin_timeout_s: K3FUSE_AR_TIMEOUT_S, else
+    K3FUSE_AR_TIMEOUT_MS, else the default). Read per call: a runtime kernel argument, no recompile."""
     return settings.spin_timeout_s()
 
 
 def timeout_ns() -> int:
+    """The spin bound as the kernels take it (%globaltimer nanoseconds)."""
     return int(timeout_s() * 1e9)
 
 

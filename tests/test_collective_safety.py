@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import k3fuse.kernels  # noqa: F401
+from k3fuse import settings
 from k3fuse.kernels import collective as sw
 from k3fuse.kernels import dispatch
 
@@ -128,7 +129,7 @@ def test_protocol_simulation_across_the_wrap(protocol, start):
 def test_timeout_setting(monkeypatch):
     monkeypatch.delenv("K3FUSE_AR_TIMEOUT_S", raising=False)
     monkeypatch.delenv("K3FUSE_AR_TIMEOUT_MS", raising=False)
-    assert sw.timeout_s() == sw.DEFAULT_TIMEOUT_S and 1 <= sw.DEFAULT_TIMEOUT_S <= 10
+    assert sw.timeout_s() == settings.DEFAULT_AR_TIMEOUT_S and 1 <= settings.DEFAULT_AR_TIMEOUT_S <= 10
     monkeypatch.setenv("K3FUSE_AR_TIMEOUT_MS", "200")
     assert sw.timeout_s() == pytest.approx(0.2)
     monkeypatch.setenv("K3FUSE_AR_TIMEOUT_S", "2.5")        # the own setting wins
