@@ -13,7 +13,7 @@ from . import (allreduce_rmsnorm, decode_gemm, kda_delta, l2_prefetch, moe_front
 
 MODULES = (oproj_allreduce, allreduce_rmsnorm, moe_front, shared_expert, l2_prefetch, decode_gemm, kda_delta,
            route_topk, routed_experts)
-#: every fused op's declaration, in the order they were declared
+#: every fused op's declaration, in MODULES order
 DECLARATIONS = tuple(d for m in MODULES for d in m.DECLS)
 OPS: tuple[str, ...] = tuple(d.name for d in DECLARATIONS)
 
