@@ -1,0 +1,100 @@
+"""SGLang's facts for k3fuse, and the hook that installs k3fuse's pass in every SGLang process.
+
+SGLang's decode compile (`--enable-torch-compile`) wraps the model in a plain `torch.compile`
+during CUDA-graph capture, so the global Inductor hook `post_grad_custom_post_pass` is honoured.
+`install()` sets it; the `sglang.srt.plugins` entry point `k3fuse` calls `install()` in every
+SGLang process (main, scheduler, TP workers) before capture (SGLANG_PLUGINS=k3fuse selects it
+when several plugins are installed). The pass finds SGLang's TP group when it runs, in the worker.
+
+Spellings in SGLang's graphs:
+  all-reduce  torch.ops.sglang.outplace_all_reduce(x, group_name, method)         out of place
+              torch.ops.sglang.inplace_all_reduce(x, group_name)  mutates x (functionalised:
+              auto_functionalized(...) -> getitem, copied back into x)
+  norm        native ATen: the residual added in fp32 (x.float() + residual.float())
+Nothing here imports SGLang at import time.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from . import Engine, EngineError
+
+#: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18+
+#: 2.13; 0.5.23 pins 2.14.1, which k3fuse does not support yet)
+ENGINE = Engine("SGLang", "sglang", ("sglang",), (0, 5, 17), (0, 5, 23))
+
+OUTPLACE_ALL_REDUCE = "sglang::outplace_all_reduce"
+INPLACE_ALL_REDUCE = "sglang::inplace_all_reduce"
+
+
+def _parallel_state():  # type: ignore[no-untyped-def]
+    if "sglang" not in sys.modules:
+        return None
+    from sglang.srt.distributed import parallel_state
+
+    return parallel_state
+
+
+def tp_group() -> dist.ProcessGroup | None:
+    """SGLang's TP device group in this process, or None when its parallel state is not set up."""
+    ps = _parallel_state()
+    if ps is None:
+        return None
+    try:
+        coordinator = ps.get_tp_group()
+    except Exception:  # SGLang asserts or raises AttributeError before initialize_model_parallel
+        return None
+    return getattr(coordinator, "device_group", None)
+
+
+def c10d_group_name(group_name: str) -> str:
+    """The torch process group behind SGLang group `group_name` (e.g. "tp:0"), by its c10d name."""
+    ps = _parallel_state()
+    ref = getattr(ps, "_groups", {}).get(group_name) if ps is not None else None
+    coordinator = ref() if ref is not None else None
+    if coordinator is None or coordinator.device_group is None:
+        known = sorted(getattr(ps, "_groups", {})) if ps is not None else []
+        raise EngineError(f"the graph all-reduces over SGLang group {group_name!r}, which this process does not "
+                          f"have (SGLang groups here: {known or 'none'})",
+                          "run the pass in the SGLang worker that traced the graph")
+    return coordinator.device_group.group_name
+
+
+def install(ctx: Any = None, **kwargs: Any) -> Any:
+    """Install k3fuse's pass as the global Inductor post-grad hook for SGLang's decode compile.
+
+    `ctx` and `kwargs` are `k3fuse.inductor.K3FusePass`'s; without a context the pass builds one
+    from SGLang's TP group when it first runs. Raises EngineError when the installed SGLang is not
+    supported or a k3fuse pass is already installed (adding it twice would rewrite every graph
+    twice). Returns the pass.
+    """
+    from torch._inductor import config as inductor_config
+
+    from ..inductor import K3FusePass, contains_k3fuse_pass
+
+    if "sglang" in sys.modules or ENGINE.installed_version() is not None:
+        ENGINE.check_version()
+    existing = inductor_config.post_grad_custom_post_pass
+    if contains_k3fuse_pass(existing):
+        raise EngineError("k3fuse's pass is already installed as post_grad_custom_post_pass",
+                          "install it once per process (the k3fuse SGLang plugin already does)")
+    kwargs.setdefault("group", "sglang")
+    pass_ = K3FusePass(ctx, chain=existing, **kwargs)
+    inductor_config.post_grad_custom_post_pass = pass_
+    return pass_
+
+
+def plugin() -> None:
+    """The `sglang.srt.plugins` entry point: `install()` with the defaults, once per process."""
+    from torch._inductor import config as inductor_config
+
+    from ..inductor import contains_k3fuse_pass
+
+    if not contains_k3fuse_pass(inductor_config.post_grad_custom_post_pass):
+        install()
+
+
+__all__ = ["ENGINE", "OUTPLACE_ALL_REDUCE", "INPLACE_ALL_REDUCE", "tp_group", "c10d_group_name", "install", "plugin"]
