@@ -11,12 +11,18 @@ Two kinds of normalisation live here:
   `copy(t, reduced)`) and `copy_` in graphs that are not functionalised stand for the copied value
   `src` when nothing reads `dst` after the copy and the copy neither casts nor broadcasts.
   `skip_transparent` / `value_root` walk through them to `src` (never to `dst`, unlike a view).
+* *Engine spellings* (reversible): serving engines' own all-reduce and norm ops
+  (`translate_engine_ops`, registered by k3fuse/engines/) become the ATen the rules trace, and
+  go back as they were where no rule fused them (`restore_engine_ops`).
 * *Reversible graph rewrites*: `split_addmm` turns `addmm(b, x, w)` into `mm(x, w) + b` so the
   bias spelling of a linear matches the `mm`+`add` spelling; `restore_addmm` folds back every
   pair no rule consumed, so the unrewritten part of a graph reaches the compiler as it came.
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -280,3 +286,314 @@ __all__ = [
     "restore_addmm",
     "strip_transparent",
 ]
+
+
+# --- engine spellings --------------------------------------------------------------------------
+# Serving engines write the collectives and norms the rules trace as their own ops. Each engine
+# module (k3fuse/engines/) registers its spellings here; `translate_engine_ops` rewrites them to the
+# ATen the rules trace (functional all_reduce + wait_tensor over the c10d group, the residual add,
+# k3fuse.spelling.rms_norm), and `restore_engine_ops` puts back every translation no rule consumed,
+# so an engine's graph reaches its compiler as it came wherever k3fuse did not fuse.
+
+
+@dataclass(frozen=True)
+class AllReduceSpelling:
+    """An engine's sum all-reduce over a group it names its own way (`resolve`: the engine's group
+    name -> the c10d group name; raises when this process has no such group). `mutates`: the op
+    writes the sum into its tensor argument and returns nothing."""
+
+    qualname: str
+    engine: str
+    resolve: Callable[[str], str]
+    tensor_arg: str = "tensor"
+    group_arg: str = "group_name"
+    mutates: bool = False
+
+
+@dataclass(frozen=True)
+class AddRMSNormSpelling:
+    """An engine's fused residual add + RMSNorm returning (norm(x + residual), x + residual); with
+    `rms_only`, a plain RMSNorm returning norm(x). Translated only without a variance-size override
+    (the norm then covers all of the last dim, as k3fuse's)."""
+
+    qualname: str
+    engine: str
+    x_arg: str = "x"
+    residual_arg: str | None = "x_residual"
+    weight_arg: str = "weight"
+    eps_arg: str = "epsilon"
+    variance_size_arg: str | None = "variance_size"
+
+
+@dataclass(frozen=True)
+class PriorFusion:
+    """An engine op that already fused what a rule looks for (`takes`: the qualnames of the ops a
+    rule would anchor on), and what to switch off so that k3fuse can fuse it instead."""
+
+    qualname: str
+    engine: str
+    takes: tuple[str, ...]
+    advice: str
+
+
+EngineSpelling = AllReduceSpelling | AddRMSNormSpelling | PriorFusion
+_ENGINE_SPELLINGS: dict[str, EngineSpelling] = {}
+
+
+def register_engine_spelling(spelling: EngineSpelling) -> None:
+    """Teach the normalisation an engine op (called by k3fuse.engines' modules)."""
+    _ENGINE_SPELLINGS[spelling.qualname] = spelling
+
+
+def engine_spellings() -> dict[str, EngineSpelling]:
+    return dict(_ENGINE_SPELLINGS)
+
+
+def _engine_call(node: fx.Node) -> tuple[Any, dict[str, Any], bool] | None:
+    """(op overload, its arguments by schema name, functionalised) of an engine op call, the op
+    called directly or through auto_functionalized; None for anything else."""
+    if node.op != "call_function":
+        return None
+    functional = node.target is torch.ops.higher_order.auto_functionalized
+    op = node.args[0] if functional else node.target
+    if not isinstance(op, torch._ops.OpOverload) or op._schema.name not in _ENGINE_SPELLINGS:
+        return None
+    named: dict[str, Any] = {}
+    positional = () if functional else node.args
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(positional):
+            named[arg.name] = positional[i]
+        elif arg.name in node.kwargs:
+            named[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            named[arg.name] = arg.default_value
+    return op, named, functional
+
+
+@dataclass
+class EngineTranslation:
+    """One engine op rewritten to ATen, with what `restore_engine_ops` needs to put it back.
+
+    readers: (where the value came from: None the op's result, int its getitem, or the input node
+    an in-place op mutated; the node standing for it now; the users rewired to that node)."""
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    meta: dict[str, Any]
+    name: str
+    inserted: list[fx.Node]
+    readers: list[tuple[Any, fx.Node, list[fx.Node]]]
+    getitem_meta: dict[int, dict[str, Any]]
+    stand_ins: list[fx.Node]  # alias nodes standing for a mutated input, dropped once consumed
+
+
+def _set_vals(nodes: list[fx.Node]) -> None:
+    from .match import fake_call
+
+    for n in nodes:
+        if "val" not in n.meta:
+            val = fake_call(n.target, n.args, n.kwargs)
+            if val is not None:
+                n.meta["val"] = val
+
+
+def _all_reduce(graph: fx.Graph, x: fx.Node, group: str, like: Any) -> list[fx.Node]:
+    from .compat import ALL_REDUCE, WAIT_TENSOR
+
+    ar = graph.call_function(ALL_REDUCE, (x, "sum", group))
+    wait = graph.call_function(WAIT_TENSOR, (ar,))
+    if like is not None:
+        ar.meta["val"] = wait.meta["val"] = like
+    return [ar, wait]
+
+
+_TRACED_NORMS: dict[tuple[Any, ...], fx.GraphModule] = {}
+
+
+def _inline_rms_norm(graph: fx.Graph, x: fx.Node, weight: Any, eps: float) -> list[fx.Node]:
+    """k3fuse.spelling.rms_norm(x, weight, eps) as the rules trace it, inserted at the insertion
+    point; returns the new nodes, the result last."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from .matcher import decomposition_table
+    from .spelling import rms_norm
+
+    x_dtype = _val(x).dtype
+    w_dtype = _val(weight).dtype if isinstance(weight, fx.Node) else None
+    key = (x_dtype, w_dtype, float(eps))
+    traced = _TRACED_NORMS.get(key)
+    if traced is None:
+        example = [torch.zeros(2, 8, dtype=x_dtype)] + ([torch.ones(8, dtype=w_dtype)] if w_dtype else [])
+
+        def norm(x_: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
+            return rms_norm(x_, w[0] if w else None, float(eps))
+
+        with torch._guards.tracing(None), unset_fake_temporarily():
+            traced = make_fx(norm, decomposition_table=decomposition_table())(*example)
+        _TRACED_NORMS[key] = traced
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, [x] + ([weight] if w_dtype else [])))
+    out = graph.graph_copy(traced.graph, val_map)
+    new = [val_map[n] for n in traced.graph.nodes if n.op == "call_function"]
+    assert out is new[-1]
+    _set_vals(new)
+    return new
+
+
+def _getitems(node: fx.Node) -> dict[int, fx.Node]:
+    return {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
+
+
+def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, op: Any, named: dict[str, Any],
+               functional: bool) -> EngineTranslation | None:
+    record = EngineTranslation(node.target, node.args, dict(node.kwargs), dict(node.meta), node.name, [], [], {}, [])
+    items = _getitems(node)
+    if isinstance(spelling, AllReduceSpelling):
+        x = named[spelling.tensor_arg]
+        group = spelling.resolve(named[spelling.group_arg])
+        if not spelling.mutates:
+            with graph.inserting_before(node):
+                record.inserted = _all_reduce(graph, x, group, _val(node))
+            record.readers.append((None, record.inserted[-1], list(node.users)))
+        elif functional:  # auto_functionalized -> getitem(i): the new value of the mutated tensor
+            index = len(op._schema.returns) + [a.name for a in op._schema.arguments if a.is_write].index(
+                spelling.tensor_arg)
+            if index not in items:
+                return None
+            with graph.inserting_before(node):
+                record.inserted = _all_reduce(graph, x, group, _val(items[index]))
+            record.readers.append((index, record.inserted[-1], list(items[index].users)))
+        else:  # in place: later readers of x read the sum; the copy-back makes that explicit
+            order = node_order_of(graph)
+            later = [u for u in x.users if u is not node and order[u] > order[node]]
+            with graph.inserting_before(node):
+                record.inserted = _all_reduce(graph, x, group, _val(x))
+                back = graph.call_function(aten.copy_.default, (x, record.inserted[-1]))
+                back.meta["val"] = _val(x)
+                record.inserted.append(back)
+            record.readers.append((x, back, later))
+    elif isinstance(spelling, AddRMSNormSpelling):
+        if spelling.variance_size_arg and named.get(spelling.variance_size_arg) is not None:
+            return None
+        x, weight, eps = named[spelling.x_arg], named[spelling.weight_arg], named[spelling.eps_arg]
+        if not isinstance(_val(x), torch.Tensor) or not isinstance(eps, (int, float)):
+            return None
+        with graph.inserting_before(node):
+            if spelling.residual_arg is None:
+                record.inserted = _inline_rms_norm(graph, x, weight, eps)
+                record.readers.append((None, record.inserted[-1], list(node.users)))
+            else:
+                residual = named[spelling.residual_arg]
+                total = graph.call_function(aten.add.Tensor, (x, residual))
+                _set_vals([total])
+                record.inserted = [total, *_inline_rms_norm(graph, total, weight, eps)]
+                values: dict[int, fx.Node] = {0: record.inserted[-1], 1: total}
+                if functional:  # the mutated inputs after the call: the native op leaves them as they were
+                    writes = [a.name for a in op._schema.arguments if a.is_write]
+                    for k, arg_name in enumerate(writes):
+                        if len(op._schema.returns) + k not in items:
+                            continue  # nothing reads it: no stand-in (it would be a reader of x)
+                        alias = graph.call_function(aten.alias.default, (named[arg_name],))
+                        alias.meta["val"] = _val(named[arg_name])
+                        record.inserted.append(alias)
+                        record.stand_ins.append(alias)
+                        values[len(op._schema.returns) + k] = alias
+                for index, item in items.items():
+                    if index not in values:
+                        return None
+                    record.readers.append((index, values[index], list(item.users)))
+    else:
+        return None
+    record.getitem_meta = {i: dict(g.meta) for i, g in items.items()}
+    for source, value, users in record.readers:
+        old = node if source is None else (items[source] if isinstance(source, int) else source)
+        for u in users:
+            u.replace_input_with(old, value)
+    for item in items.values():
+        graph.erase_node(item)
+    graph.erase_node(node)
+    return record
+
+
+def node_order_of(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def translate_engine_ops(graph: fx.Graph) -> list[EngineTranslation]:
+    """Rewrite every registered engine all-reduce and norm to the ATen the rules trace."""
+    out = []
+    for node in list(graph.nodes):
+        call = _engine_call(node)
+        if call is None:
+            continue
+        op, named, functional = call
+        record = _translate(graph, node, _ENGINE_SPELLINGS[op._schema.name], op, named, functional)
+        if record is not None:
+            out.append(record)
+    return out
+
+
+def restore_engine_ops(graph: fx.Graph, translations: list[EngineTranslation]) -> int:
+    """Put back each translation whose nodes no rule consumed; drop the stand-ins of consumed ones.
+    Returns how many were restored."""
+    restored = 0
+    for t in reversed(translations):
+        allowed = set(t.inserted) | {u for _, _, users in t.readers for u in users}
+        intact = not any(getattr(n, "_erased", False) for n in t.inserted) and all(
+            u in allowed for n in t.inserted for u in n.users)
+        if not intact:
+            _drop_stand_ins(graph, t)
+            continue
+        with graph.inserting_before(t.inserted[0]):
+            original = graph.create_node("call_function", t.target, t.args, t.kwargs, name=t.name)
+            original.meta.update(t.meta)
+            for source, value, users in t.readers:
+                if source is None:
+                    src = original
+                elif isinstance(source, int):
+                    src = graph.call_function(operator.getitem, (original, source))
+                    src.meta.update(t.getitem_meta.get(source, {}))
+                else:
+                    src = source
+                for u in users:
+                    if not getattr(u, "_erased", False):
+                        u.replace_input_with(value, src)
+        for n in reversed(t.inserted):
+            graph.erase_node(n)
+        restored += 1
+    return restored
+
+
+def _drop_stand_ins(graph: fx.Graph, t: EngineTranslation) -> None:
+    """A consumed translation keeps its ATen; its alias stand-ins read the mutated input itself,
+    and a copy-back that now copies an input onto itself is dropped."""
+    for alias in t.stand_ins:
+        if getattr(alias, "_erased", False):
+            continue
+        src = alias.args[0]
+        for u in list(alias.users):
+            u.replace_input_with(alias, src)
+            if u.target is aten.copy_.default and u.args[0] is u.args[1] and not u.users:
+                graph.erase_node(u)
+        graph.erase_node(alias)
+
+
+def prior_fusions(graph: fx.Graph, anchor: Any) -> list[tuple[fx.Node, PriorFusion]]:
+    """Engine ops in `graph` that already fused a site a rule anchored on `anchor` would look for."""
+    qualname = getattr(anchor, "_schema", None)
+    qualname = qualname.name if qualname is not None else None
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = node.args[0] if node.target is torch.ops.higher_order.auto_functionalized else node.target
+        spelling = _ENGINE_SPELLINGS.get(op._schema.name) if isinstance(op, torch._ops.OpOverload) else None
+        if isinstance(spelling, PriorFusion) and qualname in spelling.takes:
+            found.append((node, spelling))
+    return found
+
+
+__all__ += ["AllReduceSpelling", "AddRMSNormSpelling", "PriorFusion", "EngineTranslation", "register_engine_spelling",
+            "engine_spellings", "translate_engine_ops", "restore_engine_ops", "prior_fusions"]

@@ -87,8 +87,6 @@ def find_tp_group(source: GroupSource = "auto") -> TPGroup:
     parallel state is not initialised here. "torch": the default group (None when torch.distributed
     is not initialised). "auto": the first engine that is imported and initialised, else "torch".
     """
-    from . import sglang, vllm
-
     finders: dict[str, Callable[[], dist.ProcessGroup | None]] = {"vllm": vllm.tp_group, "sglang": sglang.tp_group}
     if source not in GROUP_SOURCES:
         raise EngineError(f"unknown TP group source {source!r}", f"use one of {', '.join(GROUP_SOURCES)}")
@@ -113,3 +111,5 @@ def find_tp_group(source: GroupSource = "auto") -> TPGroup:
 
 
 __all__ = ["Engine", "EngineError", "GroupSource", "GROUP_SOURCES", "TPGroup", "find_tp_group"]
+
+from . import sglang, vllm  # noqa: E402  (registers their spellings with k3fuse.normalize)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import normalize
 from . import Engine, EngineError
 
 #: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18+
@@ -63,6 +64,11 @@ def c10d_group_name(group_name: str) -> str:
     return coordinator.device_group.group_name
 
 
+normalize.register_engine_spelling(normalize.AllReduceSpelling(OUTPLACE_ALL_REDUCE, "SGLang", c10d_group_name))
+normalize.register_engine_spelling(normalize.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,
+                                                               mutates=True))
+
+
 def install(ctx: Any = None, **kwargs: Any) -> Any:
     """Install k3fuse's pass as the global Inductor post-grad hook for SGLang's decode compile.
 
@@ -88,12 +94,16 @@ def install(ctx: Any = None, **kwargs: Any) -> Any:
 
 
 def plugin() -> None:
-    """The `sglang.srt.plugins` entry point: `install()` with the defaults, once per process."""
+    """The `sglang.srt.plugins` entry point: `install()` with the defaults, once per process, when
+    SGLANG_PLUGINS names k3fuse (opt in: the hook applies to every torch.compile in the process)."""
+    import os
+
     from torch._inductor import config as inductor_config
 
     from ..inductor import contains_k3fuse_pass
 
-    if not contains_k3fuse_pass(inductor_config.post_grad_custom_post_pass):
+    named = {p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",")}
+    if "k3fuse" in named and not contains_k3fuse_pass(inductor_config.post_grad_custom_post_pass):
         install()
 
 

@@ -18,6 +18,7 @@ import sys
 
 import torch.distributed as dist
 
+from .. import normalize
 from . import Engine, EngineError
 
 #: vLLM releases with K3 model code whose torch k3fuse supports (0.27-0.32 pin torch 2.13; 0.33
@@ -60,6 +61,14 @@ def c10d_group_name(group_name: str) -> str:
                           "run the pass in the vLLM worker that traced the graph")
     return coordinator.device_group.group_name
 
+
+normalize.register_engine_spelling(normalize.AllReduceSpelling(ALL_REDUCE, "vLLM", c10d_group_name))
+normalize.register_engine_spelling(normalize.AddRMSNormSpelling(FUSED_ADD_RMS_NORM, "vLLM"))
+normalize.register_engine_spelling(normalize.AddRMSNormSpelling(RMS_NORM, "vLLM", residual_arg=None))
+normalize.register_engine_spelling(normalize.PriorFusion(
+    FLASHINFER_ALLREDUCE_NORM, "vLLM", ("_c10d_functional::all_reduce",),
+    f"vLLM's FlashInfer all-reduce + RMSNorm fusion already took this site; set {FUSION_SWITCH}=false "
+    "for k3fuse to fuse the out-projection, its all-reduce and the norm"))
 
 __all__ = ["ENGINE", "ALL_REDUCE", "FUSED_ADD_RMS_NORM", "RMS_NORM", "FLASHINFER_ALLREDUCE_NORM", "FUSION_SWITCH",
            "tp_group", "c10d_group_name"]
