@@ -79,7 +79,15 @@ _VLLM_NAMES = ("vllm_pass", "VllmK3FusePass")
 def _load_vllm_pass() -> None:
     from .engines import vllm_pass
 
-    vllm_pass.plugin()
+    module = sys.modules[__name__]
+    module.__dict__.setdefault("VllmK3FusePass", vllm_pass.VllmK3FusePass)
+    module.__dict__.setdefault("vllm_pass", vllm_pass.default_pass())
+
+
+def vllm_plugin() -> None:
+    """vLLM's `vllm.general_plugins` entry point: define `k3fuse.vllm_pass` in every vLLM process,
+    so that `inductor_passes` can name it."""
+    _load_vllm_pass()
 
 
 def __getattr__(name: str) -> Any:
@@ -122,4 +130,5 @@ __all__ = [
     "UnsupportedTorchVersion",
     "check_torch_version",
     "load",
+    "vllm_plugin",
 ]

@@ -292,7 +292,7 @@ __all__ = [
 # Serving engines write the collectives and norms the rules trace as their own ops. Each engine
 # module (k3fuse/engines/) registers its spellings here; `translate_engine_ops` rewrites them to the
 # ATen the rules trace (functional all_reduce + wait_tensor over the c10d group, the residual add,
-# k3fuse.spelling.rms_norm), and `restore_engine_ops` puts back every translation no rule consumed,
+# the RMSNorm function the engine module hands over: k3fuse.spelling.rms_norm), and `restore_engine_ops` puts back every translation no rule consumed,
 # so an engine's graph reaches its compiler as it came wherever k3fuse did not fuse.
 
 
@@ -318,6 +318,7 @@ class AddRMSNormSpelling:
 
     qualname: str
     engine: str
+    norm: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]  # the RMSNorm the rules trace
     x_arg: str = "x"
     residual_arg: str | None = "x_residual"
     weight_arg: str = "weight"
@@ -388,9 +389,27 @@ class EngineTranslation:
     stand_ins: list[fx.Node]  # alias nodes standing for a mutated input, dropped once consumed
 
 
-def _set_vals(nodes: list[fx.Node]) -> None:
-    from .match import fake_call
+def fake_call(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run `target` on the meta values of its arguments (fake tensors), or None if unknown."""
+    from torch._guards import detect_fake_mode
 
+    def val(n: fx.Node) -> Any:
+        return n.meta.get("val")
+
+    vargs = fx.node.map_arg(args, val)
+    vkwargs = fx.node.map_arg(kwargs, val)
+    leaves = [v for v in torch.utils._pytree.tree_leaves((vargs, vkwargs)) if isinstance(v, torch.Tensor)]
+    try:
+        mode = detect_fake_mode(leaves)
+        if mode is None:
+            return None
+        with mode:
+            return target(*vargs, **vkwargs)
+    except Exception:  # a shape the fake impl cannot handle: the offline door re-propagates
+        return None
+
+
+def _set_vals(nodes: list[fx.Node]) -> None:
     for n in nodes:
         if "val" not in n.meta:
             val = fake_call(n.target, n.args, n.kwargs)
@@ -411,18 +430,18 @@ def _all_reduce(graph: fx.Graph, x: fx.Node, group: str, like: Any) -> list[fx.N
 _TRACED_NORMS: dict[tuple[Any, ...], fx.GraphModule] = {}
 
 
-def _inline_rms_norm(graph: fx.Graph, x: fx.Node, weight: Any, eps: float) -> list[fx.Node]:
-    """k3fuse.spelling.rms_norm(x, weight, eps) as the rules trace it, inserted at the insertion
-    point; returns the new nodes, the result last."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import make_fx
+#: traces a function of example tensors to ATen as the rules' patterns are traced (the matcher's
+#: `trace_aten`, handed in by the pipeline)
+AtenTracer = Callable[[Callable[..., Any], list[torch.Tensor]], fx.GraphModule]
 
-    from .matcher import decomposition_table
-    from .spelling import rms_norm
 
+def _inline_rms_norm(graph: fx.Graph, x: fx.Node, weight: Any, eps: float, rms_norm: Callable[..., Any],
+                     trace: AtenTracer) -> list[fx.Node]:
+    """rms_norm(x, weight, eps) traced as the rules trace it, inserted at the insertion point;
+    returns the new nodes, the result last."""
     x_dtype = _val(x).dtype
     w_dtype = _val(weight).dtype if isinstance(weight, fx.Node) else None
-    key = (x_dtype, w_dtype, float(eps))
+    key = (rms_norm, x_dtype, w_dtype, float(eps))
     traced = _TRACED_NORMS.get(key)
     if traced is None:
         example = [torch.zeros(2, 8, dtype=x_dtype)] + ([torch.ones(8, dtype=w_dtype)] if w_dtype else [])
@@ -430,8 +449,7 @@ def _inline_rms_norm(graph: fx.Graph, x: fx.Node, weight: Any, eps: float) -> li
         def norm(x_: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
             return rms_norm(x_, w[0] if w else None, float(eps))
 
-        with torch._guards.tracing(None), unset_fake_temporarily():
-            traced = make_fx(norm, decomposition_table=decomposition_table())(*example)
+        traced = trace(norm, example)
         _TRACED_NORMS[key] = traced
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, [x] + ([weight] if w_dtype else [])))
@@ -447,7 +465,7 @@ def _getitems(node: fx.Node) -> dict[int, fx.Node]:
 
 
 def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, op: Any, named: dict[str, Any],
-               functional: bool) -> EngineTranslation | None:
+               functional: bool, trace: AtenTracer) -> EngineTranslation | None:
     record = EngineTranslation(node.target, node.args, dict(node.kwargs), dict(node.meta), node.name, [], [], {}, [])
     items = _getitems(node)
     if isinstance(spelling, AllReduceSpelling):
@@ -482,13 +500,13 @@ def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, op: Any
             return None
         with graph.inserting_before(node):
             if spelling.residual_arg is None:
-                record.inserted = _inline_rms_norm(graph, x, weight, eps)
+                record.inserted = _inline_rms_norm(graph, x, weight, eps, spelling.norm, trace)
                 record.readers.append((None, record.inserted[-1], list(node.users)))
             else:
                 residual = named[spelling.residual_arg]
                 total = graph.call_function(aten.add.Tensor, (x, residual))
                 _set_vals([total])
-                record.inserted = [total, *_inline_rms_norm(graph, total, weight, eps)]
+                record.inserted = [total, *_inline_rms_norm(graph, total, weight, eps, spelling.norm, trace)]
                 values: dict[int, fx.Node] = {0: record.inserted[-1], 1: total}
                 if functional:  # the mutated inputs after the call: the native op leaves them as they were
                     writes = [a.name for a in op._schema.arguments if a.is_write]
@@ -521,15 +539,16 @@ def node_order_of(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def translate_engine_ops(graph: fx.Graph) -> list[EngineTranslation]:
-    """Rewrite every registered engine all-reduce and norm to the ATen the rules trace."""
+def translate_engine_ops(graph: fx.Graph, trace: AtenTracer) -> list[EngineTranslation]:
+    """Rewrite every registered engine all-reduce and norm to the ATen the rules trace (norms
+    traced with `trace`, the matcher's `trace_aten`)."""
     out = []
     for node in list(graph.nodes):
         call = _engine_call(node)
         if call is None:
             continue
         op, named, functional = call
-        record = _translate(graph, node, _ENGINE_SPELLINGS[op._schema.name], op, named, functional)
+        record = _translate(graph, node, _ENGINE_SPELLINGS[op._schema.name], op, named, functional, trace)
         if record is not None:
             out.append(record)
     return out
@@ -595,5 +614,5 @@ def prior_fusions(graph: fx.Graph, anchor: Any) -> list[tuple[fx.Node, PriorFusi
     return found
 
 
-__all__ += ["AllReduceSpelling", "AddRMSNormSpelling", "PriorFusion", "EngineTranslation", "register_engine_spelling",
+__all__ += ["fake_call", "AllReduceSpelling", "AddRMSNormSpelling", "PriorFusion", "EngineTranslation", "register_engine_spelling",
             "engine_spellings", "translate_engine_ops", "restore_engine_ops", "prior_fusions"]

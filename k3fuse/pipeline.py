@@ -24,6 +24,7 @@ from . import normalize, runtime, settings, verify
 from .context import ContextError, DecodeContext
 from .guards import GuardFailure, kernels_available, multicast_policy
 from .log import RewriteEvent, RewriteLog
+from .matcher import trace_aten
 from .rule import Rule, RewriteError
 
 logger = logging.getLogger("k3fuse")
@@ -192,7 +193,7 @@ def run_pipeline(
         return rlog
 
     active = [r for r, why in selection if why is None]
-    translated = normalize.translate_engine_ops(graph) if active else []
+    translated = normalize.translate_engine_ops(graph, trace_aten) if active else []
     split = normalize.split_addmm(graph) if active else 0
     changed = False
     for rule, why in selection:

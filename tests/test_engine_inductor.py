@@ -142,7 +142,8 @@ def test_engine_versions_and_missing_tp_group_are_clear_errors():
 def test_sglang_install_sets_the_global_hook_once():
     from torch._inductor import config as inductor_config
 
-    from k3fuse.engines import EngineError, sglang
+    from k3fuse.engines import EngineError
+    from k3fuse.engines import sglang_hook as sglang
 
     with inductor_config.patch(post_grad_custom_post_pass=None):
         installed = sglang.install({"tokens": (1, 64)})

@@ -3,73 +3,25 @@
 Each engine module (`vllm`, `sglang`) states its facts (the versions k3fuse was written against,
 its graph ops as "namespace::name" strings, how its group names map to torch process groups)
 without importing the engine: an engine is imported only when a graph holds one of its ops or
-a pass asks for its TP group. `vllm_pass` is the exception: it defines the class that subclasses
-vLLM's InductorPass, so importing it imports vLLM.
+a pass asks for its TP group; importing them registers their spellings with k3fuse.normalize.
+`vllm_pass` (the class that subclasses vLLM's InductorPass) imports vLLM; `sglang_hook` installs
+the pass for SGLang.
 """
 from __future__ import annotations
 
-import importlib.metadata
-import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch.distributed as dist
 
-from ..usage import UsageError
+from . import sglang, vllm
+from .base import Engine, EngineError
 
 #: where a pass looks for its tensor-parallel group: "auto" tries vLLM's, then SGLang's, then
 #: torch's default group (else a single-rank context)
 GroupSource = Literal["auto", "vllm", "sglang", "torch"]
 GROUP_SOURCES: tuple[str, ...] = ("auto", "vllm", "sglang", "torch")
-
-
-class EngineError(UsageError, RuntimeError):
-    """An engine k3fuse cannot work with as found: a version outside the supported range, a TP
-    group that cannot be found, k3fuse's pass added twice."""
-
-
-def _dotted(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
-
-
-@dataclass(frozen=True)
-class Engine:
-    """A serving engine: its import name, the distributions it ships as, the versions supported."""
-
-    name: str  # as users know it, e.g. "vLLM"
-    module: str  # import name
-    distributions: tuple[str, ...]  # pip names carrying `module`
-    min_version: tuple[int, int, int]  # inclusive
-    max_version: tuple[int, int, int]  # exclusive
-
-    def supported(self) -> str:
-        return f"{_dotted(self.min_version)} up to (not including) {_dotted(self.max_version)}"
-
-    def imported(self) -> bool:
-        return self.module in sys.modules
-
-    def installed_version(self) -> str | None:
-        for dist_name in self.distributions:
-            try:
-                return importlib.metadata.version(dist_name)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return None
-
-    def check_version(self, version: str | None = None) -> str:
-        """The engine's version, raising EngineError when it is not installed or not supported."""
-        version = self.installed_version() if version is None else version
-        if version is None:
-            raise EngineError(f"{self.name} is not installed (no distribution {' or '.join(self.distributions)})",
-                              f"install {self.name} {self.supported()}")
-        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-        found = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
-        if found is None or not self.min_version <= found < self.max_version:
-            raise EngineError(f"{self.name} {version} is not supported by k3fuse",
-                              f"k3fuse supports {self.name} {self.supported()}")
-        return version
 
 
 @dataclass(frozen=True)
@@ -111,5 +63,3 @@ def find_tp_group(source: GroupSource = "auto") -> TPGroup:
 
 
 __all__ = ["Engine", "EngineError", "GroupSource", "GROUP_SOURCES", "TPGroup", "find_tp_group"]
-
-from . import sglang, vllm  # noqa: E402  (registers their spellings with k3fuse.normalize)

@@ -2,9 +2,8 @@
 
 SGLang's decode compile (`--enable-torch-compile`) wraps the model in a plain `torch.compile`
 during CUDA-graph capture, so the global Inductor hook `post_grad_custom_post_pass` is honoured.
-`install()` sets it; the `sglang.srt.plugins` entry point `k3fuse` calls `install()` in every
-SGLang process (main, scheduler, TP workers) before capture (SGLANG_PLUGINS=k3fuse selects it
-when several plugins are installed). The pass finds SGLang's TP group when it runs, in the worker.
+`sglang_hook.install()` sets it (and the `sglang.srt.plugins` entry point calls it in every
+SGLang process); the pass finds SGLang's TP group when it runs, in the worker.
 
 Spellings in SGLang's graphs:
   all-reduce  torch.ops.sglang.outplace_all_reduce(x, group_name, method)         out of place
@@ -16,12 +15,10 @@ Nothing here imports SGLang at import time.
 from __future__ import annotations
 
 import sys
-from typing import Any
-
 import torch.distributed as dist
 
 from .. import normalize
-from . import Engine, EngineError
+from .base import Engine, EngineError
 
 #: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18+
 #: 2.13; 0.5.23 pins 2.14.1, which k3fuse does not support yet)
@@ -69,42 +66,4 @@ normalize.register_engine_spelling(normalize.AllReduceSpelling(INPLACE_ALL_REDUC
                                                                mutates=True))
 
 
-def install(ctx: Any = None, **kwargs: Any) -> Any:
-    """Install k3fuse's pass as the global Inductor post-grad hook for SGLang's decode compile.
-
-    `ctx` and `kwargs` are `k3fuse.inductor.K3FusePass`'s; without a context the pass builds one
-    from SGLang's TP group when it first runs. Raises EngineError when the installed SGLang is not
-    supported or a k3fuse pass is already installed (adding it twice would rewrite every graph
-    twice). Returns the pass.
-    """
-    from torch._inductor import config as inductor_config
-
-    from ..inductor import K3FusePass, contains_k3fuse_pass
-
-    if "sglang" in sys.modules or ENGINE.installed_version() is not None:
-        ENGINE.check_version()
-    existing = inductor_config.post_grad_custom_post_pass
-    if contains_k3fuse_pass(existing):
-        raise EngineError("k3fuse's pass is already installed as post_grad_custom_post_pass",
-                          "install it once per process (the k3fuse SGLang plugin already does)")
-    kwargs.setdefault("group", "sglang")
-    pass_ = K3FusePass(ctx, chain=existing, **kwargs)
-    inductor_config.post_grad_custom_post_pass = pass_
-    return pass_
-
-
-def plugin() -> None:
-    """The `sglang.srt.plugins` entry point: `install()` with the defaults, once per process, when
-    SGLANG_PLUGINS names k3fuse (opt in: the hook applies to every torch.compile in the process)."""
-    import os
-
-    from torch._inductor import config as inductor_config
-
-    from ..inductor import contains_k3fuse_pass
-
-    named = {p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",")}
-    if "k3fuse" in named and not contains_k3fuse_pass(inductor_config.post_grad_custom_post_pass):
-        install()
-
-
-__all__ = ["ENGINE", "OUTPLACE_ALL_REDUCE", "INPLACE_ALL_REDUCE", "tp_group", "c10d_group_name", "install", "plugin"]
+__all__ = ["ENGINE", "OUTPLACE_ALL_REDUCE", "INPLACE_ALL_REDUCE", "tp_group", "c10d_group_name"]

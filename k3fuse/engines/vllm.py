@@ -19,7 +19,8 @@ import sys
 import torch.distributed as dist
 
 from .. import normalize
-from . import Engine, EngineError
+from ..spelling import rms_norm
+from .base import Engine, EngineError
 
 #: vLLM releases with K3 model code whose torch k3fuse supports (0.27-0.32 pin torch 2.13; 0.33
 #: pins 2.14, which k3fuse does not support yet)
@@ -63,8 +64,8 @@ def c10d_group_name(group_name: str) -> str:
 
 
 normalize.register_engine_spelling(normalize.AllReduceSpelling(ALL_REDUCE, "vLLM", c10d_group_name))
-normalize.register_engine_spelling(normalize.AddRMSNormSpelling(FUSED_ADD_RMS_NORM, "vLLM"))
-normalize.register_engine_spelling(normalize.AddRMSNormSpelling(RMS_NORM, "vLLM", residual_arg=None))
+normalize.register_engine_spelling(normalize.AddRMSNormSpelling(FUSED_ADD_RMS_NORM, "vLLM", rms_norm))
+normalize.register_engine_spelling(normalize.AddRMSNormSpelling(RMS_NORM, "vLLM", rms_norm, residual_arg=None))
 normalize.register_engine_spelling(normalize.PriorFusion(
     FLASHINFER_ALLREDUCE_NORM, "vLLM", ("_c10d_functional::all_reduce",),
     f"vLLM's FlashInfer all-reduce + RMSNorm fusion already took this site; set {FUSION_SWITCH}=false "

@@ -3,8 +3,8 @@
 vLLM asserts that its `post_grad_custom_post_pass` is an instance of its own InductorPass and
 resolves `CompilationConfig.inductor_passes` names as `__import__("k3fuse").__dict__[name]`, an
 object, not a factory: so k3fuse puts an instance, `k3fuse.vllm_pass`, into its namespace when it
-finds vLLM imported (and vLLM's general-plugin entry point `k3fuse` makes sure of it in every vLLM
-process). The instance builds its context from vLLM's TP group when it first runs, in the worker.
+finds vLLM imported (and vLLM's general-plugin entry point, `k3fuse.vllm_plugin`, makes sure of
+it in every vLLM process). The instance builds its context from vLLM's TP group when it first runs, in the worker.
 """
 from __future__ import annotations
 
@@ -42,13 +42,4 @@ def default_pass() -> VllmK3FusePass:
     return VllmK3FusePass()
 
 
-def plugin() -> None:
-    """vLLM's `vllm.general_plugins` entry point: put `k3fuse.vllm_pass` into k3fuse's namespace
-    so that `inductor_passes` can name it, in every vLLM process."""
-    import k3fuse
-
-    k3fuse.__dict__.setdefault("vllm_pass", default_pass())
-    k3fuse.__dict__.setdefault("VllmK3FusePass", VllmK3FusePass)
-
-
-__all__ = ["VllmK3FusePass", "default_pass", "plugin"]
+__all__ = ["VllmK3FusePass", "default_pass"]
