@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -350,25 +350,48 @@ def engine_spellings() -> dict[str, EngineSpelling]:
     return dict(_ENGINE_SPELLINGS)
 
 
-def _engine_call(node: fx.Node) -> tuple[Any, dict[str, Any], bool] | None:
-    """(op overload, its arguments by schema name, functionalised) of an engine op call, the op
-    called directly or through auto_functionalized; None for anything else."""
+@dataclass(frozen=True)
+class _EngineCall:
+    """An engine op call: the op, its arguments by schema name, and for a functionalised call
+    (auto_functionalized v1 or v2) the getitem index holding each mutated argument's new value."""
+
+    op: Any
+    named: dict[str, Any]
+    functional: bool
+    mutated: dict[str, int]
+
+
+def _engine_call(node: fx.Node) -> _EngineCall | None:
+    """The engine op `node` calls, directly or through auto_functionalized(_v2); None for anything
+    else, and for a v2 call on views of its bases (their size/stride/offset would need replaying)."""
     if node.op != "call_function":
         return None
-    functional = node.target is torch.ops.higher_order.auto_functionalized
-    op = node.args[0] if functional else node.target
+    hop = node.target
+    functional = hop in (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+    op = node.args[0] if functional else hop
     if not isinstance(op, torch._ops.OpOverload) or op._schema.name not in _ENGINE_SPELLINGS:
         return None
     named: dict[str, Any] = {}
+    mutated: dict[str, int] = {}
     positional = () if functional else node.args
+    returns = len(op._schema.returns)
+    writes = [a.name for a in op._schema.arguments if a.is_write]
     for i, arg in enumerate(op._schema.arguments):
         if i < len(positional):
             named[arg.name] = positional[i]
         elif arg.name in node.kwargs:
             named[arg.name] = node.kwargs[arg.name]
+        elif hop is torch.ops.higher_order.auto_functionalized_v2 and f"_{arg.name}_base_index" in node.kwargs:
+            if any(f"_{arg.name}_{k}" in node.kwargs for k in ("size", "stride", "storage_offset", "slice_dim")):
+                return None
+            base = node.kwargs[f"_{arg.name}_base_index"]
+            named[arg.name] = node.kwargs["_all_bases"][base]
+            mutated[arg.name] = returns + base
         elif arg.has_default_value():
             named[arg.name] = arg.default_value
-    return op, named, functional
+    if hop is torch.ops.higher_order.auto_functionalized:
+        mutated = {name: returns + k for k, name in enumerate(writes)}
+    return _EngineCall(op, named, functional, mutated)
 
 
 @dataclass
@@ -387,6 +410,17 @@ class EngineTranslation:
     readers: list[tuple[Any, fx.Node, list[fx.Node]]]
     getitem_meta: dict[int, dict[str, Any]]
     stand_ins: list[fx.Node]  # alias nodes standing for a mutated input, dropped once consumed
+    #: each input node of the original -> (an inserted node reading it, the argument position): a
+    #: rule that replaces an input (decode_gemm the projection before the all-reduce) rewires
+    #: these, so the restored op reads the input's replacement
+    slots: dict[fx.Node, tuple[fx.Node, int]] = field(default_factory=dict)
+
+    def current(self, value: Any) -> Any:
+        """`value` (an input of the original) as the graph holds it now."""
+        if isinstance(value, fx.Node) and value in self.slots:
+            reader, position = self.slots[value]
+            return reader.args[position]
+        return value
 
 
 def fake_call(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -464,8 +498,9 @@ def _getitems(node: fx.Node) -> dict[int, fx.Node]:
     return {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
 
 
-def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, op: Any, named: dict[str, Any],
-               functional: bool, trace: AtenTracer) -> EngineTranslation | None:
+def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, call: _EngineCall,
+               trace: AtenTracer) -> EngineTranslation | None:
+    named, functional = call.named, call.functional
     record = EngineTranslation(node.target, node.args, dict(node.kwargs), dict(node.meta), node.name, [], [], {}, [])
     items = _getitems(node)
     if isinstance(spelling, AllReduceSpelling):
@@ -476,9 +511,8 @@ def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, op: Any
                 record.inserted = _all_reduce(graph, x, group, _val(node))
             record.readers.append((None, record.inserted[-1], list(node.users)))
         elif functional:  # auto_functionalized -> getitem(i): the new value of the mutated tensor
-            index = len(op._schema.returns) + [a.name for a in op._schema.arguments if a.is_write].index(
-                spelling.tensor_arg)
-            if index not in items:
+            index = call.mutated.get(spelling.tensor_arg)
+            if index is None or index not in items:
                 return None
             with graph.inserting_before(node):
                 record.inserted = _all_reduce(graph, x, group, _val(items[index]))
@@ -509,15 +543,14 @@ def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, op: Any
                 record.inserted = [total, *_inline_rms_norm(graph, total, weight, eps, spelling.norm, trace)]
                 values: dict[int, fx.Node] = {0: record.inserted[-1], 1: total}
                 if functional:  # the mutated inputs after the call: the native op leaves them as they were
-                    writes = [a.name for a in op._schema.arguments if a.is_write]
-                    for k, arg_name in enumerate(writes):
-                        if len(op._schema.returns) + k not in items:
+                    for arg_name, index in call.mutated.items():
+                        if index not in items:
                             continue  # nothing reads it: no stand-in (it would be a reader of x)
                         alias = graph.call_function(aten.alias.default, (named[arg_name],))
                         alias.meta["val"] = _val(named[arg_name])
                         record.inserted.append(alias)
                         record.stand_ins.append(alias)
-                        values[len(op._schema.returns) + k] = alias
+                        values[index] = alias
                 for index, item in items.items():
                     if index not in values:
                         return None
@@ -525,6 +558,21 @@ def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, op: Any
     else:
         return None
     record.getitem_meta = {i: dict(g.meta) for i, g in items.items()}
+    inputs = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+    inputs += [a for v in node.kwargs.values() if isinstance(v, (list, tuple)) for a in v if isinstance(a, fx.Node)]
+    for reader in record.inserted:
+        for position, arg in enumerate(reader.args):
+            if isinstance(arg, fx.Node) and arg in inputs and arg not in record.slots:
+                record.slots[arg] = (reader, position)
+    if any(a not in record.slots for a in inputs):
+        # an input no inserted node reads directly: put the node back as it was (cannot be restored)
+        for source, value, users in record.readers:
+            old = node if source is None else (items[source] if isinstance(source, int) else source)
+            for u in users:
+                u.replace_input_with(value, old)
+        for n in reversed(record.inserted):
+            graph.erase_node(n)
+        return None
     for source, value, users in record.readers:
         old = node if source is None else (items[source] if isinstance(source, int) else source)
         for u in users:
@@ -547,8 +595,7 @@ def translate_engine_ops(graph: fx.Graph, trace: AtenTracer) -> list[EngineTrans
         call = _engine_call(node)
         if call is None:
             continue
-        op, named, functional = call
-        record = _translate(graph, node, _ENGINE_SPELLINGS[op._schema.name], op, named, functional, trace)
+        record = _translate(graph, node, _ENGINE_SPELLINGS[call.op._schema.name], call, trace)
         if record is not None:
             out.append(record)
     return out
@@ -558,26 +605,31 @@ def restore_engine_ops(graph: fx.Graph, translations: list[EngineTranslation]) -
     """Put back each translation whose nodes no rule consumed; drop the stand-ins of consumed ones.
     Returns how many were restored."""
     restored = 0
+    rebuilt: set[fx.Node] = set()  # nodes put back by later translations: they read this one's values too
     for t in reversed(translations):
-        allowed = set(t.inserted) | {u for _, _, users in t.readers for u in users}
+        allowed = set(t.inserted) | {u for _, _, users in t.readers for u in users} | rebuilt
         intact = not any(getattr(n, "_erased", False) for n in t.inserted) and all(
             u in allowed for n in t.inserted for u in n.users)
         if not intact:
             _drop_stand_ins(graph, t)
             continue
         with graph.inserting_before(t.inserted[0]):
-            original = graph.create_node("call_function", t.target, t.args, t.kwargs, name=t.name)
+            args = fx.node.map_arg(t.args, t.current)
+            kwargs = fx.node.map_arg(t.kwargs, t.current)
+            original = graph.create_node("call_function", t.target, args, kwargs, name=t.name)
             original.meta.update(t.meta)
+            rebuilt.add(original)
             for source, value, users in t.readers:
                 if source is None:
                     src = original
                 elif isinstance(source, int):
                     src = graph.call_function(operator.getitem, (original, source))
                     src.meta.update(t.getitem_meta.get(source, {}))
+                    rebuilt.add(src)
                 else:
-                    src = source
-                for u in users:
-                    if not getattr(u, "_erased", False):
+                    src = t.current(source)
+                for u in list(value.users):
+                    if u in users or u in rebuilt:
                         u.replace_input_with(value, src)
         for n in reversed(t.inserted):
             graph.erase_node(n)
@@ -607,7 +659,8 @@ def prior_fusions(graph: fx.Graph, anchor: Any) -> list[tuple[fx.Node, PriorFusi
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        op = node.args[0] if node.target is torch.ops.higher_order.auto_functionalized else node.target
+        hops = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+        op = node.args[0] if node.target in hops else node.target
         spelling = _ENGINE_SPELLINGS.get(op._schema.name) if isinstance(op, torch._ops.OpOverload) else None
         if isinstance(spelling, PriorFusion) and qualname in spelling.takes:
             found.append((node, spelling))

@@ -35,6 +35,52 @@ def _hide_repo_root() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != REPO_ROOT]
 
 
+def _spelling_checks() -> dict:
+    """vLLM's functional spelling (`vllm_ir.fused_add_rms_norm.default`) traced from vLLM's own op
+    definitions: matched through the normalisation, restored where no rule fused it, and a group
+    name this process does not have is an error."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from k3fuse.engines import EngineError
+    from k3fuse.inductor import context_for_group
+    from k3fuse.ir import mark_static
+    from k3fuse.log import RewriteLog
+    from k3fuse.patterns.oproj_allreduce_residual import OProjAllReduceResidual
+    from k3fuse.pipeline import run_pipeline
+
+    def block(group_name: str):  # noqa: ANN202
+        def f(x, w, residual, norm_w):  # noqa: ANN001, ANN202
+            y = torch.ops.vllm.all_reduce(torch.nn.functional.linear(x, w), group_name)
+            return torch.ops.vllm_ir.fused_add_rms_norm(y, residual, norm_w, 1e-6, None)
+        return make_fx(f, tracing_mode="fake")(torch.randn(T, K_LOCAL), torch.randn(H, K_LOCAL), torch.randn(T, H),
+                                               torch.randn(H))
+
+    def ops(gm) -> set[str]:  # noqa: ANN001
+        return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+    ctx = context_for_group(None, "vllm")
+    out: dict = {"ctx": (ctx.tp_size, ctx.group_name)}
+    gm = block("tp:0")
+    log = RewriteLog()
+    run_pipeline(gm, ctx, rules=[OProjAllReduceResidual()], log=log)  # no static weights: rejected, restored
+    out["rejected"] = [(e.decision, e.guard) for e in log]
+    out["restored_ops"] = sorted(ops(gm))
+    gm(torch.randn(T, K_LOCAL), torch.randn(H, K_LOCAL), torch.randn(T, H), torch.randn(H))  # still runs
+    gm = block("tp:0")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i in (1, 3):
+        mark_static(placeholders[i])
+    log = RewriteLog()
+    run_pipeline(gm, ctx, rules=[OProjAllReduceResidual()], log=log)
+    out["applied"] = [(e.decision, e.variant) for e in log]
+    out["fused_ops"] = sorted(ops(gm))
+    try:
+        run_pipeline(block("tp:7"), ctx, rules=[OProjAllReduceResidual()])
+    except EngineError as exc:
+        out["unknown_group"] = str(exc)
+    return out
+
+
 def _vllm_worker(rank: int, world: int, ident: str, log_path: str, fuse_allreduce_rms: bool) -> dict:
     os.environ["VLLM_DIST_IDENT"] = ident  # what vLLM's CPU worker sets for its shared-memory groups
     _hide_repo_root()
@@ -91,6 +137,7 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, fuse_allreduc
             with k3fuse.strict():
                 got_out, got_res = model(x, residual.clone())
         stats = k3fuse.stats()
+        out["spelling"] = _spelling_checks()
     # float64 reference from the full (unsharded) tensors
     total = residual.double() + x_full.double() @ w_full.double().T
     ref_out = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
@@ -117,6 +164,7 @@ def test_vllm_compiles_k3fuse_pass_on_its_own_layers(tmp_path):
     print("\nvLLM k3fuse test:", json.dumps([{k: r[k] for k in ("group", "stats", "err_eager", "err_f64")}
                                              for r in results]))
     print("applied:", [(e["rank"], e["variant"], e["new_nodes"], e["door"]) for e in applied])
+    print("spelling checks:", json.dumps([r["spelling"] for r in results]))
     assert sorted(e["rank"] for e in applied) == [0, 1]
     assert all(e["variant"] == "plain+norm" and e["door"] == "inductor" for e in applied)
     for r in results:
@@ -125,3 +173,65 @@ def test_vllm_compiles_k3fuse_pass_on_its_own_layers(tmp_path):
         assert r["stats"].get("gemm_ar_residual_rmsnorm") and not any(
             k.startswith("fallback") for k in r["stats"]["gemm_ar_residual_rmsnorm"])
         assert max(r["err_eager"]) < 1e-5 and max(r["err_f64"]) < 1e-4
+        sp = r["spelling"]
+        assert sp["ctx"] == (2, c10d_name)
+        assert sp["rejected"] == [("rejected", "static_weight")]
+        assert "vllm.all_reduce.default" in sp["restored_ops"] and "vllm_ir.fused_add_rms_norm.default" in sp[
+            "restored_ops"] and not any("_c10d_functional" in o for o in sp["restored_ops"])
+        assert sp["applied"] == [("applied", "plain+norm")]
+        assert "k3fuse.gemm_ar_residual_rmsnorm.default" in sp["fused_ops"] and not any(
+            o.startswith(("vllm.", "vllm_ir.")) for o in sp["fused_ops"])
+        assert "vLLM group 'tp:7', which this process does not have" in sp["unknown_group"]
+
+
+def _stock_worker(rank: int, world: int, ident: str, log_path: str) -> dict:
+    """vLLM's route for models it does not compile itself (its K3 model): STOCK_TORCH_COMPILE with
+    backend "k3fuse", through vLLM's own compile_model_with_stock_torch."""
+    os.environ["VLLM_DIST_IDENT"] = ident
+    _hide_repo_root()
+    import vllm._custom_ops as vllm_ops
+    from vllm.compilation.wrapper import compile_model_with_stock_torch
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    import k3fuse
+
+    class OutProjNorm(torch.nn.Module):  # no @support_torch_compile, as vLLM's K3 model
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = RowParallelLinear(K_LOCAL * world, H, bias=False, input_is_parallel=True, prefix="o_proj")
+            self.norm = RMSNorm(H, eps=1e-6)
+
+        def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y, _ = self.o_proj(x)
+            return self.norm(y, residual)
+
+    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.STOCK_TORCH_COMPILE,
+                                                             backend="k3fuse"))
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        parallel_state.get_tp_group().use_custom_op_call = True
+        model = OutProjNorm().eval()
+        with torch.no_grad():
+            model.o_proj.weight.copy_(torch.randn(H, K_LOCAL, generator=torch.Generator().manual_seed(rank)))
+        vllm_ops._supports_onednn = False
+        model.o_proj.quant_method.process_weights_after_loading(model.o_proj)
+        compile_model_with_stock_torch(model, config)
+        x, residual = torch.randn(T, K_LOCAL), torch.randn(T, H)
+        with torch.no_grad():
+            eager = OutProjNorm.forward(model, x, residual.clone())
+            k3fuse.reset_stats()
+            with k3fuse.strict():
+                got = model(x, residual.clone())
+    parallel_state.destroy_model_parallel()
+    return {"err": [float((a - b).abs().max()) for a, b in zip(got, eager)], "stats": k3fuse.stats()}
+
+
+def test_vllm_stock_torch_compile_route_uses_the_k3fuse_backend():
+    results = launch(_stock_worker, 2, args=(f"k3fuse-stock-{os.getpid()}", ""), timeout_s=540)
+    print("\nvLLM STOCK_TORCH_COMPILE test:", json.dumps(results))
+    for r in results:
+        assert r["stats"].get("gemm_ar_residual_rmsnorm") and max(r["err"]) < 1e-5
