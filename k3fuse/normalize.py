@@ -374,7 +374,7 @@ def _engine_call(node: fx.Node) -> _EngineCall | None:
     named: dict[str, Any] = {}
     mutated: dict[str, int] = {}
     positional = () if functional else node.args
-    returns = len(op._schema.returns)
+    returns = max(1, len(op._schema.returns))  # an op returning nothing still leads with one None
     writes = [a.name for a in op._schema.arguments if a.is_write]
     for i, arg in enumerate(op._schema.arguments):
         if i < len(positional):
