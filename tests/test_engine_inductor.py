@@ -152,3 +152,23 @@ def test_sglang_install_sets_the_global_hook_once():
             sglang.install()
         sglang.plugin()  # the entry point after an explicit install: no second pass
         assert inductor_config.post_grad_custom_post_pass is installed
+
+
+def _lazy_context_worker(rank: int, world_size: int) -> tuple:
+    import copy
+    import pickle
+
+    import torch.distributed as dist
+
+    p = k3fuse.inductor_pass({"tokens": (1, 8)})  # no context: built from torch's default group on first use
+    shipped = pickle.loads(pickle.dumps(copy.deepcopy(p)))
+    return (p.ctx.tp_size, p.ctx.rank, p.ctx.group_name == dist.group.WORLD.group_name, p.ctx.tokens,
+            shipped.ctx.rank, shipped.uuid() == p.uuid())
+
+
+@pytest.mark.slow
+def test_context_is_built_from_torchs_default_group_when_the_pass_runs():
+    from k3fuse.dist import launch
+
+    assert launch(_lazy_context_worker, 2, timeout_s=120) == [(2, 0, True, (1, 8), 0, True),
+                                                              (2, 1, True, (1, 8), 1, True)]
