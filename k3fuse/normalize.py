@@ -292,8 +292,11 @@ __all__ = [
 # Serving engines write the collectives and norms the rules trace as their own ops. Each engine
 # module (k3fuse/engines/) registers its spellings here; `translate_engine_ops` rewrites them to the
 # ATen the rules trace (functional all_reduce + wait_tensor over the c10d group, the residual add,
-# the RMSNorm function the engine module hands over: k3fuse.spelling.rms_norm), and `restore_engine_ops` puts back every translation no rule consumed,
-# so an engine's graph reaches its compiler as it came wherever k3fuse did not fuse.
+# the RMSNorm function the engine module hands over: k3fuse.spelling.rms_norm), and
+# `restore_engine_ops` puts back every translation no rule consumed, so an engine's graph reaches
+# its compiler as it came wherever k3fuse did not fuse. The add and the norm are k3fuse's: for a
+# bf16 trunk the engine's norm of the fp32 sum becomes the norm of the sum rounded to bf16 (what
+# the fused kernel computes): it differs from the engine's by bf16 roundings only.
 
 
 @dataclass(frozen=True)
@@ -313,8 +316,8 @@ class AllReduceSpelling:
 @dataclass(frozen=True)
 class AddRMSNormSpelling:
     """An engine's fused residual add + RMSNorm returning (norm(x + residual), x + residual); with
-    `rms_only`, a plain RMSNorm returning norm(x). Translated only without a variance-size override
-    (the norm then covers all of the last dim, as k3fuse's)."""
+    `residual_arg=None`, a plain RMSNorm returning norm(x). Translated only without a variance-size
+    override (the norm then covers all of the last dim, as k3fuse's)."""
 
     qualname: str
     engine: str
