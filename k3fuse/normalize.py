@@ -404,6 +404,7 @@ class EngineTranslation:
     readers: (where the value came from: None the op's result, int its getitem, or the input node
     an in-place op mutated; the node standing for it now; the users rewired to that node)."""
 
+    engine: str
     target: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -504,7 +505,8 @@ def _getitems(node: fx.Node) -> dict[int, fx.Node]:
 def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, call: _EngineCall,
                trace: AtenTracer) -> EngineTranslation | None:
     named, functional = call.named, call.functional
-    record = EngineTranslation(node.target, node.args, dict(node.kwargs), dict(node.meta), node.name, [], [], {}, [])
+    record = EngineTranslation(spelling.engine, node.target, node.args, dict(node.kwargs), dict(node.meta), node.name,
+                               [], [], {}, [])
     items = _getitems(node)
     if isinstance(spelling, AllReduceSpelling):
         x = named[spelling.tensor_arg]
@@ -604,11 +606,13 @@ def translate_engine_ops(graph: fx.Graph, trace: AtenTracer) -> list[EngineTrans
     return out
 
 
-def restore_engine_ops(graph: fx.Graph, translations: list[EngineTranslation]) -> int:
+def restore_engine_ops(graph: fx.Graph, translations: list[EngineTranslation],
+                       rebuilt: set[fx.Node] | None = None) -> int:
     """Put back each translation whose nodes no rule consumed; drop the stand-ins of consumed ones.
+    `rebuilt`: nodes other restorations put back, which may read these translations' values.
     Returns how many were restored."""
     restored = 0
-    rebuilt: set[fx.Node] = set()  # nodes put back by later translations: they read this one's values too
+    rebuilt = set(rebuilt or ())  # and the nodes put back by later translations here
     for t in reversed(translations):
         allowed = set(t.inserted) | {u for _, _, users in t.readers for u in users} | rebuilt
         intact = not any(getattr(n, "_erased", False) for n in t.inserted) and all(
@@ -654,6 +658,148 @@ def _drop_stand_ins(graph: fx.Graph, t: EngineTranslation) -> None:
         graph.erase_node(alias)
 
 
+# --- the fp32-residual norm (SGLang's native RMSNorm) ---------------------------------------------
+# x.float() + residual.float() in fp32, the sum kept in the trunk dtype as the next residual and
+# normalised in fp32. The rules trace the add in the trunk dtype and the norm of that sum
+# (k3fuse.spelling.rms_norm). The translation adds in the trunk dtype, normalises the rounded sum
+# and makes the weight's promotion to fp32 an explicit cast (what the fused kernel computes: it
+# differs from the fp32-sum norm by one rounding of the sum).
+
+_FP32_RESIDUAL_ENGINES: set[str] = set()
+_TRUNK_16 = (torch.bfloat16, torch.float16)
+
+
+def register_fp32_residual_norm(engine: str) -> None:
+    """An engine writes its residual add + RMSNorm in the fp32-residual form (called by its module)."""
+    _FP32_RESIDUAL_ENGINES.add(engine)
+
+
+@dataclass
+class Fp32ResidualTranslation:
+    """One fp32-residual add rewritten in the trunk dtype, with what putting it back needs."""
+
+    #: per operand: its cast to fp32 if still in the graph, else what rebuilds it (name, target,
+    #: arguments after the operand, kwargs, meta)
+    upcasts: list[Any]
+    total: fx.Node  # add(a, b) in the trunk dtype (stands for the residual the engine kept)
+    total_f32: fx.Node  # convert(total, f32) (stands for the fp32 sum)
+    weight_f32: fx.Node | None  # convert(w, f32) in the weight multiply, if there was one
+    residual_readers: list[fx.Node]
+    sum_readers: list[fx.Node]  # the fp32 sum's readers, and the weight multiply
+    names: tuple[str, str]  # the fp32 sum's and the kept residual's node names
+    meta: tuple[dict[str, Any], dict[str, Any]]
+    kept_cast: tuple[Any, tuple[Any, ...], dict[str, Any]] = (None, (), {})  # target, args after the sum, kwargs
+
+
+def _cast_of(node: Any, dtype: torch.dtype) -> fx.Node | None:
+    """The input of `node` when it is a pure cast to `dtype`."""
+    return node.args[0] if isinstance(node, fx.Node) and cast_dtype(node) == dtype else None
+
+
+def _weight_multiply(total_f32: fx.Node) -> tuple[fx.Node, int] | None:
+    """(mul, position of the weight) for `(sum * rsqrt(mean(sum^2) + eps)) * w` with w in a 16-bit
+    dtype, the promotion the engine leaves implicit."""
+    for normed in total_f32.users:
+        if normed.target is not aten.mul.Tensor or len(normed.users) != 1:
+            continue
+        (mul,) = normed.users
+        if mul.target is not aten.mul.Tensor or len(mul.args) != 2:
+            continue
+        position = 1 if mul.args[0] is normed else 0
+        weight = mul.args[position]
+        if isinstance(_val(weight), torch.Tensor) and _val(weight).dtype in _TRUNK_16:
+            return mul, position
+    return None
+
+
+def translate_fp32_residual_norms(graph: fx.Graph, engines: set[str]) -> list[Fp32ResidualTranslation]:
+    """Rewrite each `add(a.float(), b.float())` whose sum is also cast back to a and b's 16-bit
+    dtype (the kept residual) to the trunk-dtype spelling the rules trace (see above), in graphs
+    of an engine (`engines`: those whose ops the graph holds) that writes its norm that way."""
+    if not _FP32_RESIDUAL_ENGINES & engines:
+        return []
+    out = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+            continue
+        up_a, up_b = node.args
+        a, b = _cast_of(up_a, torch.float32), _cast_of(up_b, torch.float32)
+        if a is None or b is None or _val(a) is None or _val(b) is None:
+            continue
+        dtype = _val(a).dtype
+        if dtype not in _TRUNK_16 or _val(b).dtype != dtype:
+            continue
+        kept = [u for u in node.users if cast_dtype(u) == dtype]
+        if not kept:
+            continue
+        residual_readers = [r for k in kept for r in k.users]
+        sum_readers = [u for u in node.users if u not in kept]
+        with graph.inserting_before(node):
+            total = graph.call_function(aten.add.Tensor, (a, b))
+            total_f32 = graph.call_function(prims.convert_element_type.default, (total, torch.float32))
+        _set_vals([total, total_f32])
+        record = Fp32ResidualTranslation([], total, total_f32, None, residual_readers, sum_readers,
+                                         (node.name, kept[0].name), (dict(node.meta), dict(kept[0].meta)),
+                                         (kept[0].target, tuple(kept[0].args[1:]), dict(kept[0].kwargs)))
+        for k in kept:
+            k.replace_all_uses_with(total)
+            graph.erase_node(k)
+        node.replace_all_uses_with(total_f32)
+        graph.erase_node(node)
+        for up in (up_a, up_b):  # a dead cast would read the all-reduce: the rule could not take it
+            if up.users:
+                record.upcasts.append(up)
+            else:
+                record.upcasts.append((up.name, up.target, tuple(up.args[1:]), dict(up.kwargs), dict(up.meta)))
+                graph.erase_node(up)
+        found = _weight_multiply(total_f32)
+        if found is not None:
+            mul, position = found
+            with graph.inserting_before(mul):
+                record.weight_f32 = graph.call_function(prims.convert_element_type.default,
+                                                        (mul.args[position], torch.float32))
+            _set_vals([record.weight_f32])
+            mul.replace_input_with(mul.args[position], record.weight_f32)
+            record.sum_readers.append(mul)  # reads the weight's cast
+        out.append(record)
+    return out
+
+
+def restore_fp32_residual_norms(graph: fx.Graph, translations: list[Fp32ResidualTranslation]) -> set[fx.Node]:
+    """Put back each fp32-residual add no rule consumed; returns the nodes put back (readers of the
+    engine ops' stand-ins, for `restore_engine_ops`)."""
+    rebuilt: set[fx.Node] = set()
+    for t in reversed(translations):
+        new = [t.total, t.total_f32] + ([t.weight_f32] if t.weight_f32 is not None else [])
+        allowed = set(new) | set(t.residual_readers) | set(t.sum_readers)
+        if any(getattr(n, "_erased", False) for n in new) or any(u not in allowed for n in new for u in n.users):
+            continue
+        with graph.inserting_before(t.total):
+            ups = []
+            for operand, up in zip(t.total.args, t.upcasts):
+                if isinstance(up, fx.Node):
+                    ups.append(up)
+                    continue
+                name, target, rest, kwargs, meta = up
+                cast = graph.create_node("call_function", target, (operand, *rest), kwargs, name=name)
+                cast.meta.update(meta)
+                ups.append(cast)
+                rebuilt.add(cast)
+            total = graph.create_node("call_function", aten.add.Tensor, tuple(ups), name=t.names[0])
+            target, rest, kwargs = t.kept_cast
+            kept = graph.create_node("call_function", target, (total, *rest), kwargs, name=t.names[1])
+        total.meta.update(t.meta[0])
+        kept.meta.update(t.meta[1])
+        if t.weight_f32 is not None:
+            t.weight_f32.replace_all_uses_with(t.weight_f32.args[0])
+            graph.erase_node(t.weight_f32)
+        t.total_f32.replace_all_uses_with(total)
+        t.total.replace_all_uses_with(kept)
+        graph.erase_node(t.total_f32)
+        graph.erase_node(t.total)
+    return rebuilt
+
+
 def prior_fusions(graph: fx.Graph, anchor: Any) -> list[tuple[fx.Node, PriorFusion]]:
     """Engine ops in `graph` that already fused a site a rule anchored on `anchor` would look for."""
     qualname = getattr(anchor, "_schema", None)
@@ -670,5 +816,6 @@ def prior_fusions(graph: fx.Graph, anchor: Any) -> list[tuple[fx.Node, PriorFusi
     return found
 
 
-__all__ += ["fake_call", "AllReduceSpelling", "AddRMSNormSpelling", "PriorFusion", "EngineTranslation", "register_engine_spelling",
+__all__ += ["fake_call", "register_fp32_residual_norm", "translate_fp32_residual_norms",
+            "restore_fp32_residual_norms", "Fp32ResidualTranslation", "AllReduceSpelling", "AddRMSNormSpelling", "PriorFusion", "EngineTranslation", "register_engine_spelling",
             "engine_spellings", "translate_engine_ops", "restore_engine_ops", "prior_fusions"]

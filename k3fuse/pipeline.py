@@ -194,6 +194,7 @@ def run_pipeline(
 
     active = [r for r, why in selection if why is None]
     translated = normalize.translate_engine_ops(graph, trace_aten) if active else []
+    fp32_residuals = normalize.translate_fp32_residual_norms(graph, {t.engine for t in translated})
     split = normalize.split_addmm(graph) if active else 0
     changed = False
     for rule, why in selection:
@@ -221,8 +222,10 @@ def run_pipeline(
 
     if split:
         normalize.restore_addmm(graph)
+    rebuilt = normalize.restore_fp32_residual_norms(graph, fp32_residuals) if fp32_residuals else set()
     if translated:
-        normalize.restore_engine_ops(graph, translated)
+        normalize.restore_engine_ops(graph, translated, rebuilt)
+    if translated or fp32_residuals:
         graph.lint()
     if changed:
         graph.lint()

@@ -19,7 +19,9 @@ from k3fuse.pipeline import run_pipeline
 _lib = torch.library.Library("k3fuse_spelling_test", "FRAGMENT")
 _lib.define("inplace_sum(Tensor(a!) tensor, str group_name) -> ()")
 _lib.define("fused_allreduce_norm(Tensor x, Tensor residual, Tensor w, float eps, str group) -> (Tensor, Tensor)")
+_lib.define("outplace_sum(Tensor tensor, str group_name) -> Tensor")
 _lib.impl("inplace_sum", lambda tensor, group_name: None, "CompositeExplicitAutograd")
+_lib._register_fake("outplace_sum", lambda tensor, group_name: torch.empty_like(tensor))
 _lib._register_fake("fused_allreduce_norm", lambda x, residual, w, eps, group: (torch.empty_like(residual),
                                                                                  torch.empty_like(residual)))
 ops = torch.ops.k3fuse_spelling_test
@@ -73,3 +75,26 @@ def test_vllms_flashinfer_fusion_is_registered_with_its_switch():
     spelling = normalize.engine_spellings()["vllm::flashinfer_trtllm_fused_allreduce_norm"]
     assert isinstance(spelling, normalize.PriorFusion) and "pass_config.fuse_allreduce_rms=false" in spelling.advice
     assert spelling.takes == (OProjAllReduceResidual.anchor._schema.name,)
+
+
+def test_fp32_residual_norm_is_matched_in_the_trunk_dtype_and_restored(monkeypatch):
+    """An engine registered for the fp32-residual norm (SGLang is): its bf16 graph matches the bf16
+    pattern (the static-weight guard is what rejects it) and goes back as it came."""
+    monkeypatch.setitem(normalize._ENGINE_SPELLINGS, "k3fuse_spelling_test::outplace_sum", normalize.AllReduceSpelling(
+        "k3fuse_spelling_test::outplace_sum", "SGLang", resolve=lambda name: "tp"))
+
+    def f(x, w, residual, norm_w):  # noqa: ANN001, ANN202
+        y = ops.outplace_sum(torch.nn.functional.linear(x, w), "tp:0")
+        total = y.float() + residual.float()
+        kept = total.to(torch.bfloat16)
+        normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed * norm_w).to(torch.bfloat16), kept
+
+    bf16 = {"dtype": torch.bfloat16}
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8, **bf16), torch.randn(16, 8, **bf16),
+                                         torch.randn(4, 16, **bf16), torch.randn(16, **bf16))
+    before = _ops(gm.graph)
+    log = RewriteLog()
+    run_pipeline(gm, DecodeContext(tp_size=2, group_name="tp"), rules=[OProjAllReduceResidual()], log=log)
+    assert [(e.decision, e.guard, e.variant) for e in log] == [("rejected", "static_weight", "plain+norm[bfloat16]")]
+    assert sorted(_ops(gm.graph)) == sorted(before)

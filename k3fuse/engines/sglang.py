@@ -9,7 +9,8 @@ Spellings in SGLang's graphs:
   all-reduce  torch.ops.sglang.outplace_all_reduce(x, group_name, method)         out of place
               torch.ops.sglang.inplace_all_reduce(x, group_name)  mutates x (functionalised:
               auto_functionalized(...) -> getitem, copied back into x)
-  norm        native ATen: the residual added in fp32 (x.float() + residual.float())
+  norm        native ATen: the residual added in fp32 (x.float() + residual.float()), kept in the
+              trunk dtype (normalize.translate_fp32_residual_norms)
 Nothing here imports SGLang at import time.
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ def c10d_group_name(group_name: str) -> str:
 
 
 normalize.register_engine_spelling(normalize.AllReduceSpelling(OUTPLACE_ALL_REDUCE, "SGLang", c10d_group_name))
+normalize.register_fp32_residual_norm("SGLang")
 normalize.register_engine_spelling(normalize.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,
                                                                mutates=True))
 
