@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 
 import pytest
 import torch
@@ -153,6 +154,12 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: s
     return out
 
 
+def _dist_ident() -> str:
+    """A VLLM_DIST_IDENT of its own per launch: vLLM's CPU shared-memory segments are named after
+    it, and one left by an earlier launch would make the next fail (EEXIST)."""
+    return f"k3fuse-{uuid.uuid4().hex[:12]}"
+
+
 def _events(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -165,7 +172,7 @@ TOLERANCE = {"float32": (1e-5, 1e-4), "bfloat16": (3.2e-2, 1.6e-2)}
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_vllm_compiles_k3fuse_pass_on_its_own_layers(tmp_path, dtype_name):
     log_path = str(tmp_path / "rewrites.jsonl")
-    results = launch(_vllm_worker, 2, args=(f"k3fuse-{os.getpid()}", log_path, dtype_name), timeout_s=540)
+    results = launch(_vllm_worker, 2, args=(_dist_ident(), log_path, dtype_name), timeout_s=540)
     events = _events(log_path)
     applied = [e for e in events if e["rule"] == "oproj_allreduce_residual" and e["decision"] == "applied"]
     print("\nvLLM k3fuse test:", json.dumps([{k: r[k] for k in ("group", "stats", "err_eager", "err_f64")}
@@ -242,7 +249,7 @@ def _stock_worker(rank: int, world: int, ident: str, log_path: str) -> dict:
 
 
 def test_vllm_stock_torch_compile_route_uses_the_k3fuse_backend():
-    results = launch(_stock_worker, 2, args=(f"k3fuse-stock-{os.getpid()}", ""), timeout_s=540)
+    results = launch(_stock_worker, 2, args=(_dist_ident(), ""), timeout_s=540)
     print("\nvLLM STOCK_TORCH_COMPILE test:", json.dumps(results))
     for r in results:
         assert r["stats"].get("gemm_ar_residual_rmsnorm") and max(r["err"]) < 1e-5
