@@ -253,3 +253,24 @@ def test_vllm_stock_torch_compile_route_uses_the_k3fuse_backend():
     print("\nvLLM STOCK_TORCH_COMPILE test:", json.dumps(results))
     for r in results:
         assert r["stats"].get("gemm_ar_residual_rmsnorm") and max(r["err"]) < 1e-5
+
+
+def _plugin_worker(rank: int, world: int) -> dict:
+    import k3fuse
+
+    before = ("vllm" in sys.modules, "vllm_pass" in k3fuse.__dict__)
+    _hide_repo_root()
+    from vllm.config import CompilationConfig
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # vLLM's loader, as every vLLM process runs it: k3fuse's entry point
+    config = CompilationConfig(inductor_passes={"post_grad_custom_post_pass": "k3fuse.vllm_pass"})
+    resolved = config.inductor_compile_config["post_grad_custom_post_pass"]
+    return {"before": before, "resolved": type(resolved).__name__, "is_it": resolved is k3fuse.vllm_pass}
+
+
+def test_inductor_passes_names_k3fuse_vllm_pass_after_vllms_plugin_loader():
+    """The --compilation-config JSON route: `inductor_passes` resolves `k3fuse.vllm_pass` through
+    k3fuse's __dict__, which vLLM's general-plugin entry point fills; importing k3fuse imports no vLLM."""
+    (result,) = launch(_plugin_worker, 1, timeout_s=300)  # a fresh process: nothing imported yet
+    assert result == {"before": (False, False), "resolved": "VllmK3FusePass", "is_it": True}
