@@ -34,7 +34,7 @@ from .ir import mark_static
 from .log import RewriteLog
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
-from .wiring import wire_defaults
+from .plugins import install_plugins
 
 logger = logging.getLogger("k3fuse")
 
@@ -100,7 +100,7 @@ class K3FusePass(CustomGraphPass):
             raise EngineError(f"unknown TP group source {group!r}", f"use one of {', '.join(GROUP_SOURCES)}")
         if not (ctx is None or isinstance(ctx, (DecodeContext, dict))):
             raise ContextError(f"ctx must be a DecodeContext, a dict of its fields or None, got {type(ctx).__name__}")
-        wire_defaults()
+        install_plugins()
         self._given = ctx
         self._ctx = ctx if isinstance(ctx, DecodeContext) else None
         self.group = group

@@ -1,6 +1,6 @@
 """Canonical spelling of ATen graphs, so one traced pattern matches every way a model writes it.
 
-Two kinds of normalisation live here:
+Three kinds of normalisation live here:
 
 * *Equivalence* (read-only): `canonical(node)` names an op by what it computes. `t`, `transpose`
   and `permute` that swap the last two dims are one op; `_to_copy(dtype=)` and
@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .ir import node_value
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -50,12 +52,8 @@ COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor})
 _SPLIT_MARK = "k3fuse_split_addmm"
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _rank(node: Any) -> int | None:
-    v = _val(node)
+    v = node_value(node)
     return v.dim() if isinstance(v, torch.Tensor) else None
 
 
@@ -68,7 +66,7 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
     if node.target is aten.to.dtype:
         return node.args[1]
     extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v is not None}
-    src = _val(node.args[0])
+    src = node_value(node.args[0])
     if "device" in extra and isinstance(src, torch.Tensor) and torch.device(extra["device"]) == src.device:
         del extra["device"]
     if extra.get("layout") == torch.strided:
@@ -94,7 +92,7 @@ def is_transparent(node: Any) -> bool:
     if node.target in VIEW_LIKE:
         return True
     dtype = cast_dtype(node)
-    src = _val(node.args[0]) if node.args else None
+    src = node_value(node.args[0]) if node.args else None
     return dtype is not None and isinstance(src, torch.Tensor) and src.dtype == dtype
 
 
@@ -111,7 +109,7 @@ def copied_value(node: Any) -> fx.Node | None:
     if len(node.args) < 2 or not isinstance(node.args[0], fx.Node) or not isinstance(node.args[1], fx.Node):
         return None
     dst, src = node.args[0], node.args[1]
-    dv, sv = _val(dst), _val(src)
+    dv, sv = node_value(dst), node_value(src)
     if not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)):
         return None
     if dv.dtype != sv.dtype or tuple(dv.shape) != tuple(sv.shape):
@@ -215,10 +213,10 @@ def split_addmm(graph: fx.Graph) -> int:
         for new in (mm, add):
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             new.meta[_SPLIT_MARK] = True
-        out = _val(node)
+        out = node_value(node)
         if isinstance(out, torch.Tensor):
             add.meta["val"] = out
-            mm_val = _fake_mm(_val(x), _val(w))
+            mm_val = _fake_mm(node_value(x), node_value(w))
             if mm_val is not None:
                 mm.meta["val"] = mm_val
         node.replace_all_uses_with(add)
@@ -332,7 +330,8 @@ class AddRMSNormSpelling:
 @dataclass(frozen=True)
 class PriorFusion:
     """An engine op that already fused what a rule looks for (`takes`: the qualnames of the ops a
-    rule would anchor on), and what to switch off so that k3fuse can fuse it instead."""
+    rule's site is built around: `Rule.site_op`), and what to switch off so that k3fuse can fuse it
+    instead."""
 
     qualname: str
     engine: str
@@ -477,8 +476,8 @@ def _inline_rms_norm(graph: fx.Graph, x: fx.Node, weight: Any, eps: float, rms_n
                      trace: AtenTracer) -> list[fx.Node]:
     """rms_norm(x, weight, eps) traced as the rules trace it, inserted at the insertion point;
     returns the new nodes, the result last."""
-    x_dtype = _val(x).dtype
-    w_dtype = _val(weight).dtype if isinstance(weight, fx.Node) else None
+    x_dtype = node_value(x).dtype
+    w_dtype = node_value(weight).dtype if isinstance(weight, fx.Node) else None
     key = (rms_norm, x_dtype, w_dtype, float(eps))
     traced = _TRACED_NORMS.get(key)
     if traced is None:
@@ -513,29 +512,29 @@ def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, call: _
         group = spelling.resolve(named[spelling.group_arg])
         if not spelling.mutates:
             with graph.inserting_before(node):
-                record.inserted = _all_reduce(graph, x, group, _val(node))
+                record.inserted = _all_reduce(graph, x, group, node_value(node))
             record.readers.append((None, record.inserted[-1], list(node.users)))
         elif functional:  # auto_functionalized -> getitem(i): the new value of the mutated tensor
             index = call.mutated.get(spelling.tensor_arg)
             if index is None or index not in items:
                 return None
             with graph.inserting_before(node):
-                record.inserted = _all_reduce(graph, x, group, _val(items[index]))
+                record.inserted = _all_reduce(graph, x, group, node_value(items[index]))
             record.readers.append((index, record.inserted[-1], list(items[index].users)))
         else:  # in place: later readers of x read the sum; the copy-back makes that explicit
             order = node_order_of(graph)
             later = [u for u in x.users if u is not node and order[u] > order[node]]
             with graph.inserting_before(node):
-                record.inserted = _all_reduce(graph, x, group, _val(x))
+                record.inserted = _all_reduce(graph, x, group, node_value(x))
                 back = graph.call_function(aten.copy_.default, (x, record.inserted[-1]))
-                back.meta["val"] = _val(x)
+                back.meta["val"] = node_value(x)
                 record.inserted.append(back)
             record.readers.append((x, back, later))
     elif isinstance(spelling, AddRMSNormSpelling):
         if spelling.variance_size_arg and named.get(spelling.variance_size_arg) is not None:
             return None
         x, weight, eps = named[spelling.x_arg], named[spelling.weight_arg], named[spelling.eps_arg]
-        if not isinstance(_val(x), torch.Tensor) or not isinstance(eps, (int, float)):
+        if not isinstance(node_value(x), torch.Tensor) or not isinstance(eps, (int, float)):
             return None
         with graph.inserting_before(node):
             if spelling.residual_arg is None:
@@ -552,7 +551,7 @@ def _translate(graph: fx.Graph, node: fx.Node, spelling: EngineSpelling, call: _
                         if index not in items:
                             continue  # nothing reads it: no stand-in (it would be a reader of x)
                         alias = graph.call_function(aten.alias.default, (named[arg_name],))
-                        alias.meta["val"] = _val(named[arg_name])
+                        alias.meta["val"] = node_value(named[arg_name])
                         record.inserted.append(alias)
                         record.stand_ins.append(alias)
                         values[index] = alias
@@ -707,7 +706,7 @@ def _weight_multiply(total_f32: fx.Node) -> tuple[fx.Node, int] | None:
             continue
         position = 1 if mul.args[0] is normed else 0
         weight = mul.args[position]
-        if isinstance(_val(weight), torch.Tensor) and _val(weight).dtype in _TRUNK_16:
+        if isinstance(node_value(weight), torch.Tensor) and node_value(weight).dtype in _TRUNK_16:
             return mul, position
     return None
 
@@ -724,10 +723,10 @@ def translate_fp32_residual_norms(graph: fx.Graph, engines: set[str]) -> list[Fp
             continue
         up_a, up_b = node.args
         a, b = _cast_of(up_a, torch.float32), _cast_of(up_b, torch.float32)
-        if a is None or b is None or _val(a) is None or _val(b) is None:
+        if a is None or b is None or node_value(a) is None or node_value(b) is None:
             continue
-        dtype = _val(a).dtype
-        if dtype not in _TRUNK_16 or _val(b).dtype != dtype:
+        dtype = node_value(a).dtype
+        if dtype not in _TRUNK_16 or node_value(b).dtype != dtype:
             continue
         kept = [u for u in node.users if cast_dtype(u) == dtype]
         if not kept:
@@ -800,9 +799,9 @@ def restore_fp32_residual_norms(graph: fx.Graph, translations: list[Fp32Residual
     return rebuilt
 
 
-def prior_fusions(graph: fx.Graph, anchor: Any) -> list[tuple[fx.Node, PriorFusion]]:
-    """Engine ops in `graph` that already fused a site a rule anchored on `anchor` would look for."""
-    qualname = getattr(anchor, "_schema", None)
+def prior_fusions(graph: fx.Graph, site_op: Any) -> list[tuple[fx.Node, PriorFusion]]:
+    """Engine ops in `graph` that already fused a site a rule built around `site_op` would look for."""
+    qualname = getattr(site_op, "_schema", None)
     qualname = qualname.name if qualname is not None else None
     found = []
     for node in graph.nodes:

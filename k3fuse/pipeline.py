@@ -4,7 +4,7 @@
               -> per match: site guards -> rewrite -> log  -> verifier
               -> restore normalisation -> lint -> dead-code elimination -> recompile
 
-Rules come from the installed provider (k3fuse.wiring installs the K3 rules of k3fuse.patterns)
+Rules come from the installed provider (k3fuse.plugins installs the K3 rules of k3fuse.patterns)
 unless the caller passes its own. Each can be switched by the context (enabled_rules / disabled_rules) and by the environment variable
 K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a, "+a" adds a rule that is off by
 default (Rule.default_on False); the forms can be mixed.
@@ -134,7 +134,7 @@ _rule_provider: RuleProvider | None = None
 
 def install_rule_provider(provider: RuleProvider) -> None:
     """Set where the default rules come from: fresh instances of every rule, in pipeline order.
-    k3fuse.wiring installs the K3 rules (k3fuse.patterns.all_rules); the pipeline knows none."""
+    k3fuse.plugins installs the K3 rules (k3fuse.patterns.all_rules); the pipeline knows none."""
     global _rule_provider
     _rule_provider = provider
 
@@ -143,7 +143,7 @@ def all_rules() -> list[Rule]:
     """Every default rule in pipeline order, the off-by-default ones included (the K3 rules). A missing
     provider raises: silently running no rules would look like a model without K3 sites."""
     if _rule_provider is None:
-        raise RuntimeError("no default rules installed: call k3fuse.wiring.wire_defaults() (import k3fuse does)")
+        raise RuntimeError("no default rules installed: call k3fuse.plugins.install_plugins() (import k3fuse does)")
     return list(_rule_provider())
 
 
@@ -309,7 +309,7 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
 def _explain_miss(rule: Rule, graph: fx.Graph, ctx: DecodeContext) -> tuple[str | None, dict[str, object]]:
     """The rule's near-miss report; a failing explanation never fails the rewrite (it is logged).
     Sites an engine's own fusion already took (normalize.PriorFusion) are named first."""
-    taken = normalize.prior_fusions(graph, rule.anchor) if rule.anchor is not None else []
+    taken = normalize.prior_fusions(graph, rule.site_op) if rule.site_op is not None else []
     try:
         miss = rule.explain_miss(graph, ctx)
     except Exception as exc:  # diagnostics only

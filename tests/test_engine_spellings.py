@@ -74,7 +74,7 @@ def test_a_site_an_engine_already_fused_is_named_in_the_not_matched_reason(monke
 def test_vllms_flashinfer_fusion_is_registered_with_its_switch():
     spelling = normalize.engine_spellings()["vllm::flashinfer_trtllm_fused_allreduce_norm"]
     assert isinstance(spelling, normalize.PriorFusion) and "pass_config.fuse_allreduce_rms=false" in spelling.advice
-    assert spelling.takes == (OProjAllReduceResidual.anchor._schema.name,)
+    assert spelling.takes == (OProjAllReduceResidual.site_op._schema.name,)
 
 
 def test_fp32_residual_norm_is_matched_in_the_trunk_dtype_and_restored(monkeypatch):
