@@ -1,10 +1,11 @@
-"""Door (b): k3fuse as Inductor's post_grad_custom_post_pass (how vLLM-style engines plug it in).
+"""Door (b): k3fuse as Inductor's post_grad_custom_post_pass (plain torch.compile; SGLang's decode compile).
 
     python examples/inductor_pass.py --log /tmp/k3fuse.jsonl
 
 Each of 2 gloo ranks installs `k3fuse.inductor_pass(ctx)` (which chains any pass already there)
 and compiles the reference K3 decode model with plain torch.compile. The pass's uuid() hashes the
-rules and the context, so Inductor's cache recompiles when either changes.
+rules and the context, so Inductor's cache recompiles when either changes. vLLM ignores this global
+hook: it takes `k3fuse.vllm_pass` in its CompilationConfig (README, "Inside the serving engines").
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def worker(rank: int, world_size: int, layers: int, tokens: int, log_path: str |
         with torch.no_grad():
             y, _ = compiled(x, state)
             y_ref, _ = model(x, state)
-    return {"summary": log.summary(), "active": log.active_rules(), "uuid": k3fuse_pass.uuid().hex()[:12],
+    return {"summary": log.summary(), "active": log.active_rules(), "uuid": k3fuse_pass.uuid()[:12],
             "max_abs_diff": (y - y_ref).abs().max().item()}
 
 

@@ -3,7 +3,12 @@
 Three doors into one rewrite pipeline:
   torch.compile(model, backend="k3fuse")                      (k3fuse.backend)
   torch._inductor.config.post_grad_custom_post_pass = k3fuse.inductor_pass(ctx)
+      (SGLang: k3fuse.engines.sglang.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
   new_ep, log = k3fuse.apply(exported_program, ctx)            (k3fuse.offline)
+
+`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: they are set when k3fuse finds vLLM
+already imported (vLLM resolves `inductor_passes` names through the module's __dict__, not
+__getattr__) and otherwise on first access; importing k3fuse never imports vLLM.
 
 `import k3fuse` imports torch and registers the torch.ops.k3fuse.* ops, so saved programs load
 anywhere it has run. The `k3fuse` command is the exception: it must answer `--help` in well under a
@@ -38,6 +43,9 @@ if TYPE_CHECKING:
     from .offline import apply
     from .runtime import disable, reset_stats, stats, strict
 
+    VllmK3FusePass: Any
+    vllm_pass: Any
+
 
 def load() -> None:
     """Import torch, check its version, register the k3fuse ops and the reference model's
@@ -55,11 +63,40 @@ def load() -> None:
     for name, sub in _LAZY.items():
         if name not in module.__dict__:
             setattr(module, name, getattr(__import__(f"{__name__}.{sub}", fromlist=[name]), name))
+    if "vllm" in sys.modules and "vllm_pass" not in module.__dict__:
+        try:
+            _load_vllm_pass()
+        except Exception as exc:  # an unsupported vLLM must not break plain-torch use; access re-raises
+            import logging
+
+            logging.getLogger("k3fuse").warning("k3fuse.vllm_pass not defined: %s", exc)
+
+
+#: names whose definition imports vLLM (k3fuse.engines.vllm_pass)
+_VLLM_NAMES = ("vllm_pass", "VllmK3FusePass")
+
+
+def _load_vllm_pass() -> None:
+    from .engines import vllm_pass
+
+    module = sys.modules[__name__]
+    module.__dict__.setdefault("VllmK3FusePass", vllm_pass.VllmK3FusePass)
+    module.__dict__.setdefault("vllm_pass", vllm_pass.default_pass())
+
+
+def vllm_plugin() -> None:
+    """vLLM's `vllm.general_plugins` entry point: define `k3fuse.vllm_pass` in every vLLM process,
+    so that `inductor_passes` can name it."""
+    _load_vllm_pass()
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         load()
+        return globals()[name]
+    if name in _VLLM_NAMES:
+        load()
+        _load_vllm_pass()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -93,4 +130,5 @@ __all__ = [
     "UnsupportedTorchVersion",
     "check_torch_version",
     "load",
+    "vllm_plugin",
 ]

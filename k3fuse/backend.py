@@ -7,8 +7,10 @@ Dynamo hands over the model's FX graph; AOT autograd functionalises it and decom
 Inductor's table (both compilers, so rules see one IR); the pipeline rewrites the inference
 graph; then Inductor compiles it ("inductor", default) or it runs as is ("eager"). Static
 placeholders are the AOT inputs that are parameters/buffers (static_input_idxs) minus any the
-graph mutates. Without a "context" option the context comes from the default process group
-(collective: every rank compiles the same step) or is tp=1.
+graph mutates. Without a DecodeContext in the "context" option the context comes from a serving
+engine's TP group when one is set up in this process (vLLM's stock compile mode, which calls
+`model.compile(backend="k3fuse")`; built locally, no collective), else from the default process
+group (collective: every rank compiles the same step), else is tp=1.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch
 import torch.fx as fx
 
 from .context import DecodeContext
-from .inductor import mark_static_by_index, mutated_input_indices, static_input_indices_from_tracing_context
+from .engines import find_tp_group
+from .inductor import context_for_group, mark_static_by_index, mutated_input_indices, static_input_indices_from_tracing_context
 from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
@@ -42,7 +45,11 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
     compiler = opts.get("compiler", "inductor")
     if compiler not in COMPILERS:
         raise BackendOptionError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
-    ctx = DecodeContext.coerce(opts.get("context"))
+    given = opts.get("context")
+    if not isinstance(given, DecodeContext) and find_tp_group("auto").owner != "torch":
+        ctx = context_for_group(given, "auto")
+    else:
+        ctx = DecodeContext.coerce(given)
     rlog = RewriteLog.coerce(opts.get("log"), rank=ctx.rank)
     rules: Sequence[Rule] | RuleRegistry | None = opts.get("rules")
     install_plugins()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -455,6 +455,12 @@ def _pattern_path(pattern: CompiledPattern, start: fx.Node) -> list[fx.Node]:
     return [start]
 
 
+def trace_aten(fn: Callable[..., Any], examples: list[torch.Tensor]) -> fx.GraphModule:
+    """`fn` traced to ATen as patterns are (the doors' decompositions), in a fake mode of its own."""
+    with torch._guards.tracing(None), unset_fake_temporarily():
+        return make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="fake")(*examples)
+
+
 def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any = None
               ) -> tuple[str, dict[str, Any]] | None:
     """Why none of `patterns` matched: the closest candidate and where it diverged.
@@ -536,5 +542,5 @@ def _to_match(graph: fx.Graph, pattern: CompiledPattern, st: _State, order: dict
     )
 
 
-__all__ = ["CompiledPattern", "compile_pattern", "int_sentinel", "compiled_patterns", "find_matches", "decomposition_table",
+__all__ = ["trace_aten", "CompiledPattern", "compile_pattern", "int_sentinel", "compiled_patterns", "find_matches", "decomposition_table",
            "near_miss", "forward_users", "op_name"]

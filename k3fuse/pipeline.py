@@ -24,6 +24,7 @@ from . import normalize, runtime, settings, verify
 from .context import ContextError, DecodeContext
 from .guards import GuardFailure, kernels_available, multicast_policy
 from .log import RewriteEvent, RewriteLog
+from .matcher import trace_aten
 from .rule import Rule, RewriteError
 
 logger = logging.getLogger("k3fuse")
@@ -192,6 +193,8 @@ def run_pipeline(
         return rlog
 
     active = [r for r, why in selection if why is None]
+    translated = normalize.translate_engine_ops(graph, trace_aten) if active else []
+    fp32_residuals = normalize.translate_fp32_residual_norms(graph, {t.engine for t in translated})
     split = normalize.split_addmm(graph) if active else 0
     changed = False
     for rule, why in selection:
@@ -219,6 +222,11 @@ def run_pipeline(
 
     if split:
         normalize.restore_addmm(graph)
+    rebuilt = normalize.restore_fp32_residual_norms(graph, fp32_residuals) if fp32_residuals else set()
+    if translated:
+        normalize.restore_engine_ops(graph, translated, rebuilt)
+    if translated or fp32_residuals:
+        graph.lint()
     if changed:
         graph.lint()
         graph.eliminate_dead_code()  # keeps impure nodes: collectives, has_side_effect ops, mutations
@@ -299,13 +307,20 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
 
 
 def _explain_miss(rule: Rule, graph: fx.Graph, ctx: DecodeContext) -> tuple[str | None, dict[str, object]]:
-    """The rule's near-miss report; a failing explanation never fails the rewrite (it is logged)."""
+    """The rule's near-miss report; a failing explanation never fails the rewrite (it is logged).
+    Sites an engine's own fusion already took (normalize.PriorFusion) are named first."""
+    taken = normalize.prior_fusions(graph, rule.site_op) if rule.site_op is not None else []
     try:
         miss = rule.explain_miss(graph, ctx)
     except Exception as exc:  # diagnostics only
         logger.warning("k3fuse: %s: near-miss explanation failed: %s", rule.name, exc)
-        return None, {}
-    return (None, {}) if miss is None else (miss[0], dict(miss[1]))
+        miss = None
+    reason, values = (None, {}) if miss is None else (miss[0], dict(miss[1]))
+    if taken:
+        reason = "; ".join(f"{fusion.advice} ({node.name})" for node, fusion in taken[:3]) + (
+            f"; {reason}" if reason else "")
+        values["taken_by"] = [f"{fusion.engine} {fusion.qualname} ({node.name})" for node, fusion in taken]
+    return reason, values
 
 
 __all__ = ["RuleRegistry", "run_pipeline", "all_rules", "default_rules", "default_registry", "parse_rules_env",

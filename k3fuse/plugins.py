@@ -23,7 +23,7 @@ def install_plugins() -> None:
     with _lock:
         if _installed:
             return
-        from . import guards, pipeline
+        from . import engines, guards, pipeline  # noqa: F401  engines: their ops' spellings
         from .kernels import dispatch  # importing k3fuse.kernels registers torch.ops.k3fuse.*
         from .patterns import all_rules
 

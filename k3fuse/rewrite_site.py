@@ -16,7 +16,7 @@ from torch.fx.node import map_arg
 
 from .guards import GuardFailure
 from .ir import node_order
-from .normalize import is_metadata_check
+from .normalize import fake_call, is_metadata_check
 
 
 class RewriteError(RuntimeError):
@@ -220,26 +220,6 @@ class Match:
     @property
     def new_nodes(self) -> list[fx.Node]:
         return list(self._new)
-
-
-def fake_call(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run `target` on the meta values of its arguments (fake tensors), or None if unknown."""
-    from torch._guards import detect_fake_mode
-
-    def val(n: fx.Node) -> Any:
-        return n.meta.get("val")
-
-    vargs = map_arg(args, val)
-    vkwargs = map_arg(kwargs, val)
-    leaves = [v for v in torch.utils._pytree.tree_leaves((vargs, vkwargs)) if isinstance(v, torch.Tensor)]
-    try:
-        mode = detect_fake_mode(leaves)
-        if mode is None:
-            return None
-        with mode:
-            return target(*vargs, **vkwargs)
-    except Exception:  # a shape the fake impl cannot handle: the offline door re-propagates
-        return None
 
 
 __all__ = ["Variant", "PatternSpec", "Match", "RewriteError", "fake_call"]

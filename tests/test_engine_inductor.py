@@ -74,3 +74,101 @@ def test_inductor_pass_with_k3fuse_rules_env(monkeypatch, tokens):
     log = RewriteLog()
     compile_with(k3fuse.inductor_pass({"tokens": tokens}, rules=[LinearResidualRule()], log=log), model, h)
     assert [(e.decision, e.guard) for e in log] == [("rejected", "rule_disabled")]
+
+
+# --- what the engines need from the pass object -------------------------------------------------
+
+class _Range:
+    """vLLM's compile range as the pass sees it (start and end inclusive)."""
+
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+def test_pass_survives_deepcopy_and_pickling_and_keys_by_hex_uuid():
+    import copy
+    import json
+    import pickle
+
+    log = RewriteLog()
+    p = k3fuse.inductor_pass({"tokens": (1, 8)}, rules=[LinearResidualRule()], log=log)
+    uid = p.uuid()
+    assert isinstance(uid, str) and int(uid, 16) >= 0 and json.dumps([uid])  # vLLM json.dumps the uuids
+    clone = copy.deepcopy(p)
+    assert clone.log is log and clone.uuid() == uid
+    shipped = pickle.loads(pickle.dumps(p))
+    assert shipped._ctx is None and shipped.uuid() == uid  # rebuilt from the process it lands in
+    model, h = ResidualStack(layers=1).eval(), torch.randn(4, 16)
+    compile_with(clone, model, h)
+    assert log.applied("linear_residual") == 1  # the deep copy wrote into the caller's log
+
+
+def test_is_applicable_for_range_is_the_decode_token_guard():
+    p = k3fuse.inductor_pass({"tokens": (1, 64)}, rules=[])
+    assert p.is_applicable_for_range(_Range(1, 64)) and p.is_applicable_for_range(_Range(8, 8))
+    assert not p.is_applicable_for_range(_Range(1, 8192)) and not p.is_applicable_for_range(_Range(65, 128))
+
+
+def test_pass_added_twice_is_an_error():
+    from k3fuse.engines import EngineError
+
+    first = k3fuse.inductor_pass(k3fuse.DecodeContext(), rules=[LinearResidualRule()])
+    with torch._inductor.config.patch(post_grad_custom_post_pass=first):
+        with pytest.raises(EngineError, match="already holds k3fuse's pass"):
+            k3fuse.inductor_pass(k3fuse.DecodeContext())
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    first(gm.graph)
+    with pytest.raises(EngineError, match="ran twice on one graph"):
+        K3FusePass(k3fuse.DecodeContext(), rules=[])(gm.graph)
+
+
+def test_engine_versions_and_missing_tp_group_are_clear_errors():
+    from k3fuse.engines import EngineError, find_tp_group, sglang, vllm
+
+    assert vllm.ENGINE.check_version("0.32.0") == "0.32.0"
+    with pytest.raises(EngineError, match=r"vLLM 0.26.1 is not supported.*0.27.0 up to \(not including\) 0.33.0"):
+        vllm.ENGINE.check_version("0.26.1")
+    with pytest.raises(EngineError, match=r"SGLang 0.5.23 is not supported.*0.5.17"):
+        sglang.ENGINE.check_version("0.5.23")
+    with pytest.raises(EngineError, match="no vLLM TP group in this process"):
+        find_tp_group("vllm")
+    with pytest.raises(EngineError, match="unknown TP group source"):
+        K3FusePass(None, group="megatron")
+    with pytest.raises(EngineError, match="no SGLang TP group"):
+        K3FusePass(None, group="sglang").ctx  # noqa: B018  built on first use
+    assert find_tp_group("auto").group is None  # no engine, no torch.distributed: one rank
+
+
+def test_sglang_install_sets_the_global_hook_once():
+    from torch._inductor import config as inductor_config
+
+    from k3fuse.engines import EngineError
+    from k3fuse.engines import sglang_hook as sglang
+
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        installed = sglang.install({"tokens": (1, 64)})
+        assert inductor_config.post_grad_custom_post_pass is installed and installed.group == "sglang"
+        with pytest.raises(EngineError, match="already installed"):
+            sglang.install()
+        sglang.plugin()  # the entry point after an explicit install: no second pass
+        assert inductor_config.post_grad_custom_post_pass is installed
+
+
+def _lazy_context_worker(rank: int, world_size: int) -> tuple:
+    import copy
+    import pickle
+
+    import torch.distributed as dist
+
+    p = k3fuse.inductor_pass({"tokens": (1, 8)})  # no context: built from torch's default group on first use
+    shipped = pickle.loads(pickle.dumps(copy.deepcopy(p)))
+    return (p.ctx.tp_size, p.ctx.rank, p.ctx.group_name == dist.group.WORLD.group_name, p.ctx.tokens,
+            shipped.ctx.rank, shipped.uuid() == p.uuid())
+
+
+@pytest.mark.slow
+def test_context_is_built_from_torchs_default_group_when_the_pass_runs():
+    from k3fuse.dist import launch
+
+    assert launch(_lazy_context_worker, 2, timeout_s=120) == [(2, 0, True, (1, 8), 0, True),
+                                                              (2, 1, True, (1, 8), 1, True)]

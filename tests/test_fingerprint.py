@@ -26,7 +26,7 @@ def _edited(monkeypatch, module: str) -> None:
     monkeypatch.setattr(rule_module, "module_source", source)
 
 
-def _uuid(**ctx) -> bytes:
+def _uuid(**ctx) -> str:
     return k3fuse.inductor_pass(DecodeContext(**ctx)).uuid()
 
 

@@ -1,0 +1,71 @@
+"""SGLang's facts for k3fuse, and the hook that installs k3fuse's pass in every SGLang process.
+
+SGLang's decode compile (`--enable-torch-compile`) wraps the model in a plain `torch.compile`
+during CUDA-graph capture, so the global Inductor hook `post_grad_custom_post_pass` is honoured.
+`sglang_hook.install()` sets it (and the `sglang.srt.plugins` entry point calls it in every
+SGLang process); the pass finds SGLang's TP group when it runs, in the worker.
+
+Spellings in SGLang's graphs:
+  all-reduce  torch.ops.sglang.outplace_all_reduce(x, group_name, method)         out of place
+              torch.ops.sglang.inplace_all_reduce(x, group_name)  mutates x (functionalised:
+              auto_functionalized(...) -> getitem, copied back into x)
+  norm        native ATen: the residual added in fp32 (x.float() + residual.float()), kept in the
+              trunk dtype (normalize.translate_fp32_residual_norms)
+Nothing here imports SGLang at import time.
+"""
+from __future__ import annotations
+
+import sys
+import torch.distributed as dist
+
+from .. import normalize
+from .base import Engine, EngineError
+
+#: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18-0.5.21
+#: 2.13; 0.5.22 and 0.5.23 pin 2.14.1, which k3fuse does not support yet)
+ENGINE = Engine("SGLang", "sglang", ("sglang",), (0, 5, 17), (0, 5, 22))
+
+OUTPLACE_ALL_REDUCE = "sglang::outplace_all_reduce"
+INPLACE_ALL_REDUCE = "sglang::inplace_all_reduce"
+
+
+def _parallel_state():  # type: ignore[no-untyped-def]
+    if "sglang" not in sys.modules:
+        return None
+    from sglang.srt.distributed import parallel_state
+
+    return parallel_state
+
+
+def tp_group() -> dist.ProcessGroup | None:
+    """SGLang's TP device group in this process, or None when its parallel state is not set up."""
+    ps = _parallel_state()
+    if ps is None:
+        return None
+    try:
+        coordinator = ps.get_tp_group()
+    except Exception:  # SGLang asserts or raises AttributeError before initialize_model_parallel
+        return None
+    return getattr(coordinator, "device_group", None)
+
+
+def c10d_group_name(group_name: str) -> str:
+    """The torch process group behind SGLang group `group_name` (e.g. "tp:0"), by its c10d name."""
+    ps = _parallel_state()
+    ref = getattr(ps, "_groups", {}).get(group_name) if ps is not None else None
+    coordinator = ref() if ref is not None else None
+    if coordinator is None or coordinator.device_group is None:
+        known = sorted(getattr(ps, "_groups", {})) if ps is not None else []
+        raise EngineError(f"the graph all-reduces over SGLang group {group_name!r}, which this process does not "
+                          f"have (SGLang groups here: {known or 'none'})",
+                          "run the pass in the SGLang worker that traced the graph")
+    return coordinator.device_group.group_name
+
+
+normalize.register_engine_spelling(normalize.AllReduceSpelling(OUTPLACE_ALL_REDUCE, "SGLang", c10d_group_name))
+normalize.register_fp32_residual_norm("SGLang")
+normalize.register_engine_spelling(normalize.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,
+                                                               mutates=True))
+
+
+__all__ = ["ENGINE", "OUTPLACE_ALL_REDUCE", "INPLACE_ALL_REDUCE", "tp_group", "c10d_group_name"]

@@ -1,0 +1,150 @@
+"""SGLang hosts k3fuse: SGLang's own plugin loader, process groups and all-reduce ops, 2 gloo ranks.
+
+SGLang's releases pin CUDA torch builds, so SGLang is not installed: its wheel's source is put on
+sys.path (scripts/install_engines.sh unpacks 0.5.21 into .engines/; K3FUSE_SGLANG_SRC overrides).
+What runs is SGLang's code: `sglang.srt.plugins.load_plugins()` discovers k3fuse's entry point and
+installs the pass; `init_model_parallel_group` builds SGLang's TP group on gloo; the model calls
+`torch.ops.sglang.outplace_all_reduce` / `inplace_all_reduce`, whose kernels are CUDA-only: on CPU
+the compiled model can only run if k3fuse replaced them (the fused op reduces over the same
+group). SGLang's RMSNorm module cannot be imported without SGLang's dependencies (torchvision,
+...), so its `forward_native` is compiled from the wheel's layernorm.py on its own and bound to a
+module with RMSNorm's attributes: the fp32-residual norm is SGLang's code.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3fuse.dist import launch
+
+pytestmark = [pytest.mark.engines, pytest.mark.slow]
+
+T, K_LOCAL, H = 4, 16, 32
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sglang_source() -> str:
+    src = os.environ.get("K3FUSE_SGLANG_SRC") or str(REPO_ROOT / ".engines" / "sglang")
+    if not (Path(src) / "sglang" / "srt" / "distributed" / "parallel_state.py").exists():
+        pytest.fail(f"no SGLang source at {src}: run scripts/install_engines.sh or set K3FUSE_SGLANG_SRC")
+    return src
+
+
+def _sglang_rmsnorm_forward(src: str):  # noqa: ANN202
+    """SGLang's RMSNorm.forward_native, compiled from its source file alone."""
+    path = Path(src) / "sglang" / "srt" / "layers" / "layernorm.py"
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RMSNorm")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward_native")
+    namespace = {"torch": torch, "nn": torch.nn, "Optional": typing.Optional, "Union": typing.Union,
+                 "Tuple": typing.Tuple}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), namespace)  # noqa: S102
+    return namespace["forward_native"]
+
+
+def _sglang_worker(rank: int, world: int, src: str, inplace: bool, log_path: str, dtype_name: str) -> dict:
+    sys.path.insert(0, src)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(REPO_ROOT)]
+    os.environ["SGLANG_PLUGINS"] = "k3fuse"
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import get_parallel
+    from torch._inductor import config as inductor_config
+
+    import k3fuse
+    from k3fuse.engines import EngineError
+    from k3fuse.engines.sglang_hook import install
+    from k3fuse.spelling import rms_norm
+
+    load_plugins()  # SGLang's loader: every process runs it before building its model
+    hook = inductor_config.post_grad_custom_post_pass
+    hook.log = k3fuse.RewriteLog.coerce(log_path)
+    out: dict = {"hook": (type(hook).__name__, hook.group)}
+    try:
+        install()
+    except EngineError as exc:
+        out["twice"] = str(exc)
+    parallel_state.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
+    tp = parallel_state.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
+                                                  use_custom_allreduce=False, group_name="tp", use_mscclpp=False,
+                                                  use_torch_symm_mem_allreduce=False)
+    get_parallel().override_permanently(tp_group=tp)
+
+    class SGLangRMSNorm(torch.nn.Module):  # RMSNorm's attributes, SGLang's forward_native
+        forward = _sglang_rmsnorm_forward(src)
+
+        def __init__(self, weight: torch.Tensor):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+            self.hidden_size, self.variance_epsilon, self.variance_size_override = weight.shape[0], 1e-6, None
+            self.override_orig_dtype, self.fp32_residual, self.cast_x_before_out_mul = None, False, False
+
+    dtype = getattr(torch, dtype_name)
+
+    class OutProjNorm(torch.nn.Module):
+        def __init__(self, w: torch.Tensor, norm_w: torch.Tensor):
+            super().__init__()
+            self.w = torch.nn.Parameter(w, requires_grad=False)
+            self.norm_w = torch.nn.Parameter(norm_w, requires_grad=False)
+            self.norm = SGLangRMSNorm(norm_w)
+
+        def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = torch.nn.functional.linear(x, self.w)
+            if inplace:
+                torch.ops.sglang.inplace_all_reduce(y, group_name=tp.unique_name)
+            else:
+                y = torch.ops.sglang.outplace_all_reduce(y, tp.unique_name, "auto")
+            if dtype == torch.float32:  # k3fuse's reference spelling
+                r = residual + y
+                return r, rms_norm(r, self.norm_w, 1e-6)
+            normed, r = self.norm(y, residual)  # SGLang's: the residual added in fp32
+            return r, normed
+
+    gen = torch.Generator().manual_seed(0)
+    w_full = (torch.randn(H, K_LOCAL * world, generator=gen) / K_LOCAL).to(dtype)
+    norm_w = (torch.rand(H, generator=gen) + 0.5).to(dtype)
+    x_full = torch.randn(T, K_LOCAL * world, generator=gen).to(dtype)
+    residual = torch.randn(T, H, generator=gen).to(dtype)
+    shard = slice(rank * K_LOCAL, (rank + 1) * K_LOCAL)
+    model = OutProjNorm(w_full[:, shard].clone(), norm_w)
+    torch._dynamo.reset()
+    k3fuse.reset_stats()
+    with inductor_config.patch(force_disable_caches=True), torch.no_grad(), k3fuse.strict():
+        got_res, got_out = torch.compile(model)(x_full[:, shard].contiguous(), residual)
+    total = residual.double() + x_full.double() @ w_full.double().T
+    ref = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    out.update(group=(tp.unique_name, tp.device_group.group_name), ctx=(hook.ctx.tp_size, hook.ctx.group_name),
+               stats=k3fuse.stats(), err=(float((got_res.double() - total).abs().max()),
+                                          float((got_out.double() - ref).abs().max())))
+    return out
+
+
+#: max |error| against the float64 reference (bf16: one ulp at |x| < 4)
+TOLERANCE = {"float32": 1e-4, "bfloat16": 1.6e-2}
+
+
+@pytest.mark.parametrize(("inplace", "dtype_name"), [(False, "float32"), (True, "float32"), (False, "bfloat16")],
+                         ids=["outplace_all_reduce", "inplace_all_reduce", "bf16_fp32_residual_rmsnorm"])
+def test_sglang_plugin_installs_the_pass_and_its_all_reduce_is_fused(tmp_path, inplace, dtype_name):
+    log_path = str(tmp_path / "rw.jsonl")
+    results = launch(_sglang_worker, 2, args=(_sglang_source(), inplace, log_path, dtype_name), timeout_s=540)
+    with open(log_path) as f:
+        events = [json.loads(line) for line in f if line.strip()]
+    applied = [e for e in events if e["rule"] == "oproj_allreduce_residual" and e["decision"] == "applied"]
+    print(f"\nSGLang test ({'inplace' if inplace else 'outplace'}, {dtype_name}):", json.dumps(results))
+    print("applied:", [(e["rank"], e["variant"], e["door"]) for e in applied])
+    assert sorted(e["rank"] for e in applied) == [0, 1]
+    variant = "plain+norm" if dtype_name == "float32" else "plain+norm[bfloat16]"
+    assert all(e["variant"] == variant for e in applied)
+    for r in results:
+        assert r["hook"] == ("K3FusePass", "sglang")
+        assert "already installed" in r["twice"]
+        assert r["group"][0] == "tp:0" and r["ctx"] == (2, r["group"][1])
+        assert r["stats"].get("gemm_ar_residual_rmsnorm") and max(r["err"]) < TOLERANCE[dtype_name]
