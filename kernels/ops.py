@@ -52,6 +52,7 @@ from k3fuse import runtime
 from k3fuse.ir import OpTraits, declare_op_traits
 from k3fuse.spelling import routed_experts, routed_experts_gathered
 
+from . import collective_guard  # noqa: F401  (installs the guard every collective op's dispatch runs)
 from . import dispatch as _dispatch
 from . import streams
 from .reference import allreduce, kda_delta, linear, moe_front, prefetch, routing, shared_expert, stock
@@ -331,6 +332,14 @@ def _dispatching_eager(decl: OpDecl) -> Callable[..., Any]:
     return eager
 
 
+def _group_positions(decl: OpDecl) -> tuple[int, int]:
+    """Where (group_name, world_size) sit among the arguments dispatch receives (schema order
+    without max_tokens and strict): the collective guard reads them on every call."""
+    names = [a.name for a in torch._C.parse_schema(decl.qualname + decl.schema).arguments
+             if a.name not in ("max_tokens", "strict")]
+    return names.index("group_name"), names.index("world_size")
+
+
 def declare(decl: OpDecl) -> None:
     """Define the op and register everything its declaration says (once, on import)."""
     _lib.define(decl.name + decl.schema)
@@ -344,6 +353,7 @@ def declare(decl: OpDecl) -> None:
     _dispatch.declare(decl.name)
     if decl.collective:
         _dispatch.COLLECTIVE_OPS.add(decl.name)
+        _dispatch.COLLECTIVE_ARGS[decl.name] = _group_positions(decl)
     if decl.stock is not None:
         _dispatch.register_stock(decl.name, decl.stock)
     if decl.reference is not None:

@@ -72,21 +72,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(x, norm_weight, eps, group_name, world_size, max_tokens):
-    from ..symm_workspace import CollectiveError, get_workspace
+    from ..symm_workspace import collective_call
 
-    op = "allreduce_rmsnorm"
     L = x.shape[-1]
-    x2 = _aligned(x.reshape(-1, L))
-    nw = _aligned(norm_weight)
-    ws = get_workspace(group_name, world_size, max_tokens, L, x.device,
-                       facts=dict(protocol=gemm_ar_residual.protocol(), path="push", cute=compat.cute_version()))
-    ws.before_call(op)
-    try:
-        return _launch(ws, x2, nw, eps, max_tokens, x.shape)
-    except Exception as exc:
-        if not isinstance(exc, CollectiveError):
-            ws.fail(op, f"{type(exc).__name__}: {exc}")   # every peer stops spinning and raises too
-        raise
+
+    def body(ws):   # staging inside the call: its failure fails the group on every rank too
+        return _launch(ws, _aligned(x.reshape(-1, L)), _aligned(norm_weight), eps, max_tokens, x.shape)
+
+    return collective_call("allreduce_rmsnorm", group_name, world_size, max_tokens, L, x.device,
+                           dict(protocol=gemm_ar_residual.protocol(), path="push", cute=compat.cute_version()),
+                           body)
 
 
 def _launch(ws, x2, nw, eps, max_tokens, out_shape):
@@ -101,6 +96,7 @@ def _launch(ws, x2, nw, eps, max_tokens, out_shape):
         lamport_push.precompile(x2, ws.ptrs, ws.gen, ws.rank, max_tokens)
     out = torch.empty_like(x2)
     normed = torch.empty_like(x2)
+    ws.start_barrier(("allreduce_rmsnorm", T, x2.dtype, nw.dtype))   # every rank compiled: then push
     # 2. push, then the epilogue (`out` stands in for the residual: only its row count is used)
     lamport_push.run(x2, ws.ptrs, ws.gen, ws.rank, max_tokens)
     epilogue(ws.datas[ws.rank], *ws.padded(ws.flags, oneshot_ar.MAX_WORLD), ws.gen, out, out, nw, out, normed,

@@ -51,7 +51,8 @@ _IO_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def decide(T: int, H: int, K: int, x_dtype, res_dtype, addend, norm, world_size: int,
-           max_tokens: int, *, cute_ok: bool, triton_ok: bool, dist_ok: bool) -> str | None:
+           max_tokens: int, *, cute_ok: bool, triton_ok: bool, dist_ok: bool, w_dtype=None,
+           w_dims: int = 2) -> str | None:
     """Accept (None) or decline (the reason) from facts every rank shares: shapes, dtypes, world
     size and configuration. Never pointers, strides or per-rank state: misaligned or
     non-contiguous tensors are staged into aligned scratch by `_run`, not declined.
@@ -65,6 +66,9 @@ def decide(T: int, H: int, K: int, x_dtype, res_dtype, addend, norm, world_size:
         return f"world_size {world_size} outside [1, {oneshot_ar.MAX_WORLD}]"
     if res_dtype not in _IO_DTYPES or x_dtype != res_dtype:
         return f"dtype {res_dtype} unsupported"
+    if w_dims != 2 or (w_dtype is not None and w_dtype != x_dtype):
+        # e.g. an fp8 / int8 / fp32 weight with a bf16 x: no push-GEMM variant reads it
+        return f"weight {w_dims}-D {w_dtype} (the kernels read a 2-D weight in x's dtype {x_dtype})"
     if addend is not None and (tuple(addend[0]) != (T, H) or addend[1] != res_dtype):
         return "addend shape/dtype mismatch"
     if norm is not None and (tuple(norm[0]) != (H,) or norm[1] not in compat.TORCH2CUTE):
@@ -76,6 +80,17 @@ def decide(T: int, H: int, K: int, x_dtype, res_dtype, addend, norm, world_size:
     if _gemm_path(T, H, K, x_dtype, cute_ok=cute_ok, triton_ok=triton_ok) is None:
         return f"no decode GEMM kernel with a push epilogue for x ({T}, {K}) w ({H}, {K})"
     return None
+
+
+def covers(shape: dict) -> str | None:
+    """Compile-time limits for the rule's kernel-shape guard: {"M", "N" (hidden), "K", "dtype",
+    "w_dtype", "norm_dtype" (None: no norm), "addend", "world_size", "max_tokens"}."""
+    dt = shape.get("dtype")
+    norm = None if shape.get("norm_dtype") is None else ((shape["N"],), shape["norm_dtype"])
+    addend = ((shape["M"], shape["N"]), dt) if shape.get("addend") else None
+    return decide(shape["M"], shape["N"], shape["K"], dt, dt, addend, norm, shape.get("world_size", 2),
+                  shape.get("max_tokens", 64), cute_ok=compat.available(), triton_ok=_triton_ok(),
+                  dist_ok=True, w_dtype=shape.get("w_dtype", dt))
 
 
 def _triton_ok() -> bool:
@@ -99,7 +114,8 @@ def _reason(x, weight, residual, addend, norm_weight, world_size, max_tokens) ->
                   None if addend is None else ((T, H), addend.dtype),
                   None if norm_weight is None else (tuple(norm_weight.shape), norm_weight.dtype),
                   world_size, max_tokens, cute_ok=compat.available(), triton_ok=_triton_ok(),
-                  dist_ok=dist.is_available() and dist.is_initialized())
+                  dist_ok=dist.is_available() and dist.is_initialized(), w_dtype=weight.dtype,
+                  w_dims=weight.dim())
 
 
 def _pdl(path: str | None) -> bool:
@@ -132,33 +148,25 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _run(op, x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens):
-    from ..symm_workspace import CollectiveError, get_workspace
+    from ..symm_workspace import collective_call
 
-    K = x.shape[-1]
-    H = weight.shape[0]
-    x2 = _aligned(x.reshape(-1, K))
-    T = x2.shape[0]
-    weight = _aligned(weight)
-    res2 = _aligned(residual.reshape(T, H))
-    add2 = _aligned(addend.reshape(T, H)) if addend is not None else None
-    has_norm = norm_weight is not None
-    nw = _aligned(norm_weight) if has_norm else res2[0]
-    path = _gemm_path(T, H, K, x2.dtype)
+    K, H = x.shape[-1], weight.shape[0]
+    T = x.numel() // K
+    path = _gemm_path(T, H, K, x.dtype)
     if path is None:
-        raise RuntimeError(f"no decode GEMM kernel for x {tuple(x2.shape)} w {tuple(weight.shape)}")
-    ws = get_workspace(group_name, world_size, max_tokens, H, x.device,
-                       facts=dict(protocol=protocol(), path=path, cute=compat.cute_version()))
-    ws.before_call(op)
-    try:
-        return _launch(op, ws, x2, weight, res2, add2, nw, has_norm, eps, path, residual.shape,
-                       max_tokens, T, H, K)
-    except Exception as exc:
-        if not isinstance(exc, CollectiveError):
-            # whatever failed (compile, launch, before or after this rank's push): fail the
-            # workspace here and on every peer, so no rank spins to its timeout or reads stale
-            # partial sums later; the caller (dispatch) raises, never a per-rank fallback
-            ws.fail(op, f"{type(exc).__name__}: {exc}")
-        raise
+        raise RuntimeError(f"no decode GEMM kernel for x {tuple(x.shape)} w {tuple(weight.shape)}")
+
+    def body(ws):
+        # staging inside the call: an allocation failure here fails the group on every rank too
+        x2 = _aligned(x.reshape(-1, K))
+        res2 = _aligned(residual.reshape(T, H))
+        add2 = _aligned(addend.reshape(T, H)) if addend is not None else None
+        nw = _aligned(norm_weight) if norm_weight is not None else res2[0]
+        return _launch(op, ws, x2, _aligned(weight), res2, add2, nw, norm_weight is not None, eps, path,
+                       residual.shape, max_tokens, T, H, K)
+
+    return collective_call(op, group_name, world_size, max_tokens, H, x.device,
+                           dict(protocol=protocol(), path=path, cute=compat.cute_version()), body)
 
 
 def _launch(op, ws, x2, weight, res2, add2, nw, has_norm, eps, path, out_shape, max_tokens, T, H, K):
@@ -181,7 +189,9 @@ def _launch(op, ws, x2, weight, res2, add2, nw, has_norm, eps, path, out_shape, 
     out = torch.empty_like(res2)
     normed = torch.empty_like(res2) if has_norm else out
     tmo = _timeout_ns()
-    # 2. push, then the epilogue (a failure in either fails the workspace on every rank: _run)
+    # 2. every rank has these kernels before any rank pushes (the bound never covers a compile)
+    ws.start_barrier((op, path, T, add2 is not None, has_norm, res2.dtype, nw.dtype))
+    # 3. push, then the epilogue (a failure anywhere fails the workspace on every rank: _run)
     if path == "gemv":
         decode_gemv.run_push(x2, weight, ws.datas, ws.gen, ws.rank, max_tokens)
     else:
@@ -282,6 +292,8 @@ if compat.HAVE_CUTE:
     # the same kernels, recorded under distinct names so stats show which protocol ran
     for _proto, _name in (("lamport", "cute.oneshot_ar"), ("flags", "cute.oneshot_ar.flags")):
         register_impl("gemm_ar_residual", Impl(_name, supports=_only(_proto, ar_supports), run=ar_run,
-                                               priority=100, warmup=_warmup(False, _proto)))
+                                               priority=100, warmup=_warmup(False, _proto),
+                                               covers=_only(_proto, covers)))
         register_impl("gemm_ar_residual_rmsnorm", Impl(_name, supports=_only(_proto, arn_supports),
-                                                       run=arn_run, priority=100, warmup=_warmup(True, _proto)))
+                                                       run=arn_run, priority=100, warmup=_warmup(True, _proto),
+                                                       covers=_only(_proto, covers)))

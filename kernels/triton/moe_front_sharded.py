@@ -217,31 +217,27 @@ def supports(x, router_w, down_w, group_name, world_size, max_tokens=64, **_) ->
 
 def covers(shape: dict) -> str | None:
     """Compile-time limits for the rule's kernel-shape guard: {"M", "E", "L", "H", "dtype",
-    "world_size", "max_tokens"} (L = 0 for the router-only form)."""
+    "world_size", "max_tokens", "x_dtype" (default: dtype)} (L = 0 for the router-only form)."""
     dt = shape.get("dtype")
-    return decide(shape["M"], shape["H"], shape["E"], shape.get("L", 0), dt, dt, shape.get("world_size", 2),
+    return decide(shape["M"], shape["H"], shape["E"], shape.get("L", 0), shape.get("x_dtype", dt), dt,
+                  shape.get("world_size", 2),
                   shape.get("max_tokens", 64), triton_ok=_triton_ok(), dist_ok=True, protocol=_protocol())
 
 
 def run(x, router_w, down_w, group_name, world_size, max_tokens=64, **_):
-    from ..symm_workspace import CollectiveError, get_workspace
+    from ..symm_workspace import collective_call
 
     H = x.shape[-1]
-    x2 = _staged(x.reshape(-1, H))
     E = router_w.shape[0]
     L = down_w.shape[0] if down_w is not None else 0
-    W = world_size
-    nb = (E + L) // W
-    ws = get_workspace(group_name, world_size, max_tokens, nb, x.device,
-                       facts=dict(protocol=_protocol(), path="moe_front_sharded"))
-    ws.before_call(OP)
-    try:
-        logits, latent = _launch(ws, x2, _staged(router_w), _staged(down_w) if down_w is not None else None,
-                                 max_tokens)
-    except Exception as exc:
-        if not isinstance(exc, CollectiveError):
-            ws.fail(OP, f"{type(exc).__name__}: {exc}")   # every peer stops spinning and raises too
-        raise
+    nb = (E + L) // world_size
+
+    def body(ws):   # staging inside the call: its failure fails the group on every rank too
+        return _launch(ws, _staged(x.reshape(-1, H)), _staged(router_w),
+                       _staged(down_w) if down_w is not None else None, max_tokens)
+
+    logits, latent = collective_call(OP, group_name, world_size, max_tokens, nb, x.device,
+                                     dict(protocol=_protocol(), path="moe_front_sharded"), body)
     lead = x.shape[:-1]
     return logits.view(*lead, E), latent.view(*lead, L)
 
@@ -280,6 +276,7 @@ def _launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor |
     if not torch.cuda.is_current_stream_capturing():
         splitk_gemm.precompile(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d, pdl_trigger=pdl)
         _gather_kernel.warmup(*args, grid=grid, **kw)
+    ws.start_barrier((OP, T, e1, l1, x2.dtype))   # every rank compiled both: then push
     # 2. push this rank's slice into every rank, then gather the W slices locally
     splitk_gemm.run(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d, pdl_trigger=pdl)
     _gather_kernel[grid](*args, **kw)
