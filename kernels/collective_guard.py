@@ -219,10 +219,11 @@ _lock = threading.Lock()
 _groups: dict[str, GroupState] = {}
 
 
-def size_mismatch(group_name: str, world_size: int, size: int | None) -> ValueError:
-    """The error of an op whose world_size is not its group's size (every path, every rank)."""
+def size_mismatch(group_name: str, world_size: int, size: int | None) -> Exception:
+    """The error of an op whose world_size is not its group's size (every path, every rank); a
+    RuntimeError when there is no process group at all (as compat.resolve_group says)."""
     if size is None:
-        return ValueError(f"k3fuse op was built for world_size={world_size} but torch.distributed is not "
+        return RuntimeError(f"k3fuse op was built for world_size={world_size} but torch.distributed is not "
                           f"initialized (no process group {group_name!r}); a collective op needs its TP group")
     return ValueError(f"k3fuse op was built for world_size {world_size} but process group {group_name!r} "
                       f"has {size} ranks")
@@ -272,6 +273,9 @@ def enter(op: str, group_name: str, world_size: int, device_type: str) -> GroupS
     raises on a world size that differs from the group or on an earlier failure of any rank."""
     state = _groups.get(group_name)
     if state is None or state.initialized != _initialized():   # (a test may init a group later)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"k3fuse.{op}: first collective call on group {group_name!r} during CUDA-graph "
+                               "capture (the group agrees its settings collectively): warm the op up first")
         with _lock:
             state = _create(op, group_name, world_size, device_type)
             state.initialized = _initialized()

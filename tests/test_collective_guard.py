@@ -48,6 +48,9 @@ def _scenarios(rank: int, world: int) -> dict:
     # (the two ranks share two busy cores: their first calls can be seconds apart)
     groups = [dist.new_group([0, 1], timeout=timedelta(seconds=5 if i == 6 else 120)) for i in range(7)]
 
+    # 0. at compile time: a context from the group agrees what decides the rewrites
+    with k3fuse.disable(rank == 0):
+        out["context"] = _error(lambda: k3fuse.DecodeContext.from_process_group())
     # 1. the kill switch on one rank only: one clear error on every rank, before any collective
     with k3fuse.disable(rank == 0):
         out["kill"] = _error(lambda: _tail(x, groups[0]))
@@ -161,6 +164,12 @@ def test_a_setting_on_one_rank_is_one_clear_error_on_every_rank(ranks):
             assert "group" in message and "every rank" in message
 
 
+def test_a_context_from_the_group_agrees_the_rewrite_settings(ranks):
+    for r in ranks:
+        kind, message = r["context"]
+        assert kind == "ContextError" and "kill switch" in message and "rank 0=True, rank 1=False" in message
+
+
 def test_a_later_per_rank_toggle_is_refused_and_a_group_wide_one_applied(ranks):
     assert ranks[0]["refused_warning"] and "kill switch" in ranks[0]["refused_warning"][0]
     assert "reagree" in ranks[0]["refused_warning"][0]
@@ -212,9 +221,9 @@ def test_collective_errors_are_in_stats(ranks):
 
 # --- one process ---------------------------------------------------------------------------------
 def test_world_size_above_one_without_a_process_group_raises():
-    with pytest.raises(ValueError, match="world_size=2 but torch.distributed is not initialized"):
+    with pytest.raises(RuntimeError, match="world_size=2 but torch.distributed is not initialized"):
         torch.ops.k3fuse.allreduce_rmsnorm(torch.randn(2, L), torch.ones(L), EPS, "nowhere", 2, 64)
-    with k3fuse.disable(), pytest.raises(ValueError, match="world_size=2"):   # the stock path too
+    with k3fuse.disable(), pytest.raises(RuntimeError, match="world_size=2"):   # the stock path too
         torch.ops.k3fuse.allreduce_rmsnorm(torch.randn(2, L), torch.ones(L), EPS, "nowhere", 2, 64)
 
 
@@ -272,3 +281,19 @@ def test_the_rules_decline_unsupported_weights_at_compile_time_with_the_reason()
     assert collective_weight(_node(torch.empty(8, dtype=torch.float32)), "norm_weight", bf, dims=1) is None
     int8 = collective_weight(_node(torch.empty(8, dtype=torch.int8)), "norm_weight", bf, dims=1)
     assert int8.guard == "weight_dtype"
+
+
+def test_the_compile_door_checks_the_collectives_after_each_call(monkeypatch):
+    """backend="k3fuse" at TP > 1 wraps each compiled graph: after every call, check_collectives
+    (a collective that failed inside a replayed graph, here or on a peer, raises there)."""
+    from k3fuse import backend
+
+    calls = []
+    run = backend._with_collective_check(lambda *a: calls.append(a) or "y")
+    assert run(1) == "y" and k3fuse.check_collectives is cg.check_collectives
+    state = cg.GroupState("test-failed", 2, 0, None, {})
+    state.failed = "rank 1 failed: injected"
+    monkeypatch.setitem(cg._groups, "test-failed", state)
+    with pytest.raises(cg.CollectivePeerError, match="injected"):
+        run(2)
+    assert calls == [(1,), (2,)]
