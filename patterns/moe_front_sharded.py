@@ -42,7 +42,7 @@ from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forwa
 from k3fuse.normalize import skip_transparent, value_root
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 
-from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
+from ._spelling import TRUNK_DTYPES, cast_free, collective_weight, dtype_of, linear, per_dtype, randn, trunk_dtype
 from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
@@ -284,10 +284,12 @@ class MoEFrontSharded(Rule):
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         e = (shape_of(match["router_w"]) or (None,))[0]
         checks = [static_weight(match["router_w"], "router_w"), divisible(e, ctx.tp_size, "n_experts"),
+                  collective_weight(match["router_w"], "router_w", dtype_of(match["router_w"])),
                   token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype)]
         if "down_w" in match.inputs:
             l_ = (shape_of(match["down_w"]) or (None,))[0]
             checks += [static_weight(match["down_w"], "down_w"), divisible(l_, ctx.tp_size, "latent"),
+                       collective_weight(match["down_w"], "down_w", dtype_of(match["router_w"])),
                        None if dtype_of(match["down_w"]) in TRUNK_DTYPES else
                        GuardFailure("site", "dtype", "weight dtype not supported",
                                     {"down_w": str(dtype_of(match["down_w"]))})]
@@ -298,6 +300,7 @@ class MoEFrontSharded(Rule):
         # that only falls back); the weights' dtype is what the kernel reads
         shape = {"E": e, "L": (shape_of(match["down_w"]) or (0,))[0] if "down_w" in match.inputs else 0,
                  "H": int(shape_of(match["x"])[-1]), "dtype": dtype_of(match["router_w"]),
+                 "x_dtype": dtype_of(match["x"]),
                  "world_size": ctx.tp_size, "max_tokens": ctx.tokens[1]}
         return failures(kernel_covers(ctx, "moe_front_sharded", shape, site_tokens(match["x"])))
 
