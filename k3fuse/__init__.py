@@ -28,6 +28,7 @@ _LAZY = {
     "strict": "runtime",
     "UnsupportedTorchVersion": "compat",
     "check_torch_version": "compat",
+    "check_collectives": "kernels.collective_guard",
 }
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from .inductor import K3FusePass
     from .log import RewriteLog
     from .offline import apply
+    from .kernels.collective_guard import check_collectives
     from .runtime import disable, reset_stats, stats, strict
 
 
@@ -89,6 +91,7 @@ __all__ = [
     "reset_stats",
     "strict",
     "disable",
+    "check_collectives",
     "RewriteLog",
     "UnsupportedTorchVersion",
     "check_torch_version",

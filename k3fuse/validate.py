@@ -191,6 +191,8 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
                     xin = x.to(torch.float64 if name == "ref" else model.dtype)
                     with k3fuse.strict(cfg.strict and name == "k3fuse"):
                         y, nxt = fns[name](xin, cur[name])
+                    if name == "k3fuse":
+                        k3fuse.check_collectives()   # a failed collective raises here, not as NaN
                     cur[name] = nxt
                     out[name].append(y)
                     states[name].append(nxt)
