@@ -108,24 +108,40 @@ class FailureBoard:
     A file under /dev/shm (or the temp dir), mapped by every rank and unlinked once every rank
     has mapped it, so nothing is left behind however the processes end."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, group_name: str):
-        self.rank, self.world = rank, world
-        path = None
+    def __init__(self, rank: int, world: int, mapping: mmap.mmap):
+        self.rank, self.world, self.map = rank, world, mapping
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, rank: int, world: int) -> FailureBoard | None:
+        """The group's board (collective), or None on every rank when some rank cannot map it
+        (e.g. no shared /dev/shm): the device error words then carry the failures alone."""
+        path, mapping = None, None
         if rank == 0:
-            root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            fd, path = tempfile.mkstemp(prefix="k3fuse-board-", dir=root)
-            os.ftruncate(fd, _SLOT * world)
-            os.close(fd)
+            try:
+                root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+                fd, path = tempfile.mkstemp(prefix="k3fuse-board-", dir=root)
+                os.ftruncate(fd, _SLOT * world)
+                os.close(fd)
+            except OSError:
+                path = None
         box = [path]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        fd = os.open(box[0], os.O_RDWR)
-        try:
-            self.map = mmap.mmap(fd, _SLOT * world)
-        finally:
-            os.close(fd)
-        dist.barrier(group)
-        if rank == 0:
-            os.unlink(box[0])
+        if box[0] is not None:
+            try:
+                fd = os.open(box[0], os.O_RDWR)
+                try:
+                    mapping = mmap.mmap(fd, _SLOT * world)
+                finally:
+                    os.close(fd)
+            except OSError:
+                mapping = None
+        mapped: list = [None] * world
+        dist.all_gather_object(mapped, mapping is not None, group=group)
+        if rank == 0 and box[0] is not None:
+            os.unlink(box[0])   # every rank has mapped it (or given up): nothing left behind
+        if not all(mapped):
+            return None
+        return cls(rank, world, mapping)
 
     def post(self, reason: str) -> None:
         """Mark this rank failed (the reason first, the state word last)."""
@@ -182,9 +198,9 @@ class GroupState:
             peer, reason = hit
             self.failed = f"rank {peer} failed: {reason}"
             runtime.record_collective_error(op, "peer failure")
-            raise CollectivePeerError(f"k3fuse.{op}: {self.describe()}: rank {peer} of the group failed "
-                                      f"in a collective call ({reason}); no rank continues on partial "
-                                      "data: restart the TP group")
+            raise CollectivePeerError(f"k3fuse.{op}: {self.describe()}: peer rank {peer} of the group "
+                                      f"failed in a collective call ({reason}); no rank continues on "
+                                      "partial data: restart the TP group")
 
     def fail(self, op: str, reason: str, kind: str = "failure") -> None:
         """This rank failed in a collective call: remember it and tell every peer (never raises)."""
@@ -264,7 +280,7 @@ def _create(op: str, group_name: str, world_size: int, device_type: str) -> Grou
             f"({'; '.join(setting_diffs)}); every rank must run the same configuration (raised on "
             "every rank, before any collective)")
     if not diffs:   # one host: the board in host shared memory (else the device error words only)
-        state.board = FailureBoard(group, state.rank, size, group_name)
+        state.board = FailureBoard.create(group, state.rank, size)
     return state
 
 

@@ -199,7 +199,7 @@ def test_a_failure_after_the_collective_reaches_every_rank_at_its_next_call(rank
     assert "injected failure after the reduce" in r1["after_call"][1]
     kind, message = r0["after_next"]
     assert kind == "CollectivePeerError", r0["after_next"]
-    assert "rank 1 of the group failed" in message and "injected failure after the reduce" in message
+    assert "peer rank 1 of the group failed" in message and "injected failure after the reduce" in message
     assert r0["after_check"][0] == "CollectivePeerError"          # the post-step check says it too
     kind, message = r1["after_next"]
     assert kind == "CollectivePeerError" and "earlier collective call failed" in message
