@@ -45,16 +45,27 @@ from k3fuse import runtime, settings
 from .dispatch import K3FuseCollectiveError
 
 
-class CollectiveSettingsError(K3FuseCollectiveError):
+class CollectiveError(K3FuseCollectiveError):
+    """A collective op failed; raised on every rank (never a per-rank fallback)."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A peer never arrived within K3FUSE_AR_TIMEOUT_S (or a peer reported a failure)."""
+
+    kind = "timeout"
+
+
+class CollectivePeerError(CollectiveTimeoutError):
+    """A rank of the group (a peer, or this one earlier) failed in a collective call: every later
+    collective call of this rank on the group raises this."""
+
+    kind = "peer failure"
+
+
+class CollectiveSettingsError(CollectiveError):
     """The ranks of a group disagree on a setting that decides their path (raised on every rank)."""
 
     kind = "settings mismatch"
-
-
-class CollectivePeerError(K3FuseCollectiveError):
-    """A rank of the group failed in a collective call; this rank's later calls raise this."""
-
-    kind = "peer failure"
 
 
 #: K3FUSE_* variables that decide which path a collective op takes (or which rewrites exist)
@@ -360,5 +371,5 @@ def _reset_for_tests() -> None:
         _groups.clear()
 
 
-__all__ = ["CollectiveSettingsError", "CollectivePeerError", "PATH_SETTINGS", "path_facts", "enter", "fail",
+__all__ = ["CollectiveError", "CollectiveTimeoutError", "CollectiveSettingsError", "CollectivePeerError", "PATH_SETTINGS", "path_facts", "enter", "fail",
            "reagree", "check_collectives", "group_state", "GroupState", "FailureBoard"]

@@ -57,23 +57,14 @@ import torch.distributed as dist
 
 from k3fuse import settings
 
-from .dispatch import K3FuseCollectiveError
+from . import collective_guard
+from .collective_guard import CollectiveError, CollectiveTimeoutError  # noqa: F401  (re-exported)
 
 DEFAULT_TIMEOUT_S = settings.DEFAULT_AR_TIMEOUT_S
 
 _lock = threading.Lock()
 _workspaces: dict = {}
 _lane = threading.local()
-
-
-class CollectiveError(K3FuseCollectiveError):
-    """A fused collective failed; raised on every rank (never a per-rank fallback)."""
-
-
-class CollectiveTimeoutError(CollectiveError):
-    """A peer never arrived within K3FUSE_AR_TIMEOUT_S (or a peer reported a failure)."""
-
-    kind = "timeout"
 
 
 class WorkspaceStreamError(CollectiveError):
@@ -236,8 +227,6 @@ class ArWorkspace:
         if self.failed is not None:
             raise CollectiveTimeoutError(self.failed + " (the workspace stays failed; restart the "
                                          "TP group)")
-        from . import collective_guard
-
         state = collective_guard.group_state(self.group_name)
         if state is not None:
             state.raise_if_failed(op)
@@ -263,8 +252,6 @@ class ArWorkspace:
                               f"{reason}", kind, own_words=True)
 
     def _mark_failed(self, op: str, message: str, kind: str, own_words: bool) -> None:
-        from . import collective_guard
-
         first = self.failed is None
         if first:
             self.failed = message

@@ -297,3 +297,39 @@ def test_the_compile_door_checks_the_collectives_after_each_call(monkeypatch):
     with pytest.raises(cg.CollectivePeerError, match="injected"):
         run(2)
     assert calls == [(1,), (2,)]
+
+
+def test_collective_call_fails_the_workspace_on_an_error_before_the_push(monkeypatch):
+    """symm_workspace.collective_call: an error anywhere in the call (the stream check, staging,
+    compile, launch) fails the workspace (err words to every peer, the failure board) and re-raises;
+    the fused ops call it (a stand-in workspace here: the real one needs GPUs)."""
+    from k3fuse.kernels import symm_workspace as sw
+
+    calls: list = []
+
+    class Workspace:
+        def before_call(self, op):
+            calls.append("before_call")
+
+        def fail(self, op, reason, kind="failure"):
+            calls.append(("fail", op, reason, kind))
+
+    class BusyWorkspace(Workspace):
+        def before_call(self, op):
+            raise sw.WorkspaceStreamError("in use on another stream")
+
+    def staging(ws):
+        raise torch.cuda.OutOfMemoryError("staging copy")
+
+    for ws, body, want in ((Workspace(), staging, ("fail", "op", "OutOfMemoryError: staging copy", "failure")),
+                           (BusyWorkspace(), staging,
+                            ("fail", "op", "WorkspaceStreamError: in use on another stream", "stream"))):
+        calls.clear()
+        monkeypatch.setattr(sw, "get_workspace", lambda *a, ws=ws, **k: ws)
+        with pytest.raises((torch.cuda.OutOfMemoryError, sw.WorkspaceStreamError)):
+            sw.collective_call("op", "g", 2, 64, 16, torch.device("cpu"), {}, body)
+        assert calls[-1] == want, calls
+    calls.clear()
+    monkeypatch.setattr(sw, "get_workspace", lambda *a, **k: Workspace())
+    assert sw.collective_call("op", "g", 2, 64, 16, torch.device("cpu"), {}, lambda ws: "out") == "out"
+    assert calls == ["before_call"]
