@@ -28,8 +28,9 @@ its decline reason) and the next implementation runs; in strict mode the error i
 Collective ops (`COLLECTIVE_OPS`) never fall back per rank: a raising implementation raises
 `K3FuseCollectiveError` (or the kernel's own CollectiveError) on this rank, and the group's guard
 (kernels/collective_guard.py) makes the peers raise at their next call (the bounded spins of the
-fused kernels stop the current one). The guard also agrees the kill switch and strict mode across
-the group at its first collective call and checks world_size against the group on every path.
+fused kernels stop the current one). The guard also agrees the path settings (kill switch, strict
+mode, ...) across the group at its first collective call and checks world_size against the group
+on every path; a strict-mode fallback of a collective op raises after its stock sequence ran.
 """
 from __future__ import annotations
 
@@ -237,7 +238,7 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
     Runs under no_grad: the ops are inference-only (their Autograd key falls through), so an
     implementation never records an autograd graph, even when the weights require grad.
     Collective ops first pass the group's guard (kernels/collective_guard.py): the group's agreed
-    kill switch and strict mode decide their path, and a failure fails the group on every rank.
+    kill switch decides their path, and a failure fails the group on every rank.
     """
     entry = _entry(op)
     where = COLLECTIVE_ARGS.get(op)
