@@ -224,6 +224,13 @@ class GroupState:
                 self.board.post(f"k3fuse.{op}: {reason}"[:400])
             except Exception:
                 pass
+        # a failure outside the fused workspaces (e.g. before dispatch reached a kernel) still
+        # stops the peers' current spins: every fused workspace of the group fails too
+        import sys
+
+        sw = sys.modules.get(__package__ + ".symm_workspace")
+        if sw is not None:
+            sw.fail_group(self.name, op, reason, kind)
 
     def check_toggles(self, op: str) -> None:
         """A path setting changed on this rank since the agreement: refused (warned once)."""

@@ -374,6 +374,14 @@ def collective_call(op: str, group_name: str, world_size: int, max_tokens: int, 
         raise
 
 
+def fail_group(group_name: str, op: str, reason: str, kind: str) -> None:
+    """Fail every workspace of `group_name` in this process (err=2 in every peer's words: their
+    kernels stop spinning); the collective guard calls it when the group fails."""
+    for ws in list(_workspaces.values()):
+        if ws.group_name == group_name:
+            ws.fail(op, reason, kind)
+
+
 def check_errors(sync: bool = True) -> None:
     """Raise CollectiveTimeoutError if any fused all-reduce workspace of this process failed
     (synchronises the devices with `sync`; use after CUDA-graph replays). Without `sync` it reads
