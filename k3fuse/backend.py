@@ -80,6 +80,8 @@ def _with_collective_check(compiled: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     run.__wrapped__ = compiled  # type: ignore[attr-defined]
+    if getattr(compiled, "_boxed_call", False):   # the same calling convention as what it wraps
+        run._boxed_call = True  # type: ignore[attr-defined]
     return run
 
 
