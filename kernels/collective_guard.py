@@ -263,6 +263,11 @@ def size_mismatch(group_name: str, world_size: int, size: int | None) -> Excepti
                       f"has {size} ranks")
 
 
+def _size_error(op: str, group_name: str, world_size: int, size: int | None) -> Exception:
+    runtime.record_collective_error(op, "world_size")
+    return size_mismatch(group_name, world_size, size)
+
+
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -270,7 +275,7 @@ def _initialized() -> bool:
 def _create(op: str, group_name: str, world_size: int, device_type: str) -> GroupState:
     if not _initialized():
         if world_size != 1:
-            raise size_mismatch(group_name, world_size, None)
+            raise _size_error(op, group_name, world_size, None)
         return GroupState(group_name, 1, 0, None, path_facts(device_type))
     from k3fuse.compat import resolve_group
     from k3fuse.dist import disagreements
@@ -283,7 +288,7 @@ def _create(op: str, group_name: str, world_size: int, device_type: str) -> Grou
         return GroupState(group_name, 1, 0, None, path_facts(device_type))
     size = dist.get_world_size(group)
     if size != world_size:
-        raise size_mismatch(group_name, world_size, size)
+        raise _size_error(op, group_name, world_size, size)
     facts = path_facts(device_type)
     state = GroupState(group_name, size, dist.get_rank(group), group, facts)
     if size == 1:
@@ -315,7 +320,7 @@ def enter(op: str, group_name: str, world_size: int, device_type: str) -> GroupS
             state.initialized = _initialized()
             _groups[group_name] = state
     if world_size != state.world:
-        raise size_mismatch(group_name, world_size, state.world)
+        raise _size_error(op, group_name, world_size, state.world)
     state.raise_if_failed(op)
     state.check_toggles(op)
     return state

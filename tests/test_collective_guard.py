@@ -217,6 +217,8 @@ def test_collective_errors_are_in_stats(ranks):
     r0, r1 = ranks
     assert r0["errors"]["allreduce_rmsnorm"].get("error:peer failure", 0) >= 1, r0["errors"]
     assert r1["errors"]["allreduce_rmsnorm"].get("error:failure", 0) >= 1, r1["errors"]
+    for r in ranks:   # the two dispatched calls with a wrong world_size (reference, stock)
+        assert r["errors"]["allreduce_rmsnorm"].get("error:world_size") == 2, r["errors"]
 
 
 # --- one process ---------------------------------------------------------------------------------
