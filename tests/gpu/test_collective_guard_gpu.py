@@ -14,6 +14,9 @@ one H200 and at world 2 on two (skipped, saying so, with fewer GPUs):
 - test_two_graphs_replayed_concurrently_match_sequential_replays: two graphs with split-K GEMMs
   (K3's N = 3584 / 2240 decode shapes, split > 1), captured without an explicit stream, replayed
   concurrently on two streams: bitwise the outputs of sequential replays (private scratch).
+- test_a_setting_that_differs_between_ranks_raises_on_every_rank (2 GPUs): K3FUSE_AR_PROTOCOL, then
+  the kill switch, differing between the ranks: one CollectiveSettingsError on each rank naming the
+  setting and both ranks' values, before any push; nothing hangs.
 - test_weights_the_kernels_cannot_read_are_declined_at_compile_time: the kernels' coverage names
   the weight dtype for fp8 / int8 / fp32 weights with a bf16 x, at every token count.
 
@@ -288,6 +291,34 @@ def _concurrent_graphs(rank, world):
 
 def test_two_graphs_replayed_concurrently_match_sequential_replays():
     spawn(_concurrent_graphs, 1)
+
+
+# --- item 2: a setting that differs between the ranks --------------------------------------------------
+def _settings_differ(rank, world):
+    import torch.distributed as dist
+
+    os.environ["K3FUSE_AR_PROTOCOL"] = "flags" if rank else "lamport"   # before the first read
+    import k3fuse
+    import k3fuse.kernels  # noqa: F401
+    from k3fuse.kernels import collective_guard as cg
+
+    dev = torch.device("cuda", rank)
+    w, nw = _weights(dev, rank, world, dist)
+    x, res = _inputs(dev, rank, 1, 1, dist)
+    t0 = time.perf_counter()
+    with pytest.raises(cg.CollectiveSettingsError) as info:
+        _op(x, w, res, nw, dist.group.WORLD.group_name, world)
+    message = str(info.value)
+    assert "K3FUSE_AR_PROTOCOL" in message and "rank 0='lamport'" in message and "rank 1='flags'" in message
+    # the kill switch on one rank only, on a group of its own (a failed agreement is not retried)
+    group = dist.new_group([0, 1])
+    with k3fuse.disable(rank == 0), pytest.raises(cg.CollectiveSettingsError, match=r"kill switch.*rank 0=True"):
+        _op(x, w, res, nw, group.group_name, world)
+    assert time.perf_counter() - t0 < 60
+
+
+def test_a_setting_that_differs_between_ranks_raises_on_every_rank():
+    spawn(_settings_differ, 2)
 
 
 # --- item 5: weights no kernel reads, declined at compile time ----------------------------------------------
