@@ -2,7 +2,7 @@
 
 Why a module of its own: the ranks of a TP group must take the same path through each collective
 call and must all stop when one of them fails; that is one protocol for every collective op, so
-dispatch and the fused workspaces (symm_workspace.py) call it instead of each op keeping a copy.
+dispatch and the fused workspaces (collective.py) call it instead of each op keeping a copy.
 
 - Agreement: the first collective call on a group (every rank makes it: the graphs are the same)
   gathers everything that decides a rank's path (`path_facts`: the kill switch, strict mode,
@@ -228,7 +228,7 @@ class GroupState:
         # stops the peers' current spins: every fused workspace of the group fails too
         import sys
 
-        sw = sys.modules.get(__package__ + ".symm_workspace")
+        sw = sys.modules.get(__package__ + ".collective")
         if sw is not None:
             sw.fail_group(self.name, op, reason, kind)
 
@@ -368,7 +368,7 @@ def check_collectives(sync: bool = False) -> None:
         state.raise_if_failed("check_collectives")
     import sys
 
-    sw = sys.modules.get(__package__ + ".symm_workspace")
+    sw = sys.modules.get(__package__ + ".collective")
     if sw is not None:
         sw.check_errors(sync=sync)
 

@@ -24,13 +24,15 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from k3fuse import compat
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
-                           static_weight, token_count, tp_at_least)
+from k3fuse.guards import (GuardFailure, failures, kernel_covers, same_group, shape_of, site_tokens, static_weight,
+                           token_count, tp_at_least)
+from k3fuse.kernels.ops.oproj_allreduce import OProjNormSpec, OProjSpec
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import (GROUP, all_reduce_sum, cast_free, collective_weight, dtype_of, linear, per_dtype, randn,
-                        rms_norm, trunk_dtype)
+from ._pattern_tools import (GROUP, all_reduce_sum, cast_free, collective_weight, dtype_of, linear, per_dtype, randn,
+                             rms_norm, trunk_dtype)
 
 T, K, H = 4, 8, 16  # example shapes: tokens, local reduction width, hidden
 
@@ -80,7 +82,7 @@ class OProjAllReduceResidual(Rule):
     # (the kernel itself is the unicast one-shot; a multicast variant is out of scope)
     uses_multicast = True
     # near misses are reported from each all_reduce: the closest one and where it left the pattern
-    anchor = torch.ops._c10d_functional.all_reduce.default
+    site_op = compat.ALL_REDUCE
 
     def patterns(self) -> list[PatternSpec]:
         def ex(dtype: torch.dtype, addend: bool, norm: bool) -> tuple:
@@ -99,7 +101,7 @@ class OProjAllReduceResidual(Rule):
         ]
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(tp_at_least(ctx, 2), decode_token_range(ctx))
+        return failures(tp_at_least(ctx, 2))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         x_dtype = dtype_of(match["x"])
@@ -107,23 +109,19 @@ class OProjAllReduceResidual(Rule):
         if "norm_weight" in match.inputs:
             weights += [static_weight(match["norm_weight"], "norm_weight"),
                         collective_weight(match["norm_weight"], "norm_weight", x_dtype, dims=1)]
-        group = match["group_name"]
-        same_group = None if group == ctx.group_name else GuardFailure(
-            "site", "group", "the all-reduce is not over the context's TP group",
-            {"group_name": group, "tp_group": ctx.group_name})
-        found = failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype), same_group,
-                         _rows_agree(match))
+        found = failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
+                         same_group(match["group_name"], ctx), _rows_agree(match))
         if found:
             return found
         # on a GPU, a kernel for this shape at every token count the site can see (the weights'
         # dtypes included), else the site stays stock, with the kernels' reasons in the log
         w_shape = shape_of(match["weight"])
-        shape = {"N": int(w_shape[0]), "K": int(w_shape[-1]), "dtype": x_dtype,
-                 "w_dtype": dtype_of(match["weight"]), "addend": "addend" in match.inputs,
-                 "norm_dtype": dtype_of(match["norm_weight"]) if "norm_weight" in match.inputs else None,
-                 "world_size": ctx.tp_size, "max_tokens": ctx.tokens[1]}
-        op = "gemm_ar_residual_rmsnorm" if "norm_weight" in match.inputs else "gemm_ar_residual"
-        return failures(kernel_covers(ctx, op, shape, site_tokens(match["x"])))
+        norm = "norm_weight" in match.inputs
+        spec = (OProjNormSpec if norm else OProjSpec)(
+            H=int(w_shape[0]), K=int(w_shape[-1]), dtype=x_dtype, res_dtype=x_dtype, w_dtype=dtype_of(match["weight"]),
+            addend="addend" in match.inputs, norm_dtype=dtype_of(match["norm_weight"]) if norm else None,
+            world_size=ctx.tp_size, max_tokens=ctx.tokens[1])
+        return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         status = ctx.multicast_status()

@@ -87,7 +87,7 @@ def _scenarios(rank: int, world: int) -> dict:
     out["ws_reference"] = _error(lambda: _tail(x, g, world=1))
     with k3fuse.disable():
         out["ws_stock"] = _error(lambda: _tail(x, g, world=1))
-    from k3fuse.kernels.reference import allreduce
+    from k3fuse.kernels.lib.reference import allreduce
 
     out["ws_direct_reference"] = _error(lambda: allreduce.allreduce_rmsnorm(x, torch.ones(L), EPS,
                                                                             g.group_name, 1))
@@ -96,7 +96,7 @@ def _scenarios(rank: int, world: int) -> dict:
     #    naming the failed rank and its reason; the failed rank's later calls raise too
     g = groups[5]
     _tail(x, g)
-    boom = dispatch.Impl("test.fails_on_rank1", supports=lambda *a, **k: None, run=_fail_after_reduce,
+    boom = dispatch.Impl("test.fails_on_rank1", accepts=lambda spec: None, run=_fail_after_reduce,
                          priority=10_000, device_types=("cpu",))
     dispatch.register_impl("allreduce_rmsnorm", boom)
     try:
@@ -112,7 +112,7 @@ def _scenarios(rank: int, world: int) -> dict:
     g = groups[6]
     dist.barrier()
     _tail(x, g)
-    early = dispatch.Impl("test.fails_early_on_rank1", supports=lambda *a, **k: None, run=_fail_before_reduce,
+    early = dispatch.Impl("test.fails_early_on_rank1", accepts=lambda spec: None, run=_fail_before_reduce,
                           priority=10_000, device_types=("cpu",))
     dispatch.register_impl("allreduce_rmsnorm", early)
     try:
@@ -128,7 +128,7 @@ def _scenarios(rank: int, world: int) -> dict:
 def _fail_after_reduce(x, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
     import torch.distributed as dist
 
-    from k3fuse.kernels.reference import allreduce
+    from k3fuse.kernels.lib.reference import allreduce
 
     result = allreduce.allreduce_rmsnorm(x, norm_weight, eps, group_name, world_size)
     if dist.get_rank() == 1:
@@ -139,7 +139,7 @@ def _fail_after_reduce(x, norm_weight, eps, group_name, world_size, max_tokens=6
 def _fail_before_reduce(x, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
     import torch.distributed as dist
 
-    from k3fuse.kernels.reference import allreduce
+    from k3fuse.kernels.lib.reference import allreduce
 
     if dist.get_rank() == 1:
         raise MemoryError("injected staging failure before the reduce")
@@ -231,7 +231,7 @@ def test_world_size_above_one_without_a_process_group_raises():
 
 @pytest.mark.parametrize("bad", ["inf", "-inf", "nan", "1e10", "1e-10", "0", "-1"])
 def test_timeout_outside_1ms_to_1h_names_the_variable_and_the_range(monkeypatch, bad):
-    from k3fuse.kernels import symm_workspace as sw
+    from k3fuse.kernels import collective as sw
 
     monkeypatch.delenv("K3FUSE_AR_TIMEOUT_MS", raising=False)
     monkeypatch.setenv("K3FUSE_AR_TIMEOUT_S", bad)
@@ -245,23 +245,27 @@ def test_timeout_outside_1ms_to_1h_names_the_variable_and_the_range(monkeypatch,
 
 @pytest.mark.parametrize("seconds", ["0.001", "3600", "5"])
 def test_timeout_in_range_fits_int64_nanoseconds(monkeypatch, seconds):
-    from k3fuse.kernels import symm_workspace as sw
+    from k3fuse.kernels import collective as sw
 
     monkeypatch.setenv("K3FUSE_AR_TIMEOUT_S", seconds)
     ns = sw.timeout_ns()
     assert ns == round(float(seconds) * 1e9) and 0 < ns < 2**63
 
 
-def test_decide_declines_weights_the_kernels_cannot_read():
-    from k3fuse.kernels.cute import gemm_ar_residual as g
+def test_the_kernels_decline_weights_they_cannot_read(monkeypatch):
+    from k3fuse.kernels.lib.cute import compat
+    from k3fuse.kernels.ops import oproj_allreduce as op
 
-    kw = dict(cute_ok=True, triton_ok=True, dist_ok=True)
+    monkeypatch.setattr(compat, "available", lambda: True)   # the predicate past its toolchain check
+    accepts = op._accepts("lamport")
     bf = torch.bfloat16
-    assert g.decide(1, 7168, 6144, bf, bf, None, None, 2, 64, w_dtype=bf, **kw) is None
+    site = dict(H=7168, K=6144, dtype=bf, res_dtype=bf, addend=False, norm_dtype=None, world_size=2, max_tokens=64)
+    ok = accepts(op.OProjSpec(**site, w_dtype=bf))
+    assert ok is None or "weight" not in ok, ok        # (CPU: the GEMM path may be missing, never the weight)
     for w_dtype in (torch.float8_e4m3fn, torch.int8, torch.float32):
-        why = g.decide(1, 7168, 6144, bf, bf, None, None, 2, 64, w_dtype=w_dtype, **kw)
+        why = accepts(op.OProjSpec(**site, w_dtype=w_dtype))
         assert why is not None and str(w_dtype) in why, why
-    assert "3-D" in g.decide(1, 7168, 6144, bf, bf, None, None, 2, 64, w_dtype=bf, w_dims=3, **kw)
+    assert "3-D" in accepts(op.OProjSpec(**site, w_dtype=bf, w_dims=3))
 
 
 def _node(val) -> fx.Node:
@@ -272,7 +276,7 @@ def _node(val) -> fx.Node:
 
 
 def test_the_rules_decline_unsupported_weights_at_compile_time_with_the_reason():
-    from k3fuse.patterns._spelling import collective_weight
+    from k3fuse.patterns._pattern_tools import collective_weight
 
     bf = torch.bfloat16
     assert collective_weight(_node(torch.empty(8, 4, dtype=bf)), "weight", bf) is None
@@ -302,10 +306,10 @@ def test_the_compile_door_checks_the_collectives_after_each_call(monkeypatch):
 
 
 def test_collective_call_fails_the_workspace_on_an_error_before_the_push(monkeypatch):
-    """symm_workspace.collective_call: an error anywhere in the call (the stream check, staging,
+    """collective.run_collective: an error anywhere in the call (the stream check, staging,
     compile, launch) fails the workspace (err words to every peer, the failure board) and re-raises;
     the fused ops call it (a stand-in workspace here: the real one needs GPUs)."""
-    from k3fuse.kernels import symm_workspace as sw
+    from k3fuse.kernels import collective as sw
 
     calls: list = []
 
@@ -329,9 +333,9 @@ def test_collective_call_fails_the_workspace_on_an_error_before_the_push(monkeyp
         calls.clear()
         monkeypatch.setattr(sw, "get_workspace", lambda *a, ws=ws, **k: ws)
         with pytest.raises((torch.cuda.OutOfMemoryError, sw.WorkspaceStreamError)):
-            sw.collective_call("op", "g", 2, 64, 16, torch.device("cpu"), {}, body)
+            sw.run_collective("op", "g", 2, 64, 16, torch.device("cpu"), {}, body)
         assert calls[-1] == want, calls
     calls.clear()
     monkeypatch.setattr(sw, "get_workspace", lambda *a, **k: Workspace())
-    assert sw.collective_call("op", "g", 2, 64, 16, torch.device("cpu"), {}, lambda ws: "out") == "out"
+    assert sw.run_collective("op", "g", 2, 64, 16, torch.device("cpu"), {}, lambda ws: "out") == "out"
     assert calls == ["before_call"]

@@ -1,4 +1,4 @@
-"""The collective guard on GPUs (kernels/collective_guard.py, kernels/symm_workspace.py), at world 1 on
+"""The collective guard on GPUs (kernels/collective_guard.py, kernels/collective.py), at world 1 on
 one H200 and at world 2 on two (skipped, saying so, with fewer GPUs):
 
 - test_failure_before_the_push_fails_every_rank: the last rank's staging raises (an injected
@@ -77,8 +77,7 @@ def _failure_before_push(rank, world):
 
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
-    from k3fuse.kernels import dispatch, symm_workspace as sw
-    from k3fuse.kernels.cute import gemm_ar_residual as gar
+    from k3fuse.kernels import collective as sw, dispatch
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
@@ -93,7 +92,7 @@ def _failure_before_push(rank, world):
     if failing:
         def oom(t):
             raise torch.cuda.OutOfMemoryError("injected out-of-memory while staging")
-        gar._aligned = oom
+        sw.staged = oom
     x2, res2 = _inputs(dev, rank, 1, 2, dist)
     t0 = time.perf_counter()
     first = None
@@ -137,9 +136,9 @@ def _cold_start(rank, world):
 
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
-    from k3fuse.kernels import symm_workspace as sw
-    from k3fuse.kernels.cute import compat
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels import collective as sw
+    from k3fuse.kernels.lib.cute import compat
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     assert "K3FUSE_AR_TIMEOUT_S" not in os.environ and sw.timeout_s() == 5.0
     compat._cache.clear()
@@ -192,7 +191,7 @@ def _graph_peer_missing(rank, world):
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
     from k3fuse.kernels import collective_guard as cg, dispatch
-    from k3fuse.kernels.triton import lamport_push
+    from k3fuse.kernels.lib.triton import lamport_push
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
@@ -246,7 +245,7 @@ def test_replayed_graph_whose_peer_never_arrives(world):
 
 # --- item 7: two graphs replayed concurrently ------------------------------------------------------------
 def _concurrent_graphs(rank, world):
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     dev = torch.device("cuda", rank)
     cases = [(8, 3584, 7168), (8, 2240, 7168), (24, 3584, 7168)]
@@ -325,11 +324,12 @@ def test_a_setting_that_differs_between_ranks_raises_on_every_rank():
 def test_weights_the_kernels_cannot_read_are_declined_at_compile_time():
     import k3fuse.kernels  # noqa: F401
     from k3fuse.kernels import dispatch
+    from k3fuse.kernels.ops.oproj_allreduce import OProjNormSpec
 
-    base = {"N": 7168, "K": 6144, "dtype": torch.bfloat16, "addend": False, "norm_dtype": torch.bfloat16,
-            "world_size": 2, "max_tokens": 64}
-    assert dispatch.coverage("gemm_ar_residual_rmsnorm", dict(base, w_dtype=torch.bfloat16), range(1, 65)) == {}
+    bf = torch.bfloat16
+    site = dict(H=7168, K=6144, dtype=bf, res_dtype=bf, addend=False, norm_dtype=bf, world_size=2, max_tokens=64)
+    assert dispatch.coverage(OProjNormSpec(**site, w_dtype=bf), range(1, 65)) == {}
     for w_dtype in (torch.float8_e4m3fn, torch.int8, torch.float32):
-        uncovered = dispatch.coverage("gemm_ar_residual_rmsnorm", dict(base, w_dtype=w_dtype), range(1, 65))
+        uncovered = dispatch.coverage(OProjNormSpec(**site, w_dtype=w_dtype), range(1, 65))
         assert sorted(uncovered) == list(range(1, 65)), (w_dtype, sorted(uncovered)[:5])
         assert all(str(w_dtype) in " ".join(why) for why in uncovered.values()), uncovered[1]

@@ -168,7 +168,7 @@ def _body(rank, world, dist, protocol):
 def _timeout_body(rank, world, dist):
     """Debug build: rank 1 never calls the op, rank 0's poll must give up and report it."""
     import k3fuse.kernels  # noqa: F401
-    from k3fuse.kernels.cute import gemm_ar_residual as g
+    from k3fuse.kernels import collective as g
 
     os.environ["K3FUSE_AR_TIMEOUT_MS"] = "200"
     dev = torch.device("cuda", rank)
