@@ -305,7 +305,7 @@ def test_the_compile_door_checks_the_collectives_after_each_call(monkeypatch):
     assert calls == [(1,), (2,)]
 
 
-def test_collective_call_fails_the_workspace_on_an_error_before_the_push(monkeypatch):
+def test_run_collective_fails_the_workspace_on_an_error_before_the_push(monkeypatch):
     """collective.run_collective: an error anywhere in the call (the stream check, staging,
     compile, launch) fails the workspace (err words to every peer, the failure board) and re-raises;
     the fused ops call it (a stand-in workspace here: the real one needs GPUs)."""
