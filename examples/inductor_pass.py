@@ -32,6 +32,7 @@ def worker(rank: int, world_size: int, layers: int, tokens: int, log_path: str |
         compiled = torch.compile(model)
         with torch.no_grad():
             y, _ = compiled(x, state)
+            k3fuse.check_collectives()  # after each step: a failed fused collective raises here
             y_ref, _ = model(x, state)
     return {"summary": log.summary(), "active": log.active_rules(), "uuid": k3fuse_pass.uuid()[:12],
             "max_abs_diff": (y - y_ref).abs().max().item()}

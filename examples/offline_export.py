@@ -41,6 +41,7 @@ def worker(rank: int, world_size: int, layers: int, tokens: int, out_dir: str,
     k3fuse.reset_stats()
     with torch.no_grad():
         y, _ = loaded.module()(x, state)
+        k3fuse.check_collectives()  # after each step: a failed fused collective raises here
         y_ref, _ = model(x, state)
     return {"summary": log.summary(), "active": log.active_rules(), "path": path, "stats": k3fuse.stats(),
             "fused_ops": sorted({str(n.target) for n in loaded.graph.nodes

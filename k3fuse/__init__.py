@@ -33,6 +33,7 @@ _LAZY = {
     "strict": "runtime",
     "UnsupportedTorchVersion": "compat",
     "check_torch_version": "compat",
+    "check_collectives": "kernels.collective_guard",
 }
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from .inductor import K3FusePass
     from .log import RewriteLog
     from .offline import apply
+    from .kernels.collective_guard import check_collectives
     from .runtime import disable, reset_stats, stats, strict
 
     VllmK3FusePass: Any
@@ -126,6 +128,7 @@ __all__ = [
     "reset_stats",
     "strict",
     "disable",
+    "check_collectives",
     "RewriteLog",
     "UnsupportedTorchVersion",
     "check_torch_version",

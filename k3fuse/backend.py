@@ -71,7 +71,29 @@ def k3fuse_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
     log: JSONL path or a RewriteLog to append to; rules: rules to run instead of the K3 rules.
     """
     compiler, ctx, rlog, registry = _parse_options(options)
+    compiled = _compile(gm, example_inputs, compiler, ctx, rlog, registry)
+    return _with_collective_check(compiled) if ctx.tp_size > 1 else compiled
 
+
+def _with_collective_check(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """After every call of a compiled graph, the collectives' post-step check (no device sync):
+    a fused collective that failed inside a replayed CUDA graph, here or on a peer, raises here
+    instead of its NaN outputs flowing on (kernels/collective_guard.py)."""
+    from .kernels.collective_guard import check_collectives
+
+    def run(*args: Any) -> Any:
+        out = compiled(*args)
+        check_collectives()
+        return out
+
+    run.__wrapped__ = compiled  # type: ignore[attr-defined]
+    if getattr(compiled, "_boxed_call", False):   # the same calling convention as what it wraps
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str, ctx: DecodeContext,
+             rlog: RewriteLog, registry: RuleRegistry) -> Callable[..., Any]:
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

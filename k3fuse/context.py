@@ -37,6 +37,32 @@ class ContextError(UsageError, ValueError):
     the wrong type). A UsageError, so the CLI reports it as one line (exit 2)."""
 
 
+#: what decides which rewrites a rank makes (the runtime path is agreed again at the first
+#: collective call: kernels/collective_guard.py)
+_REWRITE_SETTINGS = ("K3FUSE_RULES", "K3FUSE_DISABLE_CUTE", "K3FUSE_DISABLE_TRITON", "K3FUSE_AR_PROTOCOL")
+
+
+def _agree_rewrite_settings(group: dist.ProcessGroup, size: int, kw: dict[str, Any]) -> None:
+    """Every rank of `group` rewrites under the same settings, else every rank raises the same
+    error naming them (collective, like the multicast probe): ranks whose graphs differ would run
+    different collectives."""
+    if size == 1:
+        return
+    from . import runtime
+
+    mine: dict[str, Any] = {name: settings.get(name) for name in _REWRITE_SETTINGS}
+    mine["kill switch (K3FUSE_DISABLE / k3fuse.disable())"] = runtime.is_disabled()
+    mine["strict"] = kw.get("strict", False)
+    mine["disabled_rules"] = sorted(kw.get("disabled_rules", ()) or ())
+    got: list = [None] * size
+    dist.all_gather_object(got, mine, group=group)
+    diffs = [f"{key}: " + ", ".join(f"rank {r}={g[key]!r}" for r, g in enumerate(got))
+             for key in mine if len({repr(g[key]) for g in got}) > 1]
+    if diffs:
+        raise ContextError(f"the ranks of the TP group disagree on what decides their rewrites ({'; '.join(diffs)})",
+                           "run every rank with the same configuration")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -277,6 +303,7 @@ class DecodeContext:
         kw.setdefault("device_capability", torch.cuda.get_device_capability(device) if device is not None else None)
         policy = kw.get("multicast", "auto")
         kw.setdefault("multicast_info", probe_multicast(policy, device=device, group=group))
+        _agree_rewrite_settings(group, size, kw)
         return cls(tp_size=size, rank=dist.get_rank(group), group_name=group_name_of(group),
                    **{k: v for k, v in kw.items() if k != "tp_size"})
 

@@ -68,8 +68,17 @@ def record_fallback(op: str, reason: str, *, strict: bool = False) -> None:
     record(op, f"fallback:{reason}")
 
 
+ERROR_PREFIX = "error:"
+
+
+def record_collective_error(op: str, kind: str) -> None:
+    """Count a collective error of `op` on this rank (timeout, peer failure, settings mismatch, ...)."""
+    record(op, f"{ERROR_PREFIX}{kind}")
+
+
 def stats() -> dict[str, dict[str, int]]:
-    """{op: {implementation or "fallback:<reason>": calls}} since the last reset."""
+    """{op: {implementation, "fallback:<reason>" or "error:<kind>": calls}} since the last reset
+    ("error:" entries count the collective errors this rank saw: timeout, peer failure, ...)."""
     with _lock:
         return {op: dict(impls) for op, impls in _counts.items()}
 
@@ -80,6 +89,15 @@ def fallbacks() -> dict[str, dict[str, int]]:
         op: {k: v for k, v in impls.items() if k.startswith("fallback:")}
         for op, impls in stats().items()
         if any(k.startswith("fallback:") for k in impls)
+    }
+
+
+def collective_errors() -> dict[str, dict[str, int]]:
+    """Only the collective-error entries of `stats()` ("error:<kind>")."""
+    return {
+        op: {k: v for k, v in impls.items() if k.startswith(ERROR_PREFIX)}
+        for op, impls in stats().items()
+        if any(k.startswith(ERROR_PREFIX) for k in impls)
     }
 
 

@@ -76,6 +76,10 @@ def _protocol(name: str, raw: str) -> ArProtocol:
     return value  # type: ignore[return-value]
 
 
+#: the spin bound's accepted range in seconds (finite: the kernels take it as int64 nanoseconds)
+AR_TIMEOUT_RANGE_S = (1e-3, 3600.0)
+
+
 def _seconds(scale: float) -> Callable[[str, str], float | None]:
     def parse(name: str, raw: str) -> float | None:
         if not raw.strip():
@@ -84,8 +88,11 @@ def _seconds(scale: float) -> Callable[[str, str], float | None]:
             value = float(raw) * scale
         except ValueError:
             raise SettingsError(f"{name}={raw!r}: expected a number") from None
-        if not value > 0:
-            raise SettingsError(f"{name}={raw!r}: the spin bound must be positive (no unbounded spin)")
+        low, high = AR_TIMEOUT_RANGE_S
+        if not low <= value <= high:   # also refuses nan and inf
+            unit = "s" if scale == 1.0 else "ms"
+            raise SettingsError(f"{name}={raw!r}: the spin bound must be a finite number from "
+                                f"{low / scale:g} to {high / scale:g} {unit} (1 ms to 1 h)")
         return value
     return parse
 
@@ -203,4 +210,4 @@ def is_on(env: Mapping[str, str], name: str) -> bool:
 
 
 __all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "get", "current", "parse", "is_on", "spin_timeout_s",
-           "DEFAULT_AR_TIMEOUT_S", "ArProtocol"]
+           "DEFAULT_AR_TIMEOUT_S", "AR_TIMEOUT_RANGE_S", "ArProtocol"]

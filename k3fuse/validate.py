@@ -154,7 +154,7 @@ def _inject(scale: float) -> None:
         def run(*a, _ref=ref, **k):
             out = _ref.run(*a, **k)
             return tuple(o * scale for o in out) if isinstance(out, tuple) else out * scale
-        dispatch.register_impl(op, dispatch.Impl("validate.injected", supports=ref.supports, run=run,
+        dispatch.register_impl(op, dispatch.Impl("validate.injected", accepts=ref.accepts, run=run,
                                                  priority=1_000_000, device_types=("cpu",)))
 
 
@@ -191,6 +191,8 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
                     xin = x.to(torch.float64 if name == "ref" else model.dtype)
                     with k3fuse.strict(cfg.strict and name == "k3fuse"):
                         y, nxt = fns[name](xin, cur[name])
+                    if name == "k3fuse":
+                        k3fuse.check_collectives()   # a failed collective raises here, not as NaN
                     cur[name] = nxt
                     out[name].append(y)
                     states[name].append(nxt)

@@ -35,14 +35,19 @@ on one stream).
 
 Failures (what a serving process sees): the spin is bounded (K3FUSE_AR_TIMEOUT_S, default 5 s).
 A kernel that times out writes err, NaN-fills its output and returns; every later fused
-all-reduce on that workspace returns at once with NaN outputs (no further spin). On the host the
-next eager call of a fused all-reduce raises `CollectiveTimeoutError` naming the op, this rank and
-the peer that never arrived (the error words are copied to pinned host memory after each eager
-call and read without a device sync), and `check_errors()` (synchronises) raises it at any time,
-e.g. after CUDA-graph replays. A rank whose host code fails after the GEMM already pushed
-(`fail`) marks its workspace failed and writes err=2 into every peer's workspace, so their kernels
-stop spinning and their next call raises too: the collective fails on every rank. A failed
-workspace stays failed: the process (or at least the TP group) must be restarted.
+all-reduce on that workspace returns at once with NaN outputs (no further spin). A failure at any
+point of a call on any rank (`run_collective`: staging, the stream check, compile, launch, a
+timeout the host has seen) fails the workspace and the group (`fail`): err=2 in every peer's
+symmetric words (their kernels stop spinning) and this rank's reason on the group's failure board
+(kernels/collective_guard.py), so every peer's next call raises; no rank reads a partial sum as
+fresh, since a failed workspace stays failed (restart the TP group). A timeout seen on the device
+reaches the host at the next call on that workspace once the device has finished the failed call
+(the error words are copied to pinned memory after each eager call and read without a sync), and
+at `collective_guard.check_collectives()` after CUDA-graph replays (it reads the words copied at
+its previous run and queues a fresh copy: one step late without `sync`, at once with it).
+Start-up: the first call of each variant (op, path, tokens, ...: shared facts) waits at a barrier
+of the group after compiling and before pushing (`start_barrier`), so the bound never starts while
+a peer is still compiling.
 """
 from __future__ import annotations
 
@@ -56,23 +61,18 @@ import torch.distributed as dist
 
 from k3fuse import settings
 
-from .dispatch import K3FuseCollectiveError
+from . import collective_guard
+from .collective_guard import CollectiveError, CollectiveTimeoutError  # noqa: F401  (re-exported)
 
 _lock = threading.Lock()
 _workspaces: dict = {}
 _lane = threading.local()
 
 
-class CollectiveError(K3FuseCollectiveError):
-    """A fused collective failed; raised on every rank (never a per-rank fallback)."""
-
-
-class CollectiveTimeoutError(CollectiveError):
-    """A peer never arrived within K3FUSE_AR_TIMEOUT_S (or a peer reported a failure)."""
-
-
 class WorkspaceStreamError(CollectiveError):
     """A second stream used a workspace while the first stream's call may still run."""
+
+    kind = "stream"
 
 
 def timeout_s() -> float:
@@ -127,17 +127,17 @@ def dist_ready() -> bool:
 def run_collective(op: str, group_name: str, world_size: int, max_tokens: int, hidden: int,
                    device: torch.device, facts: dict, launch) -> object:
     """One fused collective call: the workspace for (group, max_tokens, hidden, lane), then
-    `launch(ws)`, which compiles every kernel before its first remote store, pushes, runs the
-    epilogue and returns the result. Whatever fails (compile, launch, before or after this rank's
-    push) fails the workspace here and on every peer, so no rank spins to its timeout or reads
-    stale partial sums later; the caller (dispatch) raises, never a per-rank fallback."""
+    `launch(ws)`, which stages its inputs, compiles every kernel, passes `ws.start_barrier`, pushes,
+    runs the epilogue and returns the result. Every failure of it, or of the stream check before
+    it, fails the workspace and the group on every rank (`ArWorkspace.fail`): no rank spins to its
+    timeout or reads a partial sum as fresh later; the caller (dispatch) raises, never a per-rank
+    fallback."""
     ws = get_workspace(group_name, world_size, max_tokens, hidden, device, facts=facts)
-    ws.before_call(op)
     try:
+        ws.before_call(op)
         return launch(ws)
-    except Exception as exc:
-        if not isinstance(exc, CollectiveError):
-            ws.fail(op, f"{type(exc).__name__}: {exc}")
+    except BaseException as exc:
+        ws.fail(op, f"{type(exc).__name__}: {exc}", getattr(exc, "kind", "failure"))
         raise
 
 
@@ -275,6 +275,8 @@ class ArWorkspace:
         self.event_recorded = False
         self.stream: torch.cuda.Stream | None = None
         self.failed: str | None = None
+        self.notify_stream: torch.cuda.Stream | None = None
+        self.variants: set[tuple] = set()      # variants whose start barrier every rank passed
         self.last_op = "?"
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's buffer holds the sentinel before any peer writes it
@@ -297,42 +299,71 @@ class ArWorkspace:
                 "all-reduce; see that rank's error")
 
     def raise_if_failed(self, op: str, sync: bool = False) -> None:
-        """Raise if this workspace failed. Without `sync` only reads what the previous eager call's
-        copy to pinned memory already delivered (no device sync)."""
+        """Raise if this workspace, or any rank of its group, failed. Without `sync` only reads
+        what an earlier copy to pinned memory already delivered (no device sync)."""
         if self.failed is not None:
             raise CollectiveTimeoutError(self.failed + " (the workspace stays failed; restart the "
                                          "TP group)")
+        state = collective_guard.group_state(self.group_name)
+        if state is not None:
+            state.raise_if_failed(op)
         if torch.cuda.is_current_stream_capturing():
-            return   # no event query / sync inside capture
+            return   # no sync / host read inside capture
         if sync:
             torch.cuda.synchronize(self.device)
             vals = [int(v) for v in self.err.tolist()]
-        elif self.event_recorded and self.event.query():
-            vals = [int(v) for v in self.err_host.tolist()]
         else:
-            return
+            vals = [int(v) for v in self.err_host.tolist()]   # err only goes 0 -> set: never stale-set
         if vals[0] != 0:
-            self.failed = self.describe(vals[0], vals[1], vals[2], vals[3],
-                                        None if vals[0] == 1 else self.last_op)
-            raise CollectiveTimeoutError(self.failed)
+            message = self.describe(vals[0], vals[1], vals[2], vals[3],
+                                    None if vals[0] == 1 else self.last_op)
+            self._mark_failed(op, message, "timeout" if vals[0] == 1 else "peer failure",
+                              own_words=False)
+            raise CollectiveTimeoutError(message)
 
-    def fail(self, op: str, reason: str) -> None:
-        """Host-side failure after data may have been pushed: mark this workspace failed and tell
-        every peer (err=2 in their symmetric words) so that no rank keeps spinning or reads stale
-        partial sums. Never raises (the caller raises its own error)."""
-        self.failed = f"k3fuse.{op}: rank {self.rank} of group {self.group_name!r} failed: {reason}"
-        if torch.cuda.is_current_stream_capturing():
+    def fail(self, op: str, reason: str, kind: str = "failure") -> None:
+        """This rank failed at some point of a call: mark the workspace failed and tell every peer
+        (err=2 in their symmetric words, so no kernel keeps spinning, and the group's failure
+        board, so their next call raises). Idempotent, never raises (the caller raises its own)."""
+        self._mark_failed(op, f"k3fuse.{op}: rank {self.rank} of group {self.group_name!r} failed: "
+                              f"{reason}", kind, own_words=True)
+
+    def _mark_failed(self, op: str, message: str, kind: str, own_words: bool) -> None:
+        first = self.failed is None
+        if first:
+            self.failed = message
+        collective_guard.fail(self.group_name, op, message, kind)
+        if not first or torch.cuda.is_current_stream_capturing():
             return
-        try:
-            for r, e in enumerate(self.errs):
-                e[1:2].fill_(self.rank)
-                e[0:1].fill_(2)
+        try:   # on a side stream: never queued behind a kernel of this rank that still spins
+            if self.notify_stream is None:
+                self.notify_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self.notify_stream):
+                for r, e in enumerate(self.errs):
+                    if r == self.rank and not own_words:
+                        continue   # keep this rank's own record of the timeout
+                    e[1:2].fill_(self.rank)
+                    e[0:1].fill_(2)
         except Exception:
             pass
 
+    def start_barrier(self, variant: tuple) -> None:
+        """Before the first push of `variant` (shared facts only: op, path, tokens, flags...): every
+        rank has compiled it, so the spin bound never covers a peer's compile. Eager only (a
+        captured call was warmed up eagerly first)."""
+        if variant in self.variants or torch.cuda.is_current_stream_capturing():
+            return
+        if self.world > 1:
+            if dist.get_backend(self.group) == "nccl":
+                dist.barrier(self.group, device_ids=[self.device.index])
+            else:
+                dist.barrier(self.group)
+        self.variants.add(variant)
+
     # --- streams --------------------------------------------------------------------------------
     def before_call(self, op: str) -> None:
-        """Eager calls: raise on a recorded failure; bind / check the stream (see module doc)."""
+        """Raise on a recorded failure (here or on a peer); bind / check the stream (see module
+        doc). Call it inside `run_collective`, so that its own errors fail the group too."""
         self.raise_if_failed(op)
         self.last_op = op
         if torch.cuda.is_current_stream_capturing():
@@ -355,6 +386,10 @@ class ArWorkspace:
         """Eager calls: mirror the error words to pinned memory and mark the call's end."""
         if torch.cuda.is_current_stream_capturing():
             return
+        self.mirror()
+
+    def mirror(self) -> None:
+        """Queue a copy of the error words to pinned memory (read later without a sync)."""
         self.err_host.copy_(self.err, non_blocking=True)
         self.event.record(torch.cuda.current_stream(self.device))
         self.event_recorded = True
@@ -402,8 +437,19 @@ def get_workspace(group_name: str, world_size: int, max_tokens: int, hidden: int
     return ws
 
 
+def fail_group(group_name: str, op: str, reason: str, kind: str) -> None:
+    """Fail every workspace of `group_name` in this process (err=2 in every peer's words: their
+    kernels stop spinning); the collective guard calls it when the group fails."""
+    for ws in list(_workspaces.values()):
+        if ws.group_name == group_name:
+            ws.fail(op, reason, kind)
+
+
 def check_errors(sync: bool = True) -> None:
     """Raise CollectiveTimeoutError if any fused all-reduce workspace of this process failed
-    (synchronises the devices with `sync`; use after CUDA-graph replays)."""
+    (synchronises the devices with `sync`; use after CUDA-graph replays). Without `sync` it reads
+    the words copied at its previous run (or after the last eager call) and queues a new copy."""
     for ws in list(_workspaces.values()):
         ws.raise_if_failed(ws.last_op, sync=sync)
+        if not sync and not torch.cuda.is_current_stream_capturing():
+            ws.mirror()

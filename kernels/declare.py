@@ -26,6 +26,7 @@ import torch.fx
 
 from k3fuse.ir import OpTraits, declare_op_traits
 
+from . import collective_guard  # noqa: F401  (installs the guard every collective op's dispatch runs)
 from . import dispatch as _dispatch
 
 NAMESPACE = "k3fuse"
@@ -101,6 +102,14 @@ def _dispatching_eager(decl: OpDecl) -> Callable[..., Any]:
     return eager
 
 
+def _group_positions(decl: OpDecl) -> tuple[int, int]:
+    """Where (group_name, world_size) sit among the arguments dispatch receives (schema order
+    without max_tokens and strict): the collective guard reads them on every call."""
+    names = [a.name for a in torch._C.parse_schema(decl.qualname + decl.schema).arguments
+             if a.name not in ("max_tokens", "strict")]
+    return names.index("group_name"), names.index("world_size")
+
+
 def declare(decl: OpDecl) -> None:
     """Define the op and register everything its declaration says (once, on import)."""
     _lib.define(decl.name + decl.schema)
@@ -114,6 +123,7 @@ def declare(decl: OpDecl) -> None:
     _dispatch.declare(decl.name, decl.spec.from_call if decl.spec is not None else None)
     if decl.collective:
         _dispatch.COLLECTIVE_OPS.add(decl.name)
+        _dispatch.COLLECTIVE_ARGS[decl.name] = _group_positions(decl)
     if decl.stock is not None:
         _dispatch.register_stock(decl.name, decl.stock)
     if decl.reference is not None:

@@ -19,8 +19,11 @@ k3fuse.kernels`, and a kernel whose modules fail to import (or whose toolchain i
 switched off) is left out, its error quoted in the fallback reason. A kernel whose `run` raises is
 disabled for that op and the next implementation runs; in strict mode the error is raised.
 Collective ops (`COLLECTIVE_OPS`) never fall back per rank: a raising implementation raises
-`K3FuseCollectiveError` (or the kernel's own CollectiveError) on this rank, and the bounded spins of
-the fused kernels make the peers raise as well.
+`K3FuseCollectiveError` (or the kernel's own CollectiveError) on this rank, and the group's guard
+(kernels/collective_guard.py) makes the peers raise at their next call (the bounded spins of the
+fused kernels stop the current one). The guard also agrees the path settings (kill switch, strict
+mode, ...) across the group at its first collective call and checks world_size against the group
+on every path; a strict-mode fallback of a collective op raises after its stock sequence ran.
 """
 from __future__ import annotations
 
@@ -82,6 +85,16 @@ class _OpEntry:
 # workspace failed (kernels/collective.py).
 # Filled from the op declarations (OpDecl.collective).
 COLLECTIVE_OPS: set[str] = set()
+#: collective op -> positions of (group_name, world_size) among dispatch's arguments
+COLLECTIVE_ARGS: dict[str, tuple[int, int]] = {}
+# enter(op, group_name, world_size, device_type) -> the group's state (kernels/collective_guard.py
+# installs itself on import: it builds on this module, so this one cannot import it)
+_collective_guard: Callable[[str, str, int, str], Any] | None = None
+
+
+def install_collective_guard(enter: Callable[[str, str, int, str], Any]) -> None:
+    global _collective_guard
+    _collective_guard = enter
 
 
 class K3FuseCollectiveError(RuntimeError):
@@ -233,18 +246,51 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
 
     Runs under no_grad: the ops are inference-only (their Autograd key falls through), so an
     implementation never records an autograd graph, even when the weights require grad.
+    Collective ops first pass the group's guard (kernels/collective_guard.py): the group's agreed
+    kill switch decides their path, and a failure fails the group on every rank.
     """
     entry = _entry(op)
-    if runtime.is_disabled():
-        runtime.record_fallback(op, "disabled", strict=strict)
+    where = COLLECTIVE_ARGS.get(op)
+    if where is None:
+        return _dispatch(op, entry, args, kw, strict, runtime.is_disabled(), collective=False)
+    if _collective_guard is None:
+        raise RuntimeError(f"k3fuse collective op {op}: no collective guard installed (import k3fuse.kernels)")
+    state = _collective_guard(op, args[where[0]], args[where[1]], _device_type(args))
+    try:
+        return _dispatch(op, entry, args, kw, strict, state.disabled, collective=True)
+    except runtime.K3FuseFallbackError:
+        raise   # raised after the stock sequence ran (its collective paired on every rank)
+    except BaseException as exc:
+        reason = f"{state.describe()}: {_short_error(exc)}"
+        if state.world > 1:
+            state.fail(op, reason, getattr(exc, "kind", "failure"))   # every peer raises next call
+        else:
+            runtime.record_collective_error(op, getattr(exc, "kind", "failure"))
+        raise
+
+
+def _fallback(op: str, entry: _OpEntry, args: tuple, kw: dict, reason: str, strict: bool, collective: bool) -> Any:
+    """Run the stock sequence and count the fallback. Strict mode raises: before the stock
+    sequence, except for a collective op, where it raises after it, so that its collective has
+    paired with the peers' whatever this rank's strict mode (strict may differ per rank)."""
+    if not collective:
+        runtime.record_fallback(op, reason, strict=strict)
         return _run_stock(op, entry, args, kw)
+    result = _run_stock(op, entry, args, kw)
+    runtime.record_fallback(op, reason, strict=strict)
+    return result
+
+
+def _dispatch(op: str, entry: _OpEntry, args: tuple, kw: dict, strict: bool, disabled: bool,
+              collective: bool) -> Any:
+    if disabled:
+        return _fallback(op, entry, args, kw, "disabled", strict, collective)
 
     max_tokens = kw.get("max_tokens")
     if max_tokens is not None and args and isinstance(args[0], torch.Tensor):
         tokens = token_count(args[0])
         if not 1 <= tokens <= max_tokens:
-            runtime.record_fallback(op, f"tokens {tokens} outside [1, {max_tokens}]", strict=strict)
-            return _run_stock(op, entry, args, kw)
+            return _fallback(op, entry, args, kw, f"tokens {tokens} outside [1, {max_tokens}]", strict, collective)
 
     device = _device_type(args)
     if device == "cuda":
@@ -272,8 +318,7 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
             continue
         if impl.name == REFERENCE:
             if device == "cuda":  # no kernel serves these arguments: run what the model ran
-                runtime.record_fallback(op, _no_kernel_reason(declined), strict=strict)
-                return _run_stock(op, entry, args, kw)
+                return _fallback(op, entry, args, kw, _no_kernel_reason(declined), strict, collective)
             runtime.record(op, REFERENCE)
             return impl.run(*args, **kw)
         try:

@@ -65,6 +65,35 @@ def trunk_dtype(node: Any, what: str, expected: torch.dtype | None = None) -> Gu
     return None
 
 
+#: norm-weight dtypes the fused collectives' epilogues read
+NORM_WEIGHT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def collective_weight(node: Any, what: str, x_dtype: torch.dtype | None, dims: int = 2) -> GuardFailure | None:
+    """A weight a fused collective reads is one it supports: a `dims`-D row-major tensor in x's dtype
+    (a norm weight, dims=1: bf16 / fp16 / fp32). Declined here, at compile time, with the reason in
+    the log: a weight the kernel cannot take would otherwise fail inside the collective call and
+    take the group's workspace down for every layer."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return GuardFailure("site", "weight_layout", f"{what}: no shape/dtype known", {what: repr(node)})
+    allowed = NORM_WEIGHT_DTYPES if dims == 1 else (x_dtype,)
+    if val.dtype not in allowed:
+        return GuardFailure("site", "weight_dtype", f"{what} dtype not supported by the fused collective",
+                            {what: str(val.dtype), "allowed": [str(d) for d in allowed]})
+    if val.dim() != dims:
+        return GuardFailure("site", "weight_layout", f"{what} is not {dims}-D",
+                            {what: list(val.shape)})
+    try:
+        contiguous = val.is_contiguous()
+    except Exception:   # a symbolic stride: leave it to the staging copy
+        contiguous = True
+    if not contiguous:
+        return GuardFailure("site", "weight_layout", f"{what} is not row-major contiguous (a per-call copy)",
+                            {what: list(val.shape), "stride": [int(s) for s in val.stride()]})
+    return None
+
+
 def numeric_literals(scalars: dict[str, Any], names: Sequence[str], values: dict[str, Any]) -> GuardFailure | None:
     """The first of `names` whose captured literal is not a number (bool excluded), as a site failure."""
     for name in names:

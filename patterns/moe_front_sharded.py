@@ -43,7 +43,7 @@ from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forwa
 from k3fuse.normalize import skip_transparent, value_root
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 
-from ._pattern_tools import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
+from ._pattern_tools import TRUNK_DTYPES, cast_free, collective_weight, dtype_of, linear, per_dtype, randn, trunk_dtype
 from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
@@ -285,10 +285,12 @@ class MoEFrontSharded(Rule):
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         e = (shape_of(match["router_w"]) or (None,))[0]
         checks = [static_weight(match["router_w"], "router_w"), divisible(e, ctx.tp_size, "n_experts"),
+                  collective_weight(match["router_w"], "router_w", dtype_of(match["router_w"])),
                   token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype)]
         if "down_w" in match.inputs:
             l_ = (shape_of(match["down_w"]) or (None,))[0]
             checks += [static_weight(match["down_w"], "down_w"), divisible(l_, ctx.tp_size, "latent"),
+                       collective_weight(match["down_w"], "down_w", dtype_of(match["router_w"])),
                        None if dtype_of(match["down_w"]) in TRUNK_DTYPES else
                        GuardFailure("site", "dtype", "weight dtype not supported",
                                     {"down_w": str(dtype_of(match["down_w"]))})]

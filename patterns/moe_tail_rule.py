@@ -39,7 +39,7 @@ from k3fuse.matcher import forward_users, op_name
 from k3fuse.normalize import is_metadata_check
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._pattern_tools import GROUP, all_reduce_sum, dtype_of, per_dtype, randn, rms_norm, trunk_dtype
+from ._pattern_tools import GROUP, all_reduce_sum, collective_weight, dtype_of, per_dtype, randn, rms_norm, trunk_dtype
 
 T, L = 4, 16  # example shapes: tokens, latent width
 aten = torch.ops.aten
@@ -111,6 +111,7 @@ class MoETailAllReduceNorm(Rule):
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         found = failures(_operand_failure(match), static_weight(match["norm_weight"], "norm_weight"),
+                         collective_weight(match["norm_weight"], "norm_weight", dtype_of(match["x"]), dims=1),
                          token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
                          same_group(match["group_name"], ctx))
         if found:

@@ -26,11 +26,13 @@ from torch import Tensor
 
 from k3fuse import compat
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, failures, same_group, shape_of, static_weight, token_count,
-                           tp_at_least)
+from k3fuse.guards import (GuardFailure, failures, kernel_covers, same_group, shape_of, site_tokens, static_weight,
+                           token_count, tp_at_least)
+from k3fuse.kernels.ops.oproj_allreduce import OProjNormSpec, OProjSpec
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._pattern_tools import GROUP, all_reduce_sum, cast_free, linear, per_dtype, randn, rms_norm, trunk_dtype
+from ._pattern_tools import (GROUP, all_reduce_sum, cast_free, collective_weight, dtype_of, linear, per_dtype, randn,
+                             rms_norm, trunk_dtype)
 
 T, K, H = 4, 8, 16  # example shapes: tokens, local reduction width, hidden
 
@@ -102,11 +104,24 @@ class OProjAllReduceResidual(Rule):
         return failures(tp_at_least(ctx, 2))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
-        weights = [static_weight(match["weight"], "weight")]
+        x_dtype = dtype_of(match["x"])
+        weights = [static_weight(match["weight"], "weight"), collective_weight(match["weight"], "weight", x_dtype)]
         if "norm_weight" in match.inputs:
-            weights.append(static_weight(match["norm_weight"], "norm_weight"))
-        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
-                        same_group(match["group_name"], ctx), _rows_agree(match))
+            weights += [static_weight(match["norm_weight"], "norm_weight"),
+                        collective_weight(match["norm_weight"], "norm_weight", x_dtype, dims=1)]
+        found = failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
+                         same_group(match["group_name"], ctx), _rows_agree(match))
+        if found:
+            return found
+        # on a GPU, a kernel for this shape at every token count the site can see (the weights'
+        # dtypes included), else the site stays stock, with the kernels' reasons in the log
+        w_shape = shape_of(match["weight"])
+        norm = "norm_weight" in match.inputs
+        spec = (OProjNormSpec if norm else OProjSpec)(
+            H=int(w_shape[0]), K=int(w_shape[-1]), dtype=x_dtype, res_dtype=x_dtype, w_dtype=dtype_of(match["weight"]),
+            addend="addend" in match.inputs, norm_dtype=dtype_of(match["norm_weight"]) if norm else None,
+            world_size=ctx.tp_size, max_tokens=ctx.tokens[1])
+        return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         status = ctx.multicast_status()

@@ -3,14 +3,15 @@
 # GPU tests, then the benchmarks. Logs and JSON go to ${OUT:-out}.
 #
 #   scripts/gpu_check.sh [all | x2-tests | x2-safety | x2-layer | x2-bench | STEP...]
-#   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety tests sweep test-layer bench-layer
+#   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety test-guard tests sweep test-layer bench-layer
 #          bench-attnres test-moe bench-moe test-front bench-front test-tail bench-tail
 #   all      = test-gemm bench-gemm test-ar bench-ar test-front bench-front test-tail bench-tail test-moe
 #              bench-moe test-layer bench-layer
 #   what needs 2 GPUs (NVLink), grouped to fit a device call of 10 minutes each (rough times on
 #   2 x H200 from earlier runs and the step timeouts):
 #   x2-tests  = test-ar test-front test-tail         (~5 min: both protocols, world 1 and 2)
-#   x2-safety = test-safety                          (~6-8 min: issue 10's hang/corruption tests)
+#   x2-safety = test-safety                          (~8-10 min: the hang/corruption tests and the
+#                                                      collective guard's, test-guard alone: world 1 + 2)
 #   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
 #   test-moe: the routed-experts and route top-k kernels, bench-moe their benchmarks; test-front /
@@ -99,7 +100,9 @@ for s in "${STEPS[@]}"; do
     test-gemm) step pytest_gemm "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_decode_gemm_gpu.py ;;
     test-ar)   step pytest_ar "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_fused_ar_gpu.py ;;
     test-safety) step pytest_safety "${TEST_TIMEOUT:-500}" "${PYTEST[@]}" ${PYTEST_ARGS:-} \
-                   tests/gpu/test_collective_safety_gpu.py ;;
+                   tests/gpu/test_collective_safety_gpu.py tests/gpu/test_collective_guard_gpu.py ;;
+    test-guard) step pytest_guard "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" ${PYTEST_ARGS:-} \
+                   tests/gpu/test_collective_guard_gpu.py ;;
     tests)     step pytest_gpu "${TEST_TIMEOUT:-420}" "${PYTEST[@]}" tests/gpu ;;
     test-layer) step pytest_layer "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" -s tests/gpu/test_layer_gpu.py ;;
     bench-layer) step bench_layer "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.cli bench --residual plain --layers 1 \

@@ -130,9 +130,13 @@ def _tp_worker(rank: int, world_size: int, inp: dict[str, torch.Tensor]) -> dict
     out["front"] = ops.moe_front_sharded(inp["x"], w_r, w_down, group_name, world_size)
     out["stats"] = runtime.stats()
     runtime.reset_stats()
-    with runtime.disable():
+    from k3fuse.kernels.collective_guard import reagree
+
+    with runtime.disable():   # on every rank, applied to the group (a per-rank toggle is refused)
+        reagree(group_name)
         out["ar_disabled"] = ops.gemm_ar_residual(x_attn, w_o, res, add, group_name, world_size)
         out["front_disabled"] = ops.moe_front_sharded(inp["x"], w_r, w_down, group_name, world_size)
+    reagree(group_name)
     # what the unfused model computes: F.linear -> funcol all_reduce -> y_routed + y -> r + moe
     y = funcol.all_reduce(F.linear(x_attn, w_o), "sum", group_name)
     out["ar_unfused"] = res + (add + y)

@@ -36,6 +36,15 @@ def capture(steps: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGrap
     return graph
 
 
+def _check_collectives() -> None:
+    """The post-step check of the fused collectives (k3fuse.check_collectives), when loaded."""
+    import sys
+
+    guard = sys.modules.get("k3fuse.kernels.collective_guard")
+    if guard is not None:
+        guard.check_collectives()
+
+
 def time_graph(graph: torch.cuda.CUDAGraph, n_steps: int, replays: int,
                refill: Callable[[], None] | None = None) -> list[float]:
     """Microseconds per decode step of each timed replay (after 3 untimed ones)."""
@@ -53,6 +62,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, n_steps: int, replays: int,
         graph.replay()
         end.record()
         end.synchronize()
+        _check_collectives()   # a fused collective that failed in the replay raises (after the timing)
         per_step.append(start.elapsed_time(end) * 1e3 / n_steps)
     return per_step
 

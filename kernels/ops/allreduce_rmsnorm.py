@@ -79,11 +79,13 @@ def run(x, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
     from ..lib.cute import compat
 
     L = x.shape[-1]
-    x2 = collective.staged(x.reshape(-1, L))
-    nw = collective.staged(norm_weight)
     facts = dict(protocol=collective.protocol(), path="push", cute=compat.cute_version())
-    return collective.run_collective(OP, group_name, world_size, max_tokens, L, x.device, facts,
-                                     lambda ws: _launch(ws, x2, nw, eps, max_tokens, x.shape))
+
+    def launch(ws):   # staging inside the call: its failure fails the group on every rank too
+        return _launch(ws, collective.staged(x.reshape(-1, L)), collective.staged(norm_weight), eps, max_tokens,
+                       x.shape)
+
+    return collective.run_collective(OP, group_name, world_size, max_tokens, L, x.device, facts, launch)
 
 
 def _launch(ws, x2, nw, eps, max_tokens, out_shape):
@@ -98,6 +100,7 @@ def _launch(ws, x2, nw, eps, max_tokens, out_shape):
         lamport_push.precompile(x2, ws.ptrs, ws.gen, ws.rank, max_tokens)
     out = torch.empty_like(x2)
     normed = torch.empty_like(x2)
+    ws.start_barrier((OP, x2.shape[0], x2.dtype, nw.dtype))   # every rank compiled: then push
     # 2. push, then the epilogue (`out` stands in for the residual: only its row count is used)
     lamport_push.run(x2, ws.ptrs, ws.gen, ws.rank, max_tokens)
     epilogue(ws.datas[ws.rank], *ws.padded(ws.flags, collective.MAX_WORLD), ws.gen, out, out, nw, out, normed,

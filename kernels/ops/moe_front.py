@@ -93,14 +93,16 @@ def run(x, router_w, down_w, group_name, world_size, max_tokens=64, **_):
     from ..lib.triton import moe_gather
 
     H = x.shape[-1]
-    x2 = collective.staged(x.reshape(-1, H))
     E = router_w.shape[0]
     L = down_w.shape[0] if down_w is not None else 0
-    router_w, down_w = collective.staged(router_w), collective.staged(down_w)
     facts = dict(protocol=collective.protocol(), path=OP)
+
+    def launch(ws):   # staging inside the call: its failure fails the group on every rank too
+        return moe_gather.launch(ws, collective.staged(x.reshape(-1, H)), collective.staged(router_w),
+                                 collective.staged(down_w), max_tokens, collective.timeout_ns())
+
     logits, latent = collective.run_collective(
-        OP, group_name, world_size, max_tokens, (E + L) // world_size, x.device, facts,
-        lambda ws: moe_gather.launch(ws, x2, router_w, down_w, max_tokens, collective.timeout_ns()))
+        OP, group_name, world_size, max_tokens, (E + L) // world_size, x.device, facts, launch)
     lead = x.shape[:-1]
     return logits.view(*lead, E), latent.view(*lead, L)
 

@@ -48,6 +48,8 @@ class OProjSpec(Spec):
     norm_dtype: torch.dtype | None  # None: no RMSNorm
     world_size: int
     max_tokens: int
+    w_dtype: torch.dtype | None = None  # the weight's dtype (None: x's); e.g. fp8 / int8 / fp32 is declined
+    w_dims: int = 2
     fits: str | None = call_only(None)  # why x / weight / residual / addend / norm weight disagree
     dist_ready: bool = call_only(True)
 
@@ -67,7 +69,8 @@ class OProjSpec(Spec):
             fits = "norm_weight shape/dtype mismatch"
         return cls(tokens=T, H=int(H), K=int(K), dtype=x.dtype, res_dtype=residual.dtype, addend=addend is not None,
                    norm_dtype=None if norm_weight is None else norm_weight.dtype, world_size=int(world_size),
-                   max_tokens=int(max_tokens), fits=fits, dist_ready=collective.dist_ready())
+                   max_tokens=int(max_tokens), w_dtype=weight.dtype, w_dims=weight.dim(), fits=fits,
+                   dist_ready=collective.dist_ready())
 
 
 def gemm_path(T: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -102,6 +105,9 @@ def _accepts(proto: str):
             return f"world_size {spec.world_size} outside [1, {collective.MAX_WORLD}]"
         if spec.res_dtype not in IO_DTYPES or spec.dtype != spec.res_dtype:
             return f"dtype {spec.res_dtype} unsupported"
+        if spec.w_dims != 2 or (spec.w_dtype is not None and spec.w_dtype != spec.dtype):
+            # e.g. an fp8 / int8 / fp32 weight with a bf16 x: no push-GEMM variant reads it
+            return f"weight {spec.w_dims}-D {spec.w_dtype} (the kernels read a 2-D weight in x's dtype {spec.dtype})"
         if spec.norm_dtype is not None and spec.norm_dtype not in compat.TORCH2CUTE:
             return "norm_weight shape/dtype mismatch"
         if oneshot_epilogue.pick_threads(spec.H) is None:
@@ -123,25 +129,24 @@ def _pdl(path: str | None) -> bool:
 def _run(op, x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens):
     from ..lib.cute import compat
 
-    K = x.shape[-1]
-    H = weight.shape[0]
-    x2 = collective.staged(x.reshape(-1, K))
-    T = x2.shape[0]
-    weight = collective.staged(weight)
-    res2 = collective.staged(residual.reshape(T, H))
-    add2 = collective.staged(addend.reshape(T, H)) if addend is not None else None
-    has_norm = norm_weight is not None
-    nw = collective.staged(norm_weight) if has_norm else res2[0]
-    path = gemm_path(T, H, K, x2.dtype)
+    K, H = x.shape[-1], weight.shape[0]
+    T = x.numel() // K
+    path = gemm_path(T, H, K, x.dtype)
     if path is None:
-        raise RuntimeError(f"no decode GEMM kernel for x {tuple(x2.shape)} w {tuple(weight.shape)}")
+        raise RuntimeError(f"no decode GEMM kernel for x {tuple(x.shape)} w {tuple(weight.shape)}")
     facts = dict(protocol=collective.protocol(), path=path, cute=compat.cute_version())
-    return collective.run_collective(
-        op, group_name, world_size, max_tokens, H, x.device, facts,
-        lambda ws: _launch(ws, x2, weight, res2, add2, nw, has_norm, eps, path, residual.shape, max_tokens, T, H, K))
+
+    def launch(ws):   # staging inside the call: an allocation failure fails the group on every rank too
+        res2 = collective.staged(residual.reshape(T, H))
+        add2 = collective.staged(addend.reshape(T, H)) if addend is not None else None
+        nw = collective.staged(norm_weight) if norm_weight is not None else res2[0]
+        return _launch(ws, collective.staged(x.reshape(-1, K)), collective.staged(weight), res2, add2, nw,
+                       norm_weight is not None, eps, path, residual.shape, max_tokens, T, H, K, op)
+
+    return collective.run_collective(op, group_name, world_size, max_tokens, H, x.device, facts, launch)
 
 
-def _launch(ws, x2, weight, res2, add2, nw, has_norm, eps, path, out_shape, max_tokens, T, H, K):
+def _launch(ws, x2, weight, res2, add2, nw, has_norm, eps, path, out_shape, max_tokens, T, H, K, op):
     from ..lib.cute import compat, gemv, oneshot_epilogue
 
     # 1. every kernel compiled and fetched before anything is pushed
@@ -160,7 +165,9 @@ def _launch(ws, x2, weight, res2, add2, nw, has_norm, eps, path, out_shape, max_
             splitk_gemm.precompile(x2, weight, None, torch.float32, push=(ws.ptrs, ws.gen, ws.rank, max_tokens))
     out = torch.empty_like(res2)
     normed = torch.empty_like(res2) if has_norm else out
-    # 2. push, then the epilogue
+    # 2. every rank has these kernels before any rank pushes (the bound never covers a compile)
+    ws.start_barrier((op, path, T, add2 is not None, has_norm, res2.dtype, nw.dtype))
+    # 3. push, then the epilogue
     if path == "gemv":
         gemv.run_push(x2, weight, ws.datas, ws.gen, ws.rank, max_tokens)
     else:

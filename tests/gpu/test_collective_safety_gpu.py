@@ -10,7 +10,8 @@
 - test_peer_failure_raises[skip|push_fails|epilogue_fails]: a rank that skips the op, or whose
   launch fails before / after its push; every rank raises within K3FUSE_AR_TIMEOUT_S, none hangs.
 - test_tp_subgroup: 3 processes, ranks 1 and 2 form a TP group with new_group (group ranks 0, 1 !=
-  global ranks), warm-up with the group's name, eager + graph calls; plus the second-stream check.
+  global ranks), warm-up with the group's name, eager + graph calls, a second stream on its own
+  lane; then the second-stream check on one lane, which fails the group on both ranks.
 
 Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m pytest -m gpu -rA \
      tests/gpu/test_collective_safety_gpu.py     (about 3-6 minutes on 2 x H200)
@@ -357,8 +358,21 @@ def _subgroup_body(rank, world, dist):
             x.normal_()
             g.replay()
         chain.check(x, r_, None, *outs, "subgroup graph")
-        # a second stream while the first one's call still runs: a clear error, no corruption
+        # with its own lane a second stream works (a second workspace, created collectively)
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s1):
+            a = chain(x, r_, None)
+        with torch.cuda.stream(s2), sw.stream_lane("overlap"):
+            b = chain(x, r_, None)
+        torch.cuda.synchronize()
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+        chain.check(x, r_, None, *a, "lanes")
+        sw.check_errors()
+        # a second stream on one lane while the first one's call still runs: a clear error, and
+        # the group fails on every rank (a rank that raised before its push must never leave a
+        # peer's partial to be read as fresh later)
         torch.cuda.synchronize()
         dist.barrier(group=tp)
         with torch.cuda.stream(s1):
@@ -371,16 +385,12 @@ def _subgroup_body(rank, world, dist):
             except sw.WorkspaceStreamError as exc:
                 assert "stream_lane" in str(exc)
         torch.cuda.synchronize()
-        # ... and with its own lane it works (a second workspace, created collectively)
-        with torch.cuda.stream(s1):
-            a = chain(x, r_, None)
-        with torch.cuda.stream(s2), sw.stream_lane("overlap"):
-            b = chain(x, r_, None)
-        torch.cuda.synchronize()
-        for u, v in zip(a, b):
-            assert torch.equal(u, v)
-        chain.check(x, r_, None, *a, "lanes")
-    sw.check_errors()
+        dist.barrier(group=tp)
+        try:
+            chain(x, r_, None)
+            raise AssertionError("a call after the stream error ran on the failed group")
+        except dispatch.K3FuseCollectiveError as exc:
+            assert "failed" in str(exc), str(exc)
 
 
 def test_tp_subgroup(tmp_path):

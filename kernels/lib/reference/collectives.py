@@ -10,15 +10,24 @@ import torch.distributed as dist
 
 from k3fuse import compat
 
+from ...collective_guard import size_mismatch
+
 
 def process_group(group_name: str, world_size: int) -> dist.ProcessGroup | None:
-    """The group for `group_name`, or None at world_size 1 (no collective needed)."""
+    """The group for `group_name`, or None at world_size 1 (no collective needed); a world_size that
+    differs from the group's size raises (world_size 1 on a 2-rank group would skip the sum)."""
     if world_size == 1:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                group = compat.resolve_group(group_name)
+            except RuntimeError:
+                return None   # no such group in this process: nothing to reduce over
+            if group.size() != 1:
+                raise size_mismatch(group_name, 1, group.size())
         return None
     group = compat.resolve_group(group_name)
     if group.size() != world_size:
-        raise ValueError(f"k3fuse op was built for world_size {world_size} but process group "
-                         f"{group_name!r} has {group.size()} ranks")
+        raise size_mismatch(group_name, world_size, group.size())
     return group
 
 

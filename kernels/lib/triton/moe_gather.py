@@ -177,6 +177,7 @@ def launch(ws, x2: torch.Tensor, router_w: torch.Tensor, down_w: torch.Tensor | 
     if not torch.cuda.is_current_stream_capturing():
         splitk_gemm.precompile(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d, pdl_trigger=pdl)
         _gather_kernel.warmup(*args, grid=grid, **kw)
+    ws.start_barrier(("moe_front_sharded", T, e1, l1, x2.dtype))   # every rank compiled both: then push
     # 2. push this rank's slice into every rank, then gather the W slices locally
     splitk_gemm.run(x2, w_r, None, torch.float32, config=cfg, push=push, weight2=w_d, pdl_trigger=pdl)
     _gather_kernel[grid](*args, **kw)

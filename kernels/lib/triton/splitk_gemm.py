@@ -168,8 +168,18 @@ def _tuned(M: int, N: int, K: int) -> dict | None:
 _ws: dict = {}
 
 
-def _workspace(device: torch.device, N: int, split: int):
-    """fp32 partials [split, 64, N] + zeroed counters, one set per (device, stream) pair."""
+def _workspace(device: torch.device, M: int, N: int, split: int):
+    """fp32 partials and zeroed arrival counters, private to the call that uses them.
+
+    Eager: one set per (device, stream): calls on one stream run one after another, so they can
+    share it. Inside CUDA-graph capture: a fresh set per captured call, so every call site of every
+    graph has its own (two graphs replayed concurrently, e.g. two-batch overlap, never share
+    scratch, whichever stream they were captured on): the partials [split, M, N] from the graph's
+    private pool (written before they are read: no init), the counters a slice of a zeroed arena
+    (the kernel leaves them zero, so no memset enters the graph)."""
+    if torch.cuda.is_current_stream_capturing():
+        return (torch.empty((split, M, N), dtype=torch.float32, device=device),
+                _CounterArena.take(device, -(-N // MIN_BLOCK_N)))
     stream = torch.cuda.current_stream(device).cuda_stream
     key = (device.index, stream, N, split)
     ws = _ws.get(key)
@@ -178,6 +188,29 @@ def _workspace(device: torch.device, N: int, split: int):
               torch.zeros((-(-N // MIN_BLOCK_N),), dtype=torch.int32, device=device))
         _ws[key] = ws
     return ws
+
+
+class _CounterArena:
+    """Zeroed int32 counters handed out once each to captured calls (never reused: a captured
+    graph keeps its slice for its lifetime). Allocated eagerly (`reserve`, called by every eager
+    split-K launch), so capture takes slices without a memset; when it runs out during capture a
+    new zeroed block is allocated there (its memset then replays with the graph: correct, slower)."""
+
+    SIZE = 1 << 18           # counters per block (1 MiB): about 500 captured call sites at N = 7168
+    _free: dict = {}         # device index -> (block, next free offset)
+
+    @classmethod
+    def reserve(cls, device: torch.device) -> None:
+        if device.index not in cls._free:
+            cls._free[device.index] = (torch.zeros(cls.SIZE, dtype=torch.int32, device=device), 0)
+
+    @classmethod
+    def take(cls, device: torch.device, n: int) -> torch.Tensor:
+        block, used = cls._free.get(device.index, (None, cls.SIZE))
+        if block is None or used + n > cls.SIZE:
+            block, used = torch.zeros(max(cls.SIZE, n), dtype=torch.int32, device=device), 0
+        cls._free[device.index] = (block, used + n)
+        return block[used:used + n]
 
 
 _scratch_t: dict = {}
@@ -208,7 +241,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device) if push is None else x
     split = cfg["SPLIT_K"]
     if split > 1:
-        ws, cnt = _workspace(x.device, N, split)
+        if not torch.cuda.is_current_stream_capturing():
+            _CounterArena.reserve(x.device)
+        ws, cnt = _workspace(x.device, M, N, split)
     else:
         ws, cnt = out, _scratch(x.device)
     bk = cfg.get("BLOCK_K", BLOCK_K)
