@@ -119,7 +119,7 @@ def test_outside_the_kernels_limits_falls_back_to_stock_and_strict_raises():
 
 def test_coverage_for_k3_shapes():
     for h in HEADS:
-        assert dispatch.coverage("kda_delta_rule", {"heads": h, "dk": D, "dv": D, "dtype": torch.float32},
+        assert dispatch.coverage(kda_op.KDADeltaSpec(heads=h, dk=D, dv=D, dtype=torch.float32),
                                  range(1, 65)) == {}
 
 

@@ -74,7 +74,7 @@ def test_op_strict_counts_the_kernel():
     assert runtime.stats()["route_topk"] == {"triton.route_topk": 1}
     w_ref, idx_ref = routing.route_topk(logits, b, K, SCALE)
     assert torch.equal(idx, idx_ref) and torch.equal(w, w_ref)
-    assert dispatch.coverage("route_topk", {"E": E, "top_k": K, "dtype": torch.float32}, range(1, 65)) == {}
+    assert dispatch.coverage(route_op.RouteTopkSpec(E=E, top_k=K, dtype=torch.float32), range(1, 65)) == {}
 
 
 @pytest.mark.parametrize("T", [1, 16, 64])
