@@ -236,13 +236,16 @@ class RewriteLog:
 
     @staticmethod
     def _append(path: Path, events: Iterable[RewriteEvent]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            for e in events:  # one write per line: lines from several ranks never interleave
-                os.write(fd, (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode())
-        finally:
-            os.close(fd)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                for e in events:  # one write per line: lines from several ranks never interleave
+                    os.write(fd, (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:  # name the log, not the errno alone (os.write's error has no filename)
+            raise OSError(exc.errno, f"cannot append to the rewrite log: {exc.strerror}", str(path)) from exc
 
     def to_jsonl(self, path: str | os.PathLike[str]) -> Path:
         """Append every event to `path` (JSONL) and return it."""

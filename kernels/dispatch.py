@@ -3,7 +3,8 @@
 Each op (`torch.ops.k3fuse.<op>`) has an ordered list of implementations (`Impl`) and one *stock*
 function: the unfused torch sequence the op replaced. `dispatch(op, *args)` runs, in order:
 
-1. kill switch (`runtime.is_disabled()`): the stock sequence, counted as `fallback:disabled`;
+1. kill switch (`runtime.is_disabled()`): the stock sequence, counted as `fallback:disabled`
+   (what the user asked for, so strict mode does not raise);
 2. call guard: when the op has `max_tokens`, a token count T outside [1, max_tokens] runs the stock
    sequence, counted as `fallback:tokens T outside [1, max_tokens]`;
 3. the highest-priority Impl for the tensors' device whose `supports(*args, **kw)` returns None.
@@ -226,8 +227,8 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
     implementation never records an autograd graph, even when the weights require grad.
     """
     entry = _entry(op)
-    if runtime.is_disabled():
-        runtime.record_fallback(op, "disabled", strict=strict)
+    if runtime.is_disabled():  # the user asked for stock: counted, never a strict-mode error
+        runtime.record(op, "fallback:disabled")
         return _run_stock(op, entry, args, kw)
 
     max_tokens = kw.get("max_tokens")

@@ -172,7 +172,7 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
     from ..log import RewriteLog
 
     stock = model if cfg.stock == "eager" else torch.compile(model, backend="inductor")
-    rlog = RewriteLog(None)
+    rlog = RewriteLog(cfg.log, rank=ctx.rank)
     fused = torch.compile(model, backend="k3fuse",
                           options={"compiler": cfg.compiler, "context": ctx, "log": rlog})
     ref_log: list = []
@@ -186,7 +186,9 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
     fns = {"ref": ref, "stock": stock, "k3fuse": fused}
     try:
         with torch.no_grad():
-            for x in xs:
+            for step, x in enumerate(xs):
+                _progress(ctx.rank, f"{cfg.layers} layer(s), step {step + 1}/{len(xs)}: float64 copy, stock, "
+                                    "k3fuse" + (" (the first step compiles)" if step == 0 else ""))
                 for name in ("ref", "stock", "k3fuse"):
                     xin = x.to(torch.float64 if name == "ref" else model.dtype)
                     with k3fuse.strict(cfg.strict and name == "k3fuse"):
@@ -201,6 +203,14 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
         for h in hooks:
             h.remove()
     return out, states, routes, rlog
+
+
+def _progress(rank: int, what: str) -> None:
+    """One line per step on rank 0 (to stderr): a run of minutes is never silent."""
+    if rank == 0:
+        import sys
+
+        print(f"validate: {what}", file=sys.stderr, flush=True)
 
 
 def _flip_analysis(rt_ref, rt_path, layers: int, steps: int, k: int, margin: float):
