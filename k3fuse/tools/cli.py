@@ -263,6 +263,20 @@ def one_line(exc: BaseException) -> str | None:
     return None
 
 
+def _join_rules_value(argv: list[str]) -> list[str]:
+    """`--rules -a` as `--rules=-a`: the K3FUSE_RULES grammar starts a value with "-", which argparse
+    would otherwise read as an option."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--rules":
+            value = next(it, None)
+            out.append("--rules" if value is None else f"--rules={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb; a user mistake becomes one line on stderr and exit status 2."""
     from .. import settings
@@ -273,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except settings.SettingsError as exc:
         print(f"k3fuse: error: {exc}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_rules_value(argv))
     rules_before = os.environ.get("K3FUSE_RULES")
     try:
         return int(args.func(args) or 0)
