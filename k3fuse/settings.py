@@ -14,9 +14,10 @@ in step.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -202,6 +203,28 @@ def check_environment(env: Mapping[str, str] | None = None) -> Settings:
     return parse(env)
 
 
+def export(name: str, value: str) -> None:
+    """Set one variable for this process and the ranks it starts (checked first): the CLI's
+    `--rules` is K3FUSE_RULES, so the flag and the variable cannot mean different things."""
+    _parse_one(name, value)
+    os.environ[name] = value
+
+
+@contextlib.contextmanager
+def restored(*names: str) -> Iterator[None]:
+    """Within the block `export` may change `names`; afterwards they are as before (the CLI's
+    `main` runs in-process in tests and tools)."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _spin_bound(seconds: float | None, ms_as_seconds: float | None) -> float:
     if seconds is not None:
         return seconds
@@ -219,4 +242,4 @@ def is_on(env: Mapping[str, str], name: str) -> bool:
 
 
 __all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "get", "current", "parse", "check_environment",
-           "is_on", "spin_timeout_s", "DEFAULT_AR_TIMEOUT_S", "ArProtocol"]
+           "export", "restored", "is_on", "spin_timeout_s", "DEFAULT_AR_TIMEOUT_S", "ArProtocol"]

@@ -50,6 +50,17 @@ def tmpfs(where: Path, size: str, read_only: bool = False):
             subprocess.run(["umount", str(where)], check=True)
 
 
+def _fill(directory: Path) -> None:
+    """Fill the filesystem of `directory` to the last byte."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"x" * 4096)
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"x")
+
+
 # One failing call at the write that reaches the filesystem (the fallback when no tmpfs can be
 # mounted, and the way to get EACCES as root): the first write goes through, the next fails.
 FAILING_WRITE = """
@@ -162,6 +173,7 @@ def test_full_disk_is_one_line_and_the_old_program_survives(work):
         else:
             out = small / "out.pt2"
             out.write_bytes(b"old program")
+            _fill(small)
             res = k3fuse("apply", "tp1.pt2", "-o", str(out), cwd=work)
         line = one_line_error(res, f"could not save {out}: No space left on device", f"{out} was left as it was")
         assert "terminate called" not in res.stderr and "Traceback" not in line
@@ -173,7 +185,7 @@ def test_log_on_a_full_disk_is_one_line_naming_the_log(work):
     with tmpfs(work / "small", "16k") as small:
         if small is None:
             pytest.skip("the log's append is an os.write of the pipeline: needs a full filesystem to fail")
-        (small / "filler").write_bytes(b"x" * 16 * 1024)  # fill it
+        _fill(small)
         before = digest(work / "tp1.pt2")
         res = k3fuse("apply", "tp1.pt2", "-o", "out.pt2", "--log", str(small / "rw.jsonl"), cwd=work)
         one_line_error(res, f"{small / 'rw.jsonl'}", "No space left on device")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -282,15 +282,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .. import settings
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    # torch.export.load's own deprecation (torch internals, nothing the user can act on) would be a
+    # second line under every one-line error
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     try:  # every K3FUSE_* variable, before any work: a bad one is one line, never a traceback later
         debug = "--debug" in argv or settings.check_environment().debug
     except settings.SettingsError as exc:
         print(f"k3fuse: error: {exc}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(_join_rules_value(argv))
-    rules_before = os.environ.get("K3FUSE_RULES")
     try:
-        return int(args.func(args) or 0)
+        with settings.restored("K3FUSE_RULES"):  # --rules sets it for this run only
+            return int(args.func(args) or 0)
     except (UsageError, settings.SettingsError) as exc:
         if debug:
             raise
@@ -307,11 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"k3fuse {args.command}: interrupted; no output file was changed", file=sys.stderr)
         return 130
-    finally:  # --rules sets K3FUSE_RULES for the run only (main may be called in-process)
-        if rules_before is None:
-            os.environ.pop("K3FUSE_RULES", None)
-        else:
-            os.environ["K3FUSE_RULES"] = rules_before
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ passes did (the rewrite log summary) and what ran at run time (implementation co
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any

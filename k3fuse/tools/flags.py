@@ -12,7 +12,6 @@ The parsers import nothing heavy: `k3fuse --help` must answer without torch.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from ..usage import UsageError
@@ -127,18 +126,20 @@ def add_rules_flag(parser: Any) -> None:
 def rule_selection(spec: str) -> list[str]:
     """The rules a --rules SPEC runs, in pipeline order (the same reading as K3FUSE_RULES in the
     pipeline); an unknown name is a UsageError."""
-    from k3fuse.patterns import RULE_CLASSES
-    from k3fuse.pipeline import opt_in_rules_env, parse_rules_env
+    import k3fuse
+    from k3fuse.pipeline import all_rules, opt_in_rules_env, parse_rules_env
 
-    known = [cls.name for cls in RULE_CLASSES]
+    k3fuse.load()  # the pipeline's rules (the command defers loading until a verb needs it)
+    rules = all_rules()
+    known = [r.name for r in rules]
     only, minus = parse_rules_env(spec)
     plus = opt_in_rules_env(spec)
     unknown = sorted(((only or set()) | minus | plus) - set(known))
     if unknown:
         raise UsageError(f"--rules {spec!r} names unknown rule name(s) {unknown}", f"known rules: {', '.join(known)}")
-    return [cls.name for cls in RULE_CLASSES
-            if cls.name not in minus and (only is None or cls.name in only)
-            and (cls.default_on or cls.name in (only or set()) or cls.name in plus)]
+    return [r.name for r in rules
+            if r.name not in minus and (only is None or r.name in only)
+            and (r.default_on or r.name in (only or set()) or r.name in plus)]
 
 
 def use_rules(spec: str | None) -> None:
@@ -146,8 +147,10 @@ def use_rules(spec: str | None) -> None:
     flag and the variable cannot mean different things. `main` restores the variable afterwards."""
     if spec is None:
         return
+    from .. import settings
+
     rule_selection(spec)
-    os.environ["K3FUSE_RULES"] = spec
+    settings.export("K3FUSE_RULES", spec)
 
 
 __all__ = ["parse_tokens", "positive_int", "non_negative_int", "non_negative_float", "positive_float", "batch",
