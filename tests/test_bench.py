@@ -72,6 +72,8 @@ def test_bench_cli_smoke_on_two_gloo_ranks(tmp_path):
     header = next(line for line in proc.stdout.splitlines() if line.startswith("k3fuse bench: preset"))
     assert "{" not in header
     assert "p10-p90" in proc.stdout and re.search(r"[0-9.]+-[0-9.]+ │", proc.stdout)
+    table_lines = [line for line in proc.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table_lines and max(map(len, table_lines)) <= 120  # COLUMNS=120: every table fits
     result = json.loads(out.read_text())
     arms = result["arms"]
     assert list(arms) == ["stock", "k3fuse", "without:shared_expert_stream"]

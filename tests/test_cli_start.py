@@ -40,7 +40,7 @@ def test_no_numpy_warning_when_numpy_is_missing(tmp_path):
 @pytest.mark.parametrize("args,fragments", [
     (["--batch", "70"], ["--batch 70", "1-64"]),
     (["--tokens", "70"], ["demo --tokens: here the tokens per decode step are --batch", "pass --batch N"]),
-    (["--steps", "0"], ["--steps 0"]),
+    (["--steps", "0"], ["argument --steps", "expected a positive integer, got 0"]),
     (["--device", "cuda"], ["--device cuda but no CUDA GPU is visible", "--device cpu"]),
     (["--json", "no/dir/report.json"], ["directory of --json", "does not exist"]),
     (["--log", "."], ["--log . is a directory"]),
