@@ -363,6 +363,17 @@ def test_api_errors_name_the_fix():
 # --- 10. output a person reads -------------------------------------------------------------------------
 
 
+def test_a_shared_flag_means_one_thing_in_every_verb():
+    """--tokens is the guarded range (apply only); tokens per step are --batch wherever they appear."""
+    helps = {verb: " ".join(k3fuse(verb, "--help").stdout.split()) for verb in ("apply", "demo", "bench", "validate")}
+    assert "--tokens TOKENS token range the rewrites are guarded for" in helps["apply"]
+    for verb in ("demo", "bench", "validate"):
+        assert "--tokens" not in helps[verb] and "--batch" in helps[verb], verb
+        assert "tokens decoded per step (one per sequence)" in helps[verb], verb
+    for verb, text in helps.items():
+        assert "--rules SPEC which rules run, as K3FUSE_RULES" in text, verb
+
+
 def test_log_table_wraps_between_words_and_counts_off_rules_apart(work):
     res = k3fuse("apply", "tp1.pt2", "-o", "a.pt2", "--log", "rw.jsonl", cwd=work)
     assert res.returncode == 0, res.stderr[-3000:]
