@@ -7,6 +7,7 @@ passes did (the rewrite log summary) and what ran at run time (implementation co
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,10 @@ def _run_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
                 y_new, next_new = compiled(x, state_new)
             if step == 0:
                 compile_s = time.perf_counter() - t0
+            if rank == 0:
+                took = f" (first call, compiles: {compile_s:.1f} s)" if step == 0 else ""
+                print(f"k3fuse demo: step {step + 1}/{cfg.steps} on {world_size} rank(s){took}", file=sys.stderr,
+                      flush=True)
             _copy_state(state_ref, next_ref)
             _copy_state(state_new, next_new)
             err_out = max(err_out, _rel_err(y_new, y_ref))
@@ -239,11 +244,9 @@ def _cmd_demo(args: Any) -> int:
     doing = (f"k3fuse demo: compiling a {cfg.preset} K3 stack on {cfg.tp} {cfg.device} rank(s) with "
              f"torch.compile(backend='k3fuse', compiler={cfg.compiler}) and decoding {cfg.steps} "
              f"steps next to stock eager (about a minute on CPU)...")
-    if not console.is_terminal:  # a spinner shows nothing in a pipe or log: say it once
-        console.print(doing)
-    with console.status(doing):
-        t0 = time.perf_counter()
-        reports = run_demo(cfg)
+    console.print(doing)  # then a line per decode step from rank 0 (a spinner would garble with them)
+    t0 = time.perf_counter()
+    reports = run_demo(cfg)
     console.print(f"k3fuse demo: ran in {time.perf_counter() - t0:.0f} s")
     print_demo(cfg, reports)
     if args.json:
