@@ -24,7 +24,7 @@ from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
-from .wiring import wire_defaults
+from .plugins import install_plugins
 
 COMPILERS = ("inductor", "eager")
 _OPTION_KEYS = {"compiler", "context", "log", "rules"}
@@ -50,7 +50,7 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
         raise BackendOptionError(f"option rules={rules!r} must be a list of Rule objects or a RuleRegistry; to pick "
                                  f"the K3 rules by name use K3FUSE_RULES or the context's enabled_rules / "
                                  f"disabled_rules")
-    wire_defaults()
+    install_plugins()
     registry = RuleRegistry.coerce(rules)
     return compiler, ctx, rlog, registry
 

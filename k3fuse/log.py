@@ -230,10 +230,6 @@ class RewriteLog:
         (logger.info if event.decision == "applied" else logger.debug)("k3fuse[%s] %s", event.door, event.line())
         return event
 
-    def extend(self, events: Iterable[RewriteEvent]) -> None:
-        for e in events:
-            self.add(e)
-
     @staticmethod
     def _append(path: Path, events: Iterable[RewriteEvent]) -> None:
         try:
@@ -246,12 +242,6 @@ class RewriteLog:
                 os.close(fd)
         except OSError as exc:  # name the log, not the errno alone (os.write's error has no filename)
             raise OSError(exc.errno, f"cannot append to the rewrite log: {exc.strerror}", str(path)) from exc
-
-    def to_jsonl(self, path: str | os.PathLike[str]) -> Path:
-        """Append every event to `path` (JSONL) and return it."""
-        p = Path(path)
-        self._append(p, self.events)
-        return p
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str], *, skip_malformed: bool = False) -> RewriteLog:

@@ -35,13 +35,14 @@ import torch
 import torch.fx as fx
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
+from k3fuse.guards import (GuardFailure, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count)
+from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
 from k3fuse.matcher import compiled_patterns, int_sentinel, near_miss
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 from k3fuse.spelling import routed_experts_gathered, routed_experts_grouped
 
-from ._spelling import dtype_of, numeric_literals
+from ._pattern_tools import dtype_of, numeric_literals
 
 aten = torch.ops.aten
 
@@ -109,7 +110,7 @@ class RoutedExperts(Rule):
     emits = ("routed_experts",)
     description = ("the routed experts (W1/W3 projections, SiTU-GLU, W2 per (token, slot) pair; grouped GEMMs or "
                    "gathered bmm) -> k3fuse.routed_experts (one op: each selected expert's weights read once)")
-    anchor = aten._grouped_mm.default
+    site_op = aten._grouped_mm.default
 
     def patterns(self) -> list[PatternSpec]:
         gathered_sizes = (("tokens", T), ("latent", L))
@@ -123,13 +124,10 @@ class RoutedExperts(Rule):
         for the grouped spelling, bmm for the gathered one."""
         present = {n.target for n in graph.nodes if n.op == "call_function"}
         compiled = compiled_patterns(self)
-        for anchor, form in ((aten._grouped_mm.default, GROUPED), (aten.bmm.default, GATHERED)):
-            if anchor in present:
-                return near_miss(graph, [c for c in compiled if c.spec.key.form == form], anchor=anchor)
+        for site_op, form in ((aten._grouped_mm.default, GROUPED), (aten.bmm.default, GATHERED)):
+            if site_op in present:
+                return near_miss(graph, [c for c in compiled if c.spec.key.form == form], site_op=site_op)
         return "no aten._grouped_mm or aten.bmm in the graph (no routed experts)", {}
-
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         found = failures(_operand_failure(match),
@@ -140,8 +138,8 @@ class RoutedExperts(Rule):
         if found:
             return found
         w1 = shape_of(match["w1"])
-        shape = {"E": w1[0], "I": w1[1], "L": w1[2], "top_k": match["top_k"], "dtype": dtype_of(match["a"])}
-        return failures(kernel_covers(ctx, "routed_experts", shape, site_tokens(match["a"])))
+        spec = RoutedExpertsSpec(E=w1[0], I=w1[1], L=w1[2], top_k=match["top_k"], dtype=dtype_of(match["a"]))
+        return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         z = match.insert(torch.ops.k3fuse.routed_experts.default,

@@ -23,8 +23,8 @@ BATCH_HELP = "tokens decoded per step (one per sequence), 1-64"
 
 
 def decode_tokens() -> tuple[int, int]:
-    """The token range the decode rewrites cover (k3fuse.context, the one definition)."""
-    from k3fuse.context import DECODE_TOKENS
+    """The token range the decode rewrites cover (k3fuse.token_range, the one definition)."""
+    from ..token_range import DECODE_TOKENS
 
     return DECODE_TOKENS
 
