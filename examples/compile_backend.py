@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import k3fuse
-from k3fuse.cli import print_rewrite_summary
+from k3fuse.tools.cli import print_rewrite_summary
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
 
@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny K3 config")
-    p.add_argument("--tokens", type=int, default=4, help="tokens in the decode step (1..64)")
+    p.add_argument("--batch", type=int, default=4, help="tokens decoded per step, one per sequence (1-64)")
     p.add_argument("--log", default=None, help="append the rewrite log (JSONL) here")
     args = p.parse_args(argv)
     results = launch(worker, args.tp, backend="gloo", timeout_s=540,
-                     args=(args.layers, args.compiler, args.tokens, args.log))
+                     args=(args.layers, args.compiler, args.batch, args.log))
     r0 = results[0]
     print(f"multicast: {r0['multicast']}")
     print(f"rules that fired: {r0['active'] or 'none'}")

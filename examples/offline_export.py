@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 import k3fuse
-from k3fuse.cli import print_rewrite_summary
+from k3fuse.tools.cli import print_rewrite_summary
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.offline import save_program
@@ -53,14 +53,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny K3 config")
-    p.add_argument("--tokens", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4, help="tokens decoded per step, one per sequence (1-64)")
     p.add_argument("--out", default=None, help="directory for rank<r>.pt2 (default: a temp dir)")
     p.add_argument("--log", default=None)
     args = p.parse_args(argv)
     out_dir = args.out or tempfile.mkdtemp(prefix="k3fuse_offline_")
     os.makedirs(out_dir, exist_ok=True)
     results = launch(worker, args.tp, backend="gloo", timeout_s=540,
-                     args=(args.layers, args.tokens, out_dir, args.log))
+                     args=(args.layers, args.batch, out_dir, args.log))
     r0 = results[0]
     print(f"saved: {[r['path'] for r in results]}")
     print(f"rules that fired: {r0['active'] or 'none'}; fused ops in the program: {r0['fused_ops'] or 'none'}")

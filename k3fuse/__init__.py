@@ -112,12 +112,20 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, **kwargs: A
 
 
 def _running_as_cli() -> bool:
-    """True inside the `k3fuse` console script (its argv[0] is the script, named k3fuse)."""
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return name.split(".")[0] == "k3fuse" and not name.endswith(".py")
+    """True inside the `k3fuse` command: the console script (argv[0] named k3fuse) or
+    `python -m k3fuse.tools.cli`; its `main` checks the settings itself and reports them in one line."""
+    arg0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    name = os.path.basename(arg0)
+    as_script = name.split(".")[0] == "k3fuse" and not name.endswith(".py")
+    orig = list(getattr(sys, "orig_argv", []))
+    as_module = any(a == "-m" and b == "k3fuse.tools.cli" for a, b in zip(orig, orig[1:]))
+    return as_script or as_module
 
 
 if not _running_as_cli():
+    from . import settings as _settings
+
+    _settings.check_environment()  # every K3FUSE_* variable, once, where the process starts
     load()
 
 __all__ = [

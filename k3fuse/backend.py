@@ -52,6 +52,11 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
         ctx = DecodeContext.coerce(given)
     rlog = RewriteLog.coerce(opts.get("log"), rank=ctx.rank)
     rules: Sequence[Rule] | RuleRegistry | None = opts.get("rules")
+    if isinstance(rules, str) or (rules is not None and not isinstance(rules, RuleRegistry) and not (
+            isinstance(rules, (list, tuple)) and all(isinstance(r, Rule) for r in rules))):
+        raise BackendOptionError(f"option rules={rules!r} must be a list of Rule objects or a RuleRegistry; to pick "
+                                 f"the K3 rules by name use K3FUSE_RULES or the context's enabled_rules / "
+                                 f"disabled_rules")
     install_plugins()
     registry = RuleRegistry.coerce(rules)
     return compiler, ctx, rlog, registry

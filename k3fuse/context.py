@@ -312,6 +312,10 @@ class DecodeContext:
         """A context from a context, a dict of fields, or None (from the process group if any)."""
         if isinstance(value, DecodeContext):
             return value
+        if value is not None and not isinstance(value, dict):
+            raise ContextError(f"a decode context must be a DecodeContext or a dict of its fields, got "
+                               f"{type(value).__name__} {value!r}"[:200], "pass DecodeContext(tp_size=..., ...) or "
+                               "{'tp_size': ..., 'tokens': (1, 64)}")
         kw = dict(value or {})
         if dist.is_available() and dist.is_initialized():
             return cls.from_process_group(**kw)

@@ -232,13 +232,16 @@ class RewriteLog:
 
     @staticmethod
     def _append(path: Path, events: Iterable[RewriteEvent]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            for e in events:  # one write per line: lines from several ranks never interleave
-                os.write(fd, (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode())
-        finally:
-            os.close(fd)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                for e in events:  # one write per line: lines from several ranks never interleave
+                    os.write(fd, (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:  # name the log, not the errno alone (os.write's error has no filename)
+            raise OSError(exc.errno, f"cannot append to the rewrite log: {exc.strerror}", str(path)) from exc
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str], *, skip_malformed: bool = False) -> RewriteLog:
@@ -275,7 +278,8 @@ class RewriteLog:
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per rule: applied / rejected / not_matched counts, rejections by level:guard, time.
 
-        time_ms is the rule's whole time when this log recorded it, else the sum over its events.
+        time_ms is the sum over the rule's events (what the JSONL file holds too, so a log read back
+        shows the same figure); `rule_time_ms` keeps the whole rule's time, finding included.
         """
         out: dict[str, dict[str, Any]] = {}
         for e in self.events:
@@ -287,9 +291,7 @@ class RewriteLog:
                 s["why"][f"{e.level}:{e.guard}"] += 1
             if e.decision == "applied" and e.variant:
                 s["variants"][e.variant] += 1
-        for rule, s in out.items():
-            if rule in self.rule_time_ms:  # in memory: the whole rule (find included), not just its sites
-                s["time_ms"] = self.rule_time_ms[rule]
+        for s in out.values():
             s["why"] = dict(s["why"])
             s["variants"] = dict(s["variants"])
             s["time_ms"] = round(s["time_ms"], 3)

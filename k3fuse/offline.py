@@ -24,6 +24,7 @@ from .ir import is_collective
 from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
+from .usage import UsageError
 from .rule import Rule
 from .plugins import install_plugins
 
@@ -248,15 +249,16 @@ def load_program(path: str | os.PathLike[str]) -> ExportedProgram:
 def save_program(ep: ExportedProgram, path: str | os.PathLike[str], *,
                  group_sizes: dict[str, int] | None = None) -> None:
     """torch.export.save to a temporary file next to `path`, renamed over it when complete: an
-    interrupted save (Ctrl-C, full disk) leaves whatever was at `path` before, never half a program.
+    interrupted save (Ctrl-C, full disk) leaves whatever was at `path` before, never half a program,
+    and keeps its mode, owner and symlink (k3fuse.fileio). A failed write raises
+    k3fuse.fileio.WriteFailed (an OSError) naming `path`.
 
     Records each collective's group size first (`record_group_sizes`, from `group_sizes`, the
     graph or the live process group), so `k3fuse apply` can check `--tp` against the program."""
-    from .fileio import atomic_write
+    from .fileio import write_stream
 
     record_group_sizes(ep, group_sizes)
-    with atomic_write(path) as tmp:
-        torch.export.save(ep, tmp)
+    write_stream(path, lambda f: torch.export.save(ep, f))
 
 
 def _lacks_val(node: fx.Node) -> bool:
@@ -290,6 +292,22 @@ def _rebuild_output_specs(ep: ExportedProgram, gm: fx.GraphModule) -> list[Outpu
     return specs
 
 
+class ProgramTypeError(UsageError, TypeError):
+    """k3fuse.apply was given something other than an ExportedProgram (a module, a path)."""
+
+    def __init__(self, value: Any):
+        if isinstance(value, (str, os.PathLike)):
+            super().__init__(f"k3fuse.apply takes an ExportedProgram, got the path {str(value)!r}",
+                             "load it first (torch.export.load) or run `k3fuse apply PATH -o OUT.pt2`")
+        elif isinstance(value, torch.nn.Module):
+            super().__init__(f"k3fuse.apply takes an ExportedProgram, got the module {type(value).__name__}",
+                             "export it first: k3fuse.apply(torch.export.export(model, args), ctx), or compile it: "
+                             "torch.compile(model, backend='k3fuse')")
+        else:
+            super().__init__(f"k3fuse.apply takes an ExportedProgram, got {type(value).__name__}",
+                             "pass the result of torch.export.export")
+
+
 def apply(
     exported_program: ExportedProgram,
     ctx: DecodeContext | dict[str, Any] | None = None,
@@ -304,6 +322,8 @@ def apply(
     if one is initialised, else tp=1; for tp > 1 without a live group, pass group_name (the CLI
     takes it from the graph's collectives).
     """
+    if not isinstance(exported_program, ExportedProgram):
+        raise ProgramTypeError(exported_program)
     ctx = DecodeContext.coerce(ctx)
     if decompose:  # a fresh graph module; weights are shared, never written
         ep = exported_program.run_decompositions(decomposition_table())
@@ -321,6 +341,6 @@ def apply(
     return ep._update(gm, sig), rlog
 
 
-__all__ = ["apply", "load_program", "save_program", "collective_group_sizes", "record_group_sizes",
+__all__ = ["apply", "ProgramTypeError", "load_program", "save_program", "collective_group_sizes", "record_group_sizes",
            "strip_group_sizes", "GROUP_SIZE_KEY", "static_placeholder_names", "written_placeholders",
            "mark_static_placeholders", "collective_group_names"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +64,10 @@ class PatternSpec:
         return self.variant if self.variant is not None else Variant(self.name)
 
 
+#: k3fuse's K3 math helpers: a frame there is the helper, not the model line that called it
+_HELPER_FILES = (str(Path(__file__).with_name("spelling.py")),)
+
+
 def _stack_source(node: fx.Node) -> str | None:
     trace = node.meta.get("stack_trace")
     if not trace:
@@ -70,7 +75,7 @@ def _stack_source(node: fx.Node) -> str | None:
     found = re.findall(r'File "([^"]+)", line (\d+)', trace)
     if not found:
         return None
-    path, line = found[-1]
+    path, line = next(((p, n) for p, n in reversed(found) if p not in _HELPER_FILES), found[-1])
     return f"{path}:{line}"
 
 

@@ -46,7 +46,8 @@ def strict(enabled: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def disable(disabled: bool = True) -> Iterator[None]:
-    """Within the block, fused ops run the stock sequence and the passes rewrite nothing."""
+    """Within the block, fused ops run the stock sequence and the passes rewrite nothing; this wins
+    over strict mode (the stock sequence is what was asked for, so it is no fallback error)."""
     global _disabled_override
     previous, _disabled_override = _disabled_override, disabled
     try:

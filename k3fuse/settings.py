@@ -5,7 +5,8 @@ Why one module: a switch read in several files with several parsers drifts ("1" 
 cheap enough for every fused-op call (the kill switch is read per call); a test or a user that
 changes a variable sees the change on the next read. `current()` is all of them as a frozen
 `Settings`. A value that does not parse raises `SettingsError` naming the variable, the value and
-what it accepts.
+what it accepts; `import k3fuse` (and the CLI, before any verb) parses them all at once with
+`check_environment`, so a bad value stops the process where it starts, not inside a compiled forward.
 
 A leaf: imports nothing from k3fuse, so the kernels can read it without reaching into the
 framework. The README's "Settings" table lists the same variables (`VARIABLES`); a test keeps them
@@ -13,9 +14,10 @@ in step.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -193,6 +195,43 @@ def current() -> Settings:
     return Settings(**{v.field: get(v.env) for v in VARIABLES})
 
 
+def check_environment(env: Mapping[str, str] | None = None) -> Settings:
+    """Parse every K3FUSE_* variable now (k3fuse does on import, the CLI before any verb): one
+    SettingsError, one line, naming each bad variable and what it accepts."""
+    env = os.environ if env is None else env
+    errors = []
+    for var in VARIABLES:
+        try:
+            _parse_one(var.env, env.get(var.env))
+        except SettingsError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise SettingsError("; ".join(errors))
+    return parse(env)
+
+
+def export(name: str, value: str) -> None:
+    """Set one variable for this process and the ranks it starts (checked first): the CLI's
+    `--rules` is K3FUSE_RULES, so the flag and the variable cannot mean different things."""
+    _parse_one(name, value)
+    os.environ[name] = value
+
+
+@contextlib.contextmanager
+def restored(*names: str) -> Iterator[None]:
+    """Within the block `export` may change `names`; afterwards they are as before (the CLI's
+    `main` runs in-process in tests and tools)."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _spin_bound(seconds: float | None, ms_as_seconds: float | None) -> float:
     if seconds is not None:
         return seconds
@@ -209,5 +248,5 @@ def is_on(env: Mapping[str, str], name: str) -> bool:
     return _flag(name, env.get(name, ""))
 
 
-__all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "get", "current", "parse", "is_on", "spin_timeout_s",
-           "DEFAULT_AR_TIMEOUT_S", "AR_TIMEOUT_RANGE_S", "ArProtocol"]
+__all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "get", "current", "parse", "check_environment",
+           "export", "restored", "is_on", "spin_timeout_s", "DEFAULT_AR_TIMEOUT_S", "AR_TIMEOUT_RANGE_S", "ArProtocol"]

@@ -4,7 +4,8 @@ Each op (`torch.ops.k3fuse.<op>`) has an ordered list of implementations (`Impl`
 function (the unfused torch sequence the op replaced) and a `Spec` type (kernels/spec.py).
 `dispatch(op, *args)` runs, in order:
 
-1. kill switch (`runtime.is_disabled()`): the stock sequence, counted as `fallback:disabled`;
+1. kill switch (`runtime.is_disabled()`): the stock sequence, counted as `fallback:disabled`
+   (what the user asked for, so strict mode does not raise);
 2. call guard: when the op has `max_tokens`, a token count T outside [1, max_tokens] runs the stock
    sequence, counted as `fallback:tokens T outside [1, max_tokens]`;
 3. the highest-priority Impl for the tensors' device whose `accepts(spec)` returns None, `spec`
@@ -283,8 +284,9 @@ def _fallback(op: str, entry: _OpEntry, args: tuple, kw: dict, reason: str, stri
 
 def _dispatch(op: str, entry: _OpEntry, args: tuple, kw: dict, strict: bool, disabled: bool,
               collective: bool) -> Any:
-    if disabled:
-        return _fallback(op, entry, args, kw, "disabled", strict, collective)
+    if disabled:  # the user asked for stock: counted, never a strict-mode error
+        runtime.record(op, "fallback:disabled")
+        return _run_stock(op, entry, args, kw)
 
     max_tokens = kw.get("max_tokens")
     if max_tokens is not None and args and isinstance(args[0], torch.Tensor):

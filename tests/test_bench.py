@@ -5,13 +5,15 @@ same harness, the k3fuse arm rewrote the model in strict mode with no fallback, 
 plot a user reads are written.
 """
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from k3fuse.bench import parse_arms
-from k3fuse.bench.runner import weight_floor
+from k3fuse.tools.bench import parse_arms
+from k3fuse.tools.bench.runner import weight_floor
 from k3fuse.model import K3DecodeStack, get_config
 
 RULES = ["oproj_allreduce_residual", "moe_tail_allreduce_norm", "moe_front_sharded", "fused_routing",
@@ -50,13 +52,28 @@ def test_weight_floor_counts_only_the_experts_the_tokens_touch():
 @pytest.mark.slow
 def test_bench_cli_smoke_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "k3fuse.cli", "bench", "--device", "cpu", "--preset", "tiny",
-           "--compiler", "eager", "--tokens", "1,3", "--steps", "2", "--replays", "2",
-           "--arms", "stock,k3fuse,without:shared_expert_stream", "--rule-arm-tokens", "3",
-           "--json", str(out), "--plots", str(tmp_path / "b_")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    plots = tmp_path / "plots" / "run1"  # a directory, created
+    cmd = [sys.executable, "-m", "k3fuse.tools.cli", "bench", "--device", "cpu", "--preset", "tiny",
+           "--compiler", "eager", "--batch", "1,3", "--steps", "2", "--replays", "2",
+           "--arms", "stock,k3fuse,without:shared_expert_stream", "--rule-arm-batch", "3",
+           "--json", str(out), "--plots", str(plots), "--log", str(tmp_path / "rw.jsonl")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "120"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "µs per decode step" in proc.stdout
+    # a line per arm and token count while it runs
+    for arm, T in (("stock", 1), ("stock", 3), ("k3fuse", 1), ("k3fuse", 3), ("without:shared_expert_stream", 3)):
+        assert re.search(rf"^  {re.escape(arm)} T={T}: [0-9.]+ µs/step", proc.stdout, re.M), (arm, T)
+    # the plots: the files written, and the one CPU cannot draw, with why
+    assert f"wrote {plots / 'latency.png'}" in proc.stdout
+    assert "skipped timeline.png: no kernel timeline was recorded: it comes from the CUDA profiler (this run " \
+           "was on CPU)" in proc.stdout
+    assert sorted(p.name for p in plots.iterdir()) == ["latency.png"]
+    # the tables: no raw {} in the header, every applied rule name whole, the replays' spread shown
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("k3fuse bench: preset"))
+    assert "{" not in header
+    assert "p10-p90" in proc.stdout and re.search(r"[0-9.]+-[0-9.]+ │", proc.stdout)
+    table_lines = [line for line in proc.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table_lines and max(map(len, table_lines)) <= 120  # COLUMNS=120: every table fits
     result = json.loads(out.read_text())
     arms = result["arms"]
     assert list(arms) == ["stock", "k3fuse", "without:shared_expert_stream"]
@@ -81,12 +98,38 @@ def test_bench_cli_smoke_on_two_gloo_ranks(tmp_path):
     assert arms["k3fuse"]["stats"]["gemm_ar_residual_rmsnorm"] == {"reference": calls}
     assert arms["k3fuse"]["passes_ms"] > 0 and arms["k3fuse"]["graphs"] == 2
     assert result["conditions"]["tp"] == 2 and result["model"]["hidden"] == 128
+    for rule, n in applied.items():
+        if n:
+            assert f"{rule}:{n}" in proc.stdout, rule  # never cut in the rewrites table
+    logged = [json.loads(line) for line in (tmp_path / "rw.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in logged} == {0, 1} and any(e["decision"] == "applied" for e in logged)
     pytest.importorskip("matplotlib")
-    assert (tmp_path / "b_latency.png").stat().st_size > 1000
+    assert (plots / "latency.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_rules_sets_the_k3fuse_arm():
+    from argparse import Namespace
+
+    from k3fuse.tools.bench.cli import register_bench
+    from k3fuse.tools.cli import OneLineParser
+
+    parser = OneLineParser(prog="k3fuse")
+    register_bench(parser.add_subparsers(dest="command"))
+    from k3fuse.tools.bench.cli import config_from_args
+
+    args = parser.parse_args(["bench", "--device", "cpu", "--rules", "+weight_prefetch,-decode_gemm",
+                              "--arms", "k3fuse,without:fused_routing"])
+    assert isinstance(args, Namespace)
+    cfg = config_from_args(args)
+    k3, without = cfg.arm_list()
+    defaults = frozenset(RULES) - OFF_BY_DEFAULT
+    assert k3.rules == defaults - {"decode_gemm"} | {"weight_prefetch"}
+    assert without.rules == k3.rules - {"fused_routing"}
 
 
 def test_side_stream_overlap_counts_only_time_under_main_stream_work():
-    from k3fuse.bench.profile import KernelEvent, side_stream_overlap
+    from k3fuse.tools.bench.profile import KernelEvent, side_stream_overlap
 
     main = [KernelEvent("mm", 7, 0.0, 10.0), KernelEvent("topk", 7, 12.0, 8.0)]  # busy 0-10, 12-20
     side = [KernelEvent("gemv", 9, 5.0, 10.0)]  # 5-15: overlaps 5-10 and 12-15
@@ -96,7 +139,7 @@ def test_side_stream_overlap_counts_only_time_under_main_stream_work():
 
 
 def test_concurrency_needs_no_stream_ids():
-    from k3fuse.bench.profile import KernelEvent, concurrency
+    from k3fuse.tools.bench.profile import KernelEvent, concurrency
 
     # a graph replay's stream ids mean nothing: the same timeline under any ids gives the same answer
     timeline = [(0.0, 10.0), (12.0, 8.0), (5.0, 10.0), (30.0, 2.0)]  # 0-10, 12-20, 5-15, 30-32

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_helpers import digest, k3fuse, one_line_error, save_programs
 
-from k3fuse.cli import decide_tp
+from k3fuse.tools.cli import decide_tp
 from k3fuse.usage import UsageError
 
 pytestmark = pytest.mark.slow
@@ -95,18 +95,22 @@ def test_existing_output_is_replaced_atomically_and_in_place_needs_the_flag(work
     assert not [p for p in d.iterdir() if p.name.startswith(".k3fuse-tmp-")]
 
 
-# A save that dies half-way: Ctrl-C, or a full disk, after writing part of the file.
+# A save that dies half-way: Ctrl-C, or a full disk, after writing part of the file (the error is
+# injected at the one call that writes output bytes, inside torch.export.save's stream).
 INTERRUPTED_SAVE = """
-import sys, errno, torch
-import k3fuse.cli
-def broken_save(ep, f, *a, **k):
-    with open(f, "wb") as out:
-        out.write(b"PK half a program")
-    if sys.argv[1] == "ctrl-c":
-        raise KeyboardInterrupt
-    raise OSError(errno.ENOSPC, "No space left on device")
-torch.export.save = broken_save
-sys.exit(k3fuse.cli.main(sys.argv[2:]))
+import sys, errno
+import k3fuse.fileio, k3fuse.tools.cli
+real = k3fuse.fileio.write_bytes
+written = []
+def broken_write(f, data):
+    if written:
+        if sys.argv[1] == "ctrl-c":
+            raise KeyboardInterrupt
+        raise OSError(errno.ENOSPC, "No space left on device")
+    written.append(len(data))
+    return real(f, data)
+k3fuse.fileio.write_bytes = broken_write
+sys.exit(k3fuse.tools.cli.main(sys.argv[2:]))
 """
 
 

@@ -39,8 +39,8 @@ def test_no_numpy_warning_when_numpy_is_missing(tmp_path):
 
 @pytest.mark.parametrize("args,fragments", [
     (["--batch", "70"], ["--batch 70", "1-64"]),
-    (["--tokens", "70"], ["demo --tokens is now --batch"]),
-    (["--steps", "0"], ["--steps 0"]),
+    (["--tokens", "70"], ["demo --tokens: here the tokens per decode step are --batch", "pass --batch N"]),
+    (["--steps", "0"], ["argument --steps", "expected a positive integer, got 0"]),
     (["--device", "cuda"], ["--device cuda but no CUDA GPU is visible", "--device cpu"]),
     (["--json", "no/dir/report.json"], ["directory of --json", "does not exist"]),
     (["--log", "."], ["--log . is a directory"]),
@@ -50,7 +50,7 @@ def test_demo_mistakes_are_one_line_before_compiling(tmp_path, args, fragments):
 
 
 def test_demo_fails_when_no_rewrite_fired():
-    from k3fuse.demo import demo_passed, demo_verdict
+    from k3fuse.tools.demo import demo_passed, demo_verdict
 
     report = {"rank": 0, "max_rel_err_out": 0.0, "max_rel_err_state": 0.0, "active_rules": []}
     assert not demo_passed([report])

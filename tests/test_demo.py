@@ -1,5 +1,5 @@
 """The README's main job (`k3fuse demo`) runs, rewrites every layer and matches stock eager."""
-from k3fuse.demo import DemoConfig, demo_passed, run_demo
+from k3fuse.tools.demo import DemoConfig, demo_passed, run_demo
 
 # per layer at TP=2 (plain residual): attention out-proj + MoE final reduction, one sharded MoE
 # front, one shared expert on the side stream, the 8 remaining static-weight projections
@@ -11,9 +11,12 @@ EXPECTED_PER_LAYER = {"oproj_allreduce_residual": 2, "moe_tail_allreduce_norm": 
                       "shared_expert_stream": 1, "kda_delta_rule": 1, "decode_gemm": 8, "weight_prefetch": 0}
 
 
-def test_demo_two_ranks_eager_matches_stock_and_fires_every_rule():
+def test_demo_two_ranks_eager_matches_stock_and_fires_every_rule(capfd):
     cfg = DemoConfig(preset="tiny", layers=2, tp=2, batch=3, steps=3, compiler="eager", strict=True)
     reports = run_demo(cfg)
+    progress = capfd.readouterr().err  # rank 0's line per step (fd level: the ranks are processes)
+    assert "k3fuse demo: step 1/3 on 2 rank(s) (first call, compiles: " in progress
+    assert "k3fuse demo: step 3/3 on 2 rank(s)\n" in progress
     assert len(reports) == 2
     assert demo_passed(reports), [(r["max_rel_err_out"], r["max_rel_err_state"]) for r in reports]
     for r in reports:

@@ -71,6 +71,6 @@ def test_compile_backend_example(tmp_path):
 
 
 def test_inductor_pass_example(tmp_path):
-    out = run_example("inductor_pass.py", "--layers", "1", "--tokens", "2", "--log", str(tmp_path / "log.jsonl"))
+    out = run_example("inductor_pass.py", "--layers", "1", "--batch", "2", "--log", str(tmp_path / "log.jsonl"))
     assert max_diff(out) < 1e-4
     check_log(tmp_path / "log.jsonl", "inductor")

@@ -23,7 +23,7 @@ PACKAGES = {"k3fuse": "k3fuse", "patterns": "k3fuse.patterns", "kernels": "k3fus
 
 #: imports nothing from k3fuse but these
 LEAVES = {"k3fuse.settings": set(), "k3fuse.ir": set(), "k3fuse.usage": set(), "k3fuse.compat": {"k3fuse.ir"},
-          "k3fuse.runtime": {"k3fuse.settings"}, "k3fuse.spelling": set(), "k3fuse.console": set(),
+          "k3fuse.runtime": {"k3fuse.settings"}, "k3fuse.spelling": set(), "k3fuse.tools.console": set(),
           "k3fuse.token_range": set()}
 #: the framework core: it must not import the rules, the kernels or the doors
 CORE = {"k3fuse.settings", "k3fuse.token_range", "k3fuse.ir", "k3fuse.usage", "k3fuse.compat", "k3fuse.runtime",
@@ -159,6 +159,14 @@ def test_kernels_reach_only_the_leaves():
     assert {m: e for m, e in bad.items() if e} == {}
 
 
+def test_the_compiler_never_imports_the_tools():
+    """k3fuse.tools (CLI, demo, bench, validate, console tables) sits on top: nothing below reaches up."""
+    bad = {m: sorted(e for e in deps if e == "k3fuse.tools" or e.startswith("k3fuse.tools."))
+           for m, deps in GRAPH.items() if not m.startswith("k3fuse.tools")}
+    assert {m: e for m, e in bad.items() if e} == {}
+    assert "k3fuse.tools.cli" in MODULES and "k3fuse.tools.bench.runner" in MODULES
+
+
 #: what a rule may import from the kernels: an op module, for its Spec (the typed contract)
 RULE_REACH_PREFIX = "k3fuse.kernels.ops."
 LIBRARY = "k3fuse.kernels.lib"
@@ -166,7 +174,7 @@ TOOLCHAINS = ("cute", "triton", "reference")
 
 
 def test_rules_reach_kernels_only_through_an_ops_spec():
-    doors = {"k3fuse.backend", "k3fuse.inductor", "k3fuse.offline", "k3fuse.cli", "k3fuse.plugins", "k3fuse"}
+    doors = {"k3fuse.backend", "k3fuse.inductor", "k3fuse.offline", "k3fuse.tools.cli", "k3fuse.plugins", "k3fuse"}
     bad = {m: sorted(e for e in deps if (e.startswith("k3fuse.kernels") and not e.startswith(RULE_REACH_PREFIX))
                      or e in doors)
            for m, deps in GRAPH.items() if m.startswith("k3fuse.patterns")}

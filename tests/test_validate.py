@@ -10,22 +10,28 @@ import time
 import pytest
 import torch
 
-from k3fuse import validate as v
+from k3fuse.tools import validate as v
 from k3fuse.dist import RankFailedError, launch
 
 FAST = dict(preset="tiny", layers=1, steps=2, stock="eager", compiler="eager", layer_outputs=False)
 
 
-def test_cli_validate_passes_tp2(tmp_path, capsys):
-    from k3fuse.cli import main
+def test_cli_validate_passes_tp2(tmp_path, capfd):
+    from k3fuse.tools.cli import main
 
     out = tmp_path / "v.json"
     rc = main(["validate", "--preset", "tiny", "--layers", "2", "--steps", "2", "--tp", "2",
                "--stock", "eager", "--compiler", "eager", "--skew", "0.5", "--temperature", "0.7",
-               "--json", str(out)])
-    text = capsys.readouterr().out
+               "--json", str(out), "--log", str(tmp_path / "rw.jsonl")])
+    captured = capfd.readouterr()  # fd level: the ranks' progress lines too
+    text = captured.out
     assert rc == 0, text
     assert "validate: PASS" in text and "per layer" in text
+    # a line per step while it runs (rank 0), the first saying it compiles
+    assert "validate: 2 layer(s), step 1/2: float64 copy, stock, k3fuse (the first step compiles)" in captured.err
+    assert "validate: 2 layer(s), step 2/2: float64 copy, stock, k3fuse" in captured.err
+    logged = [json.loads(line) for line in (tmp_path / "rw.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in logged} == {0, 1} and any(e["decision"] == "applied" for e in logged)
     data = json.loads(out.read_text())
     r0 = data["ranks"][0]
     assert len(r0["layers"]) == 2 and len(r0["steps"]) == 2

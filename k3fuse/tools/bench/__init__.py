@@ -7,7 +7,7 @@ slower rank's µs per step, the ratio to stock, kernels per step, per-kernel dev
 time (and the passes' share), the rewrite counts and the runtime counters of strict mode.
 
     k3fuse bench                                  # K3 widths, 1 layer, TP 2 on 2 GPUs (CPU: a smoke run)
-    k3fuse bench --residual attnres --layers 2 --arms stock,k3fuse,rules --rule-arm-tokens 1,8
+    k3fuse bench --residual attnres --layers 2 --arms stock,k3fuse,rules --rule-arm-batch 1,8
     k3fuse bench --device cpu --preset small      # the same code on gloo ranks (CI smoke test)
 """
 from __future__ import annotations

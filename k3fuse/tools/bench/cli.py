@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from typing import Any
 
-from ..usage import UsageError
+from ...usage import UsageError
 
 CUDA_DEFAULTS = {"preset": "k3", "set": "moe_inter=128", "tp": 2}
 CPU_DEFAULTS = {"preset": "small", "set": "", "tp": 2}
@@ -41,6 +39,8 @@ def parse_overrides(text: str) -> dict[str, Any]:
 
 
 def register_bench(sub: Any) -> None:
+    from ..flags import add_moved_tokens_flag, add_rules_flag, batches, positive_int
+
     p = sub.add_parser("bench", help="the compiled K3 layer: stock torch.compile vs k3fuse, same run",
                        description="Layer benchmark: CUDA-graph replays of multi-step graphs, the slower "
                                    "rank, strict mode, kernels per step, compile time, JSON and plots. "
@@ -50,64 +50,68 @@ def register_bench(sub: Any) -> None:
     p.add_argument("--preset", default=None, help="model preset (k3, small, tiny)")
     p.add_argument("--set", dest="overrides", type=parse_overrides, default=None,
                    help="K3Config fields, e.g. moe_inter=128 (default on cuda) or latent=3584")
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--layers", type=positive_int, default=1)
     p.add_argument("--residual", choices=("plain", "attnres"), default="plain")
-    p.add_argument("--tp", type=int, default=None, help="TP ranks (1 or 2 here; default 2)")
-    p.add_argument("--tokens", type=_ints, default=(1, 2, 4, 8, 16, 32, 64), help="token counts, e.g. 1,8,64")
+    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel ranks (default 2)")
+    p.add_argument("--batch", type=batches, default=(1, 2, 4, 8, 16, 32, 64),
+                   help="tokens decoded per step (one per sequence) to measure, e.g. 1,8,64")
+    add_moved_tokens_flag(p, "--batch 1,8,64 (the token counts per step to measure)")
     p.add_argument("--arms", default="stock,k3fuse",
-                   help="stock, k3fuse, only:<rule>, without:<rule>, or rules (every only/without arm)")
-    p.add_argument("--rule-arm-tokens", type=_ints, default=None,
-                   help="run the only:/without: arms at these token counts only (they cost a compile each)")
-    p.add_argument("--steps", type=int, default=10, help="decode steps per CUDA graph")
-    p.add_argument("--replays", type=int, default=20)
+                   help="stock, k3fuse, only:<rule>, without:<rule>, with:<rule>, or rules (every "
+                        "only/without/with arm)")
+    add_rules_flag(p)
+    p.add_argument("--rule-arm-batch", type=batches, default=None,
+                   help="run the only:/without:/with: arms at these --batch counts only (they cost a compile each)")
+    p.add_argument("--steps", type=positive_int, default=10, help="decode steps per CUDA graph")
+    p.add_argument("--replays", type=positive_int, default=20, help="timed replays per token count")
     p.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--compile-only", action="store_true", help="only compile time (e.g. --layers 93)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None, help="append the k3fuse arms' rewrite log (JSONL) here")
     p.add_argument("--json", default=None, help="write the merged result here")
-    p.add_argument("--plots", default=None, help="write <prefix>latency.png and <prefix>timeline.png")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="write latency.png and timeline.png into DIR (created if missing)")
     p.set_defaults(func=_cmd_bench)
-
-
-def _check_output(path: str | None, what: str) -> None:
-    if path is None:
-        return
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise UsageError(f"{what} directory {str(parent)!r} does not exist", "create it first")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{what} directory {str(parent)!r} is not writable", "pick a writable directory")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """A checked BenchConfig; every mistake is one line (UsageError) before any work starts."""
     import torch
 
+    from ...fileio import check_append_file, check_output_dir, check_output_file
+    from ..flags import check_moved_tokens, rule_selection
     from .arms import parse_arms
     from .runner import BenchConfig
 
+    check_moved_tokens(args, "bench")
+    # the destinations first: a mistake found after the run loses the run
+    if args.json is not None:
+        check_output_file(args.json, option="--json")
+    if args.plots is not None:
+        check_output_dir(args.plots, option="--plots")
+    if args.log is not None:
+        check_append_file(args.log, option="--log")
+    default_rules = rule_selection(args.rules) if args.rules is not None else None
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but this torch sees no CUDA GPU", "use --device cpu")
     defaults = CUDA_DEFAULTS if device == "cuda" else CPU_DEFAULTS
     tp = args.tp or defaults["tp"]
-    if tp < 1 or (device == "cuda" and tp > torch.cuda.device_count()):
+    if device == "cuda" and tp > torch.cuda.device_count():
         raise UsageError(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible", "lower --tp")
-    if any(not 1 <= t <= 64 for t in args.tokens):
-        raise UsageError(f"--tokens {args.tokens} outside decode (1..64)", "pass counts from 1 to 64")
     overrides = args.overrides if args.overrides is not None else parse_overrides(defaults["set"])
     try:
-        parse_arms(args.arms.split(","))
+        parse_arms(args.arms.split(","), default_rules=default_rules)
         cfg = BenchConfig(preset=args.preset or defaults["preset"], overrides=overrides, layers=args.layers,
-                          residual=args.residual, tp=tp, tokens=tuple(args.tokens),
-                          arms=tuple(args.arms.split(",")), rule_arm_tokens=args.rule_arm_tokens,
+                          residual=args.residual, tp=tp, tokens=tuple(args.batch),
+                          arms=tuple(args.arms.split(",")), rule_arm_tokens=args.rule_arm_batch,
                           steps=args.steps, replays=args.replays, compiler=args.compiler, device=device,
-                          profile=args.profile, compile_only=args.compile_only, seed=args.seed)
+                          profile=args.profile, compile_only=args.compile_only, seed=args.seed,
+                          rules=tuple(default_rules) if default_rules is not None else None, log=args.log)
         cfg.model_config().validate_for_tp(tp)
     except ValueError as exc:
         raise UsageError(str(exc), "see k3fuse bench --help") from None
-    _check_output(args.json, "--json")
-    _check_output(args.plots, "--plots")
     return cfg
 
 
@@ -122,9 +126,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print_tables(result)
     if args.json:
         print(f"wrote {write_json(result, args.json)}")
-    if args.plots and not cfg.compile_only:
-        for path in plot(result, args.plots):
+    if args.plots:
+        written, skipped = plot(result, args.plots)
+        for path in written:
             print(f"wrote {path}")
+        for name, why in skipped.items():
+            print(f"skipped {name}: {why}")
     failed = [name for name, arm in result["arms"].items() if arm.get("error")]
     if failed:
         print(f"k3fuse bench: arm(s) {failed} failed (see the error column)")

@@ -22,7 +22,8 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
     cond: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
                             "device": cfg.device, "tp": cfg.tp, "preset": cfg.preset,
                             "overrides": cfg.overrides, "layers": cfg.layers, "residual": cfg.residual,
-                            "steps_per_graph": cfg.steps, "replays": cfg.replays, "compiler": cfg.compiler}
+                            "steps_per_graph": cfg.steps, "replays": cfg.replays, "compiler": cfg.compiler,
+                            "compile_only": cfg.compile_only, "rules": cfg.rules}
     try:
         import triton
 
@@ -30,7 +31,7 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
     except Exception:
         cond["triton"] = None
     try:
-        from k3fuse.kernels.cute import compat
+        from k3fuse.kernels.lib.cute import compat
 
         cond["cutlass_dsl"] = compat.cute_version()
     except Exception:
@@ -40,7 +41,7 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
         cond["cuda"] = torch.version.cuda
         cond["copy_bandwidth_TBps"] = round(reports[0].get("copy_bandwidth_Bps", 0) / 1e12, 3)
         cond["multicast"] = reports[0].get("multicast")
-        from ..dist import MULTICAST_OFF
+        from ...dist import MULTICAST_OFF
 
         cond["env"] = {k: os.environ.get(k) for k in MULTICAST_OFF}
     return cond
@@ -99,18 +100,22 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 def print_tables(result: dict[str, Any]) -> None:
     """The latency table (µs and ratio to stock), kernels per step, compile time and rewrites."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(120, Console().width))
+    from ..console import wide_console
+
+    console = wide_console()
     c = result["conditions"]
-    console.print(f"[bold]k3fuse bench[/]: preset {c['preset']} {c['overrides']} x{c['layers']} layer(s), "
-                  f"{c['residual']}, TP {c['tp']}, {c['device']} ({c.get('gpu', 'cpu')}), "
-                  f"{c['steps_per_graph']} steps/graph, median of {c['replays']} replays, slower rank")
+    overrides = ",".join(f"{k}={v}" for k, v in (c.get("overrides") or {}).items())
+    console.print(f"[bold]k3fuse bench[/]: preset {c['preset']}" + (f" ({overrides})" if overrides else "")
+                  + f" x{c['layers']} layer(s), {c['residual']}, TP {c['tp']}, {c['device']} "
+                  f"({c.get('gpu', 'cpu')}), {c['steps_per_graph']} steps/graph, median of {c['replays']} replays, "
+                  "slower rank", highlight=False)
     arms = result["arms"]
     tokens = sorted({row["tokens"] for a in arms.values() for row in a["rows"]})
-    table = Table(title="µs per decode step (x = speed-up vs stock, same run)")
-    table.add_column("arm")
+    table = Table(title="µs per decode step (x = speed-up vs stock, same run); below: rank 0's p10-p90 over "
+                        "the replays (a difference inside it is noise)")
+    table.add_column("arm", no_wrap=True)
     for T in tokens:
         table.add_column(f"T={T}", justify="right")
     for name, arm in arms.items():
@@ -122,59 +127,84 @@ def print_tables(result: dict[str, Any]) -> None:
                 cells.append("-")
                 continue
             ratio = row.get("speedup_vs_stock")
-            cells.append(f"{row['us']:.1f}" + (f" ({ratio:.2f}x)" if ratio and name != STOCK else ""))
+            spread = row.get("us_p10_p90_rank0")
+            cells.append(f"{row['us']:.1f}" + (f" ({ratio:.2f}x)" if ratio and name != STOCK else "")
+                         + (f"\n{spread[0]:.1f}-{spread[1]:.1f}" if spread else ""))
         table.add_row(name + (" [red](error)[/]" if arm.get("error") else ""), *cells)
     floor = result["weight_read_floor"]
     table.add_row("weight-read floor", *[_fmt(floor.get(T, {}).get("us")) for T in tokens])
     table.add_row("  + KDA state r/w", *[_fmt(floor.get(T, {}).get("us_with_state")) for T in tokens])
     console.print(table)
 
-    kt = Table(title=f"at T={tokens[0]}: kernels per step, kernel time run concurrently; compile time, rewrites")
-    for col in ("arm", "kernels/step", "device µs/step", "concurrent µs/step", "max rel err vs stock",
-                "compile s", "passes ms", "applied", "fallbacks", "error"):
-        kt.add_column(col)
+    kt = Table(title=f"at T={tokens[0]}: kernels per step, kernel time run concurrently; compile time")
+    kt.add_column("arm", no_wrap=True)
+    for col in ("kernels per step", "device µs/step", "concurrent µs/step", "max rel err vs stock", "compile s",
+                "passes ms", "fallbacks"):
+        kt.add_column(col, justify="right")
     for name, arm in arms.items():
         first = arm["rows"][0] if arm["rows"] else {}
-        applied = ", ".join(f"{r}:{s['applied']}" for r, s in (arm.get("rewrites") or {}).items() if s["applied"])
         conc = first.get("concurrency") or {}
         kt.add_row(name, _fmt(first.get("kernels_per_step")), _fmt(first.get("device_us_per_step")),
                    _fmt(conc.get("concurrent_us")),
                    _fmt(max((r["rel_err_vs_stock"] for r in arm["rows"] if r.get("rel_err_vs_stock") is not None),
                             default=None), ".1e"),
-                   _fmt(arm["compile_s"]), _fmt(arm.get("passes_ms")), applied or "-",
-                   str(sum(sum(v.values()) for v in (arm.get("fallbacks") or {}).values())),
-                   arm.get("error") or "")
+                   _fmt(arm["compile_s"]), _fmt(arm.get("passes_ms")),
+                   str(sum(sum(v.values()) for v in (arm.get("fallbacks") or {}).values())))
     console.print(kt)
+
+    # rule names are never cut: one cell of words that wraps between them
+    rw = Table(title="rewrites applied (rule:sites) and errors, per k3fuse arm")
+    rw.add_column("arm", no_wrap=True)
+    rw.add_column("applied / error", overflow="fold")
+    for name, arm in arms.items():
+        if arm.get("rewrites") is None and not arm.get("error"):
+            continue
+        applied = "  ".join(f"{r}:{s['applied']}" for r, s in (arm.get("rewrites") or {}).items() if s["applied"])
+        rw.add_row(name, (applied or "none") + (f"\n[red]error: {arm['error']}[/]" if arm.get("error") else ""))
+    console.print(rw)
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Atomically: a temporary file in the same directory, then os.replace."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(tmp, p)
-    return p
+    """Atomically (k3fuse.fileio: the old file, its mode and symlink survive a failed write)."""
+    from ...fileio import write_text_atomic
+
+    return write_text_atomic(path, json.dumps(result, indent=1, default=str))
 
 
-def plot(result: dict[str, Any], prefix: str | os.PathLike[str]) -> list[Path]:
-    """latency-vs-tokens.png and timeline.png (one step, stock above k3fuse, lanes per stream)."""
-    import matplotlib
+PLOTS = ("latency.png", "timeline.png")
 
+
+def plot(result: dict[str, Any], directory: str | os.PathLike[str]) -> tuple[list[Path], dict[str, str]]:
+    """latency.png (µs per step vs tokens, p10-p90 band) and timeline.png (one step, stock above
+    k3fuse, lanes per stream) in `directory` (created); returns the files written and, per plot
+    not drawn, why."""
+    skipped: dict[str, str] = {}
+    if result["conditions"].get("compile_only"):
+        return [], {name: "--compile-only measures no latency and records no timeline" for name in PLOTS}
+    try:
+        import matplotlib
+    except ImportError:
+        return [], {name: "matplotlib is not installed (pip install 'k3fuse[plot]')" for name in PLOTS}
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ...fileio import atomic_write
     from .profile import KINDS
 
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(directory)
+    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     c = result["conditions"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, arm in result["arms"].items():
         rows = [r for r in arm["rows"] if r.get("us")]
         if rows:
-            ax.plot([r["tokens"] for r in rows], [r["us"] for r in rows], marker="o", label=name,
-                    linewidth=2.5 if name in ("stock", "k3fuse") else 1)
+            line, = ax.plot([r["tokens"] for r in rows], [r["us"] for r in rows], marker="o", label=name,
+                            linewidth=2.5 if name in ("stock", "k3fuse") else 1)
+            spread = [r for r in rows if r.get("us_p10_p90_rank0")]
+            if spread:  # the replays' p10-p90 on rank 0: a gap inside the band is noise
+                ax.fill_between([r["tokens"] for r in spread], [r["us_p10_p90_rank0"][0] for r in spread],
+                                [r["us_p10_p90_rank0"][1] for r in spread], color=line.get_color(), alpha=0.15)
     floor = sorted(result["weight_read_floor"].items())
     if floor and floor[0][1].get("us"):
         ax.plot([T for T, _ in floor], [f["us"] for _, f in floor], "k--", label="weight-read floor")
@@ -184,14 +214,18 @@ def plot(result: dict[str, Any], prefix: str | os.PathLike[str]) -> list[Path]:
     ax.set_title(f"K3 {c['residual']} x{c['layers']}, TP {c['tp']}, {c.get('gpu', c['device'])}")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    out = prefix.with_name(prefix.name + "latency.png")
+    out = out_dir / "latency.png"
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    with atomic_write(out) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     written.append(out)
 
     shown = [(n, a["timeline"]) for n, a in result["arms"].items() if n in ("stock", "k3fuse") and a.get("timeline")]
-    if shown:
+    if not shown:
+        skipped["timeline.png"] = ("no kernel timeline was recorded: it comes from the CUDA profiler"
+                                   + (" (this run was on CPU)" if c["device"] != "cuda" else " (--no-profile?)"))
+    else:
         colours = dict(zip([k for k, _ in KINDS] + ["other"], plt.cm.tab10.colors))
         fig, axes = plt.subplots(len(shown), 1, figsize=(12, 1.6 + 1.2 * len(shown)), sharex=True, squeeze=False)
         for ax, (name, events) in zip(axes[:, 0], shown):
@@ -208,11 +242,12 @@ def plot(result: dict[str, Any], prefix: str | os.PathLike[str]) -> list[Path]:
         handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in colours]
         fig.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=len(colours))
         fig.tight_layout(rect=(0, 0, 1, 0.93))
-        out = prefix.with_name(prefix.name + "timeline.png")
-        fig.savefig(out, dpi=120)
+        out = out_dir / "timeline.png"
+        with atomic_write(out) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
         plt.close(fig)
         written.append(out)
-    return written
+    return written, skipped
 
 
 __all__ = ["merge", "print_tables", "write_json", "plot", "conditions"]

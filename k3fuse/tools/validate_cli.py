@@ -1,13 +1,14 @@
-"""`k3fuse validate` on the command line (the work is in k3fuse.validate, imported when it runs)."""
+"""`k3fuse validate` on the command line (the work is in k3fuse.tools.validate, imported when it runs)."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from typing import Any
 
+from ..usage import UsageError
 from .bench.cli import parse_overrides
-from .fileio import check_output_file, write_text_atomic
+from .flags import (BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, check_moved_tokens, non_negative_float,
+                    positive_float, positive_int, use_rules)
 from .validate_config import ValidateConfig
 
 
@@ -18,11 +19,12 @@ def register_validate(sub: Any) -> None:
     p.add_argument("--preset", default=d.preset, help="model preset (tiny, small, k3)")
     p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
                    help="K3Config fields, e.g. moe_inter=128 (the preset k3 with small routed experts)")
-    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--layers", type=positive_int, default=d.layers)
     p.add_argument("--residual", choices=("plain", "attnres"), default=d.residual)
-    p.add_argument("--tp", type=int, default=d.tp)
-    p.add_argument("--tokens", type=int, default=d.tokens, help="sequences decoded per step")
-    p.add_argument("--steps", type=int, default=d.steps, help="decode steps")
+    p.add_argument("--tp", type=positive_int, default=d.tp, help="tensor-parallel ranks")
+    p.add_argument("--batch", type=batch, default=d.tokens, help=BATCH_HELP)
+    add_moved_tokens_flag(p, "--batch N (sequences decoded per step, 1 to 64)")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="decode steps")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model dtype (default: the preset's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
@@ -31,41 +33,62 @@ def register_validate(sub: Any) -> None:
                    help="stock path: torch.compile (Inductor) or eager")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--skew", type=float, default=d.skew, help="router bias skew towards low-index experts")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (0: argmax)")
-    p.add_argument("--tie-margin", type=float, default=None,
+    p.add_argument("--temperature", type=non_negative_float, default=d.temperature,
+                   help="sampling temperature (0: argmax)")
+    p.add_argument("--tie-margin", type=non_negative_float, default=None,
                    help="selection-score gap under which a top-k flip counts as a near tie (default by dtype)")
     p.add_argument("--no-strict", dest="strict", action="store_false", help="allow fused-op fallbacks")
     p.add_argument("--no-layer-outputs", dest="layer_outputs", action="store_false",
                    help="skip the per-layer output errors (truncated stacks, one compile per depth)")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds before every rank is killed")
+    p.add_argument("--timeout", type=positive_float, default=d.timeout_s, help="seconds before every rank is killed")
+    add_rules_flag(p)
+    p.add_argument("--log", default=None, help="append the k3fuse path's rewrite log (JSONL) here")
     p.add_argument("--json", default=None, help="write the per-rank reports here")
     p.set_defaults(func=_cmd_validate)
 
 
-def _cmd_validate(args: Any) -> int:
-    from .dist import LaunchTimeout, RankFailedError
-    from .validate import ValidateError, passed, print_validate, run_validate
+def check_config(cfg: ValidateConfig) -> None:
+    """What the ranks would find only after building models: the preset, --set, --tp, the GPUs."""
+    from k3fuse.model import get_config
 
+    over = dict(cfg.overrides)
+    if cfg.dtype:
+        over["dtype"] = cfg.dtype
+    try:
+        get_config(cfg.preset, n_layers=cfg.layers, residual=cfg.residual, **over).validate_for_tp(cfg.tp)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc), "see k3fuse validate --help") from None
+    if cfg.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < cfg.tp:
+            raise UsageError(f"--device cuda --tp {cfg.tp} needs {cfg.tp} GPUs, {torch.cuda.device_count()} visible",
+                             "lower --tp or use --device cpu")
+
+
+def _cmd_validate(args: Any) -> int:
+    from ..fileio import check_append_file, check_output_file, write_text_atomic
+
+    check_moved_tokens(args, "validate")
     if args.json:
         check_output_file(args.json, option="--json")
-
+    if args.log:
+        check_append_file(args.log, option="--log")
     cfg = ValidateConfig(preset=args.preset, layers=args.layers, residual=args.residual, tp=args.tp,
-                         tokens=args.tokens, steps=args.steps, dtype=args.dtype, device=args.device,
+                         tokens=args.batch, steps=args.steps, dtype=args.dtype, device=args.device,
                          compiler=args.compiler, stock=args.stock, seed=args.seed, skew=args.skew,
                          temperature=args.temperature, tie_margin=args.tie_margin, strict=args.strict,
                          layer_outputs=args.layer_outputs, timeout_s=args.timeout,
-                         overrides=tuple(sorted(args.overrides.items())))
+                         overrides=tuple(sorted(args.overrides.items())), log=args.log)
+    check_config(cfg)
+    use_rules(args.rules)
+
+    from .validate import ValidateError, passed, print_validate, run_validate
+
     try:
         reports = run_validate(cfg)
-    except (ValidateError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except LaunchTimeout as exc:
-        print(f"error: validate did not finish: {exc} (a dead or hung peer?)", file=sys.stderr)
-        return 2
-    except RankFailedError as exc:
-        print(f"error: rank {exc.rank} failed ({exc.exc_type}):\n{exc.remote_traceback}", file=sys.stderr)
-        return 2
+    except ValidateError as exc:
+        raise UsageError(str(exc).splitlines()[0]) from exc
     print_validate(cfg, reports)
     if args.json:
         write_text_atomic(args.json, json.dumps({"config": asdict(cfg), "ranks": reports}, indent=2, default=str))
@@ -75,4 +98,4 @@ def _cmd_validate(args: Any) -> int:
     return 0 if ok else 1
 
 
-__all__ = ["register_validate"]
+__all__ = ["register_validate", "check_config"]

@@ -40,6 +40,11 @@ class BenchConfig:
     profile: bool = True
     compile_only: bool = False
     seed: int = 0
+    rules: tuple[str, ...] | None = None  # the `k3fuse` arm's rules (--rules; None: the default rules)
+    log: str | None = None                # append the k3fuse arms' rewrite log here (--log)
+
+    def arm_list(self) -> list[Arm]:
+        return parse_arms(self.arms, default_rules=self.rules)
 
     def model_config(self) -> Any:
         from k3fuse.model import get_config
@@ -93,7 +98,7 @@ def _compile(model: Any, arm: Arm, cfg: BenchConfig, rank: int) -> tuple[Any, An
     if arm.is_stock:
         backend = "inductor" if cfg.compiler == "inductor" else "eager"
         return torch.compile(model, backend=backend), None
-    rlog = RewriteLog(None, rank=rank)
+    rlog = RewriteLog(cfg.log, rank=rank)
     kw = dict(strict=True, enabled_rules=arm.rules)
     ctx = (k3fuse.DecodeContext.from_process_group(**kw) if cfg.tp > 1 else k3fuse.DecodeContext(**kw))
     options = {"compiler": cfg.compiler, "context": ctx, "log": rlog}
@@ -164,13 +169,18 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
         status = ctx.multicast_status()
         report["multicast"] = {"available": status.available, "reason": status.reason}
     stock_out: dict[int, torch.Tensor] = {}  # the stock arm's output per T: every figure says how far
-    for arm in parse_arms(cfg.arms):          # the arm's numbers are from stock's on the same inputs
+    for arm in cfg.arm_list():                # the arm's numbers are from stock's on the same inputs
         compiled, rlog = _compile(model, arm, cfg, rank)
         k3fuse.reset_stats()
         entry: dict[str, Any] = {"rows": []}
         try:
             for T in cfg.tokens_for(arm):
+                t0 = time.perf_counter()
                 row, out = _time_tokens(compiled, model, T, cfg, device)
+                if rank == 0:  # a line per arm and token count: a long run is never silent
+                    took = f"{time.perf_counter() - t0:.1f} s"
+                    print(f"  {arm.name} T={T}: " + (f"{row['us']:.1f} µs/step ({took})" if row.get("us") else took),
+                          flush=True)
                 if arm.is_stock:
                     stock_out[T] = out
                 elif T in stock_out:

@@ -87,7 +87,7 @@ def _check_group(cfg: ValidateConfig):
     """The process group for cfg.tp; a clear error when it is missing or the ranks disagree."""
     import torch.distributed as dist
 
-    from .dist import ProcessGroupMissing, disagreements, require_group
+    from ..dist import ProcessGroupMissing, disagreements, require_group
 
     if cfg.tp == 1:
         return None
@@ -110,7 +110,7 @@ def _check_group(cfg: ValidateConfig):
 
 
 def _build(cfg: ValidateConfig, n_layers: int, rank: int, group, device):
-    from .model import K3DecodeStack, get_config
+    from ..model import K3DecodeStack, get_config
 
     over = {**dict(cfg.overrides), "n_layers": n_layers, "residual": cfg.residual}
     if cfg.dtype:
@@ -146,7 +146,7 @@ def _router_hooks(model, store: list, scores: bool) -> list:
 
 def _inject(scale: float) -> None:
     """Tests: a wrong fused all-reduce (reference output times `scale`) on CPU."""
-    from .kernels import dispatch
+    from ..kernels import dispatch
 
     for op in ("gemm_ar_residual", "gemm_ar_residual_rmsnorm"):
         ref = next(i for i in dispatch.implementations(op) if i.name == dispatch.REFERENCE)
@@ -169,10 +169,10 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
     """Run the steps teacher-forced on the three paths; returns outputs, states, routing, log."""
     import k3fuse
 
-    from .log import RewriteLog
+    from ..log import RewriteLog
 
     stock = model if cfg.stock == "eager" else torch.compile(model, backend="inductor")
-    rlog = RewriteLog(None)
+    rlog = RewriteLog(cfg.log, rank=ctx.rank)
     fused = torch.compile(model, backend="k3fuse",
                           options={"compiler": cfg.compiler, "context": ctx, "log": rlog})
     ref_log: list = []
@@ -186,7 +186,9 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
     fns = {"ref": ref, "stock": stock, "k3fuse": fused}
     try:
         with torch.no_grad():
-            for x in xs:
+            for step, x in enumerate(xs):
+                _progress(ctx.rank, f"{cfg.layers} layer(s), step {step + 1}/{len(xs)}: float64 copy, stock, "
+                                    "k3fuse" + (" (the first step compiles)" if step == 0 else ""))
                 for name in ("ref", "stock", "k3fuse"):
                     xin = x.to(torch.float64 if name == "ref" else model.dtype)
                     with k3fuse.strict(cfg.strict and name == "k3fuse"):
@@ -203,6 +205,14 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
         for h in hooks:
             h.remove()
     return out, states, routes, rlog
+
+
+def _progress(rank: int, what: str) -> None:
+    """One line per step on rank 0 (to stderr): a run of minutes is never silent."""
+    if rank == 0:
+        import sys
+
+        print(f"validate: {what}", file=sys.stderr, flush=True)
 
 
 def _flip_analysis(rt_ref, rt_path, layers: int, steps: int, k: int, margin: float):
@@ -355,7 +365,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig) -> dict[str, 
 
 def run_validate(cfg: ValidateConfig) -> list[dict[str, Any]]:
     """Validate on cfg.tp ranks (gloo on CPU, NCCL on GPUs); one report per rank."""
-    from .dist import launch
+    from ..dist import launch
 
     if cfg.tp == 1:
         return [validate_rank(0, 1, cfg)]

@@ -16,18 +16,34 @@ def wide_console(stderr: bool = False) -> Any:
     return console if console.is_terminal else Console(stderr=stderr, width=max(console.width, 120))
 
 
+#: rejections that are a rule not running (switched off, off by default, the kill switch), not a guard
+#: saying no at a site: counted apart so "rejected" means the guards
+RULE_OFF = ("contract:rule_disabled", "contract:disabled")
+
+
+def _longest_word(cells: list[str], cap: int = 48) -> int:
+    """The widest word among `cells` (capped): a column at least this wide wraps between words."""
+    return min(cap, max((len(w) for c in cells for w in c.split()), default=1))
+
+
 def print_rewrite_summary(summary: dict[str, dict[str, Any]], title: str = "k3fuse rewrite log") -> None:
     from rich.table import Table
 
+    rows = []
+    for rule, s in summary.items():
+        off = sum(s["why"].get(k, 0) for k in RULE_OFF)
+        why = ", ".join(f"{k} x{v}" for k, v in sorted(s["why"].items()) if k not in RULE_OFF)
+        rows.append((rule, str(s["applied"]), str(s["rejected"] - off), why, str(s["not_matched"]),
+                     "yes" if off else "", f"{s['time_ms']:.1f}"))
     table = Table(title=title)
     table.add_column("rule", no_wrap=True)
     for col, justify in (("applied", "right"), ("rejected", "right"), ("why rejected", "left"),
-                         ("not matched", "right"), ("ms", "right")):
-        # the reasons are the point of the table: fold them, never crop them to an ellipsis
-        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    for rule, s in summary.items():
-        why = ", ".join(f"{k} x{v}" for k, v in sorted(s["why"].items()))
-        table.add_row(rule, str(s["applied"]), str(s["rejected"]), why, str(s["not_matched"]), f"{s['time_ms']:.1f}")
+                         ("not matched", "right"), ("off", "left"), ("ms", "right")):
+        # the reasons are the point of the table: wrap them between words, never crop them
+        table.add_column(col, justify=justify, overflow="fold",  # type: ignore[arg-type]
+                         min_width=_longest_word([r[3] for r in rows]) if col == "why rejected" else None)
+    for row in rows:
+        table.add_row(*row)
     wide_console().print(table)
 
 
@@ -37,15 +53,18 @@ def print_reasons(rows: list[dict[str, Any]], title: str = "why rules did not re
 
     table = Table(title=title)
     table.add_column("rule", no_wrap=True)
-    for col in ("decision", "guard", "reason", "values seen"):
-        table.add_column(col, overflow="fold")
+    table.add_column("decision", overflow="fold")
+    table.add_column("guard", no_wrap=True)
+    table.add_column("reason", overflow="fold", min_width=_longest_word([r["reason"] or "-" for r in rows]))
+    table.add_column("values seen", overflow="fold")
     table.add_column("count", justify="right")
     table.add_column("ranks")
     for r in rows:
         values = "; ".join(json.dumps(v, sort_keys=True) for v in r["values"])
         if r["more_values"]:
             values += f" (+{r['more_values']} more)"
-        table.add_row(r["rule"], r["decision"].replace("_", " "), r["guard"], r["reason"] or "-", values or "-",
+        decision = "rule off" if r["guard"] in RULE_OFF else r["decision"].replace("_", " ")
+        table.add_row(r["rule"], decision, r["guard"], r["reason"] or "-", values or "-",
                       str(r["count"]), ",".join(map(str, r["ranks"])))
     wide_console().print(table)
 

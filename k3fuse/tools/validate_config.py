@@ -10,7 +10,7 @@ class ValidateConfig:
     layers: int = 2
     residual: str = "plain"
     tp: int = 2
-    tokens: int = 1
+    tokens: int = 1                     # tokens decoded per step, one per sequence (--batch)
     steps: int = 4
     dtype: str | None = None            # model dtype override (default: the preset's)
     device: str = "cpu"
@@ -25,4 +25,5 @@ class ValidateConfig:
     timeout_s: float = 900.0
     inject: float = 0.0                 # tests: scale k3fuse's fused all-reduce outputs by 1 + inject
     overrides: tuple[tuple[str, object], ...] = ()   # K3Config fields (`--set moe_inter=128`)
+    log: str | None = None              # append the k3fuse path's rewrite log here (--log)
 __all__ = ["ValidateConfig"]

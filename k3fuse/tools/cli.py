@@ -12,24 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from ..usage import UsageError
 from .console import print_reasons, print_rewrite_summary, print_runs
-from .usage import UsageError
-
-
-def _env_debug() -> bool:
-    """K3FUSE_DEBUG=1 (a malformed value is no reason to hide the traceback it asks for)."""
-    from . import settings
-
-    try:
-        return settings.get("K3FUSE_DEBUG")
-    except settings.SettingsError:
-        return True
-
-#: tokens per decode step the rewrites cover (k3fuse.guards.DECODE_TOKENS, which imports torch)
-DECODE_TOKENS = (1, 64)
+from .flags import add_rules_flag, non_negative_int, parse_tokens, positive_int, use_rules
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -37,42 +26,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-
-def parse_tokens(text: str) -> tuple[int, int]:
-    """"1-64" -> (1, 64); "8" -> (8, 8); inside the decode range 1-64, min <= max."""
-    try:
-        if "-" in text:
-            lo, hi = text.split("-", 1)
-            rng = int(lo), int(hi)
-        else:
-            rng = int(text), int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"tokens must look like 1-64 or 8, got {text!r}") from None
-    if not DECODE_TOKENS[0] <= rng[0] <= rng[1] <= DECODE_TOKENS[1]:
-        raise argparse.ArgumentTypeError(f"bad token range {text}: decode rewrites cover "
-                                         f"{DECODE_TOKENS[0]}-{DECODE_TOKENS[1]} tokens per step, min <= max")
-    return rng
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 # --- apply ---------------------------------------------------------------------------------------
@@ -111,18 +64,8 @@ def decide_tp(requested: int | None, groups: dict[str, int | None]) -> tuple[int
                        f"live); the fused ops check the live group's size when they run")
 
 
-def _rules_context_fields(spec: str | None) -> dict[str, Any]:
-    """--rules "a,b" (only these) / "-a" (all but a) -> DecodeContext fields."""
-    if not spec:
-        return {}
-    from .pipeline import parse_rules_env
-
-    only, minus = parse_rules_env(spec)
-    return {"enabled_rules": only, "disabled_rules": minus}
-
-
 def _cmd_apply(args: argparse.Namespace) -> int:
-    from .fileio import check_append_file, check_input_file, check_output_file
+    from ..fileio import WriteFailed, check_append_file, check_input_file, check_output_file
 
     # every path first: a mistake found after minutes of rewriting is a lost run
     src = check_input_file(args.input, "input program")
@@ -141,9 +84,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     from k3fuse.offline import collective_group_sizes, load_program, save_program
     from k3fuse.pipeline import default_registry
 
-    rule_fields = _rules_context_fields(args.rules)
-    probe = DecodeContext(tokens=args.tokens, multicast=args.multicast, strict=args.strict, **rule_fields)
-    default_registry().select(probe)  # unknown names in --rules or K3FUSE_RULES: one line, before loading
+    use_rules(args.rules)
+    tokens = {"tokens": args.tokens} if args.tokens else {}  # default: DecodeContext's decode range
+    probe = DecodeContext(multicast=args.multicast, strict=args.strict, **tokens)
+    default_registry().select(probe)  # unknown names in K3FUSE_RULES: one line, before loading
     try:
         ep = load_program(src)
     except Exception as exc:  # torch raises RuntimeError / zip / pickle errors for a non-program
@@ -160,16 +104,15 @@ def _cmd_apply(args: argparse.Namespace) -> int:
             raise UsageError(f"the graph uses several collective groups {sorted(groups)}",
                              "pass --group-name with the tensor-parallel one")
         group_name = next(iter(groups))
-    ctx = DecodeContext(tp_size=tp, rank=args.rank, group_name=group_name, tokens=args.tokens,
-                        multicast=args.multicast, strict=args.strict, **rule_fields)
+    ctx = DecodeContext(tp_size=tp, rank=args.rank, group_name=group_name, multicast=args.multicast,
+                        strict=args.strict, **tokens)
     existed = dst.exists()
     new_ep, log = k3fuse.apply(ep, ctx, log=args.log)
     try:
         # the output records its group size too, so applying it again checks --tp as well
         save_program(new_ep, dst, group_sizes={group_name: tp} if tp > 1 and group_name else None)
-    except OSError as exc:
-        kept = f"{dst} was left as it was" if existed else f"{dst} was not created"
-        raise UsageError(f"could not save {dst}: {exc.strerror or exc}", f"{kept}; free space or choose another -o") \
+    except WriteFailed as exc:
+        raise UsageError(f"could not save {dst}: {exc.strerror}", f"{exc.kept}; free space or choose another -o") \
             from exc
     print_rewrite_summary(log.summary(), title=f"{src} -> {dst}")
     print(tp_note)
@@ -191,11 +134,11 @@ def register_apply(sub: Any) -> None:
                    help="tensor-parallel size the program was captured with (default: read from the graph)")
     p.add_argument("--rank", type=non_negative_int, default=0, help="rank the program was captured on")
     p.add_argument("--group-name", default=None, help="c10d group name (default: the one in the graph)")
-    p.add_argument("--tokens", type=parse_tokens, default=DECODE_TOKENS,
-                   help="token range the rewrites are guarded for, e.g. 1-64")
+    p.add_argument("--tokens", type=parse_tokens, default=None,
+                   help="token range the rewrites are guarded for, e.g. 1-64 (default: the decode range)")
     p.add_argument("--multicast", choices=("auto", "off", "require"), default="auto")
     p.add_argument("--strict", action="store_true", help="bake strict mode into the fused ops")
-    p.add_argument("--rules", default=None, help='only these rules ("a,b") or all but these ("-a")')
+    add_rules_flag(p)
     p.add_argument("--log", default=None, help="append the rewrite log (JSONL) here")
     p.set_defaults(func=_cmd_apply)
 
@@ -204,8 +147,8 @@ def register_apply(sub: Any) -> None:
 
 
 def _cmd_log(args: argparse.Namespace) -> int:
-    from .fileio import check_input_file
-    from .log import RewriteLog, fold_reasons, read_jsonl, split_runs
+    from ..fileio import check_input_file
+    from ..log import RewriteLog, fold_reasons, read_jsonl, split_runs
 
     path = check_input_file(args.file, "log file")
     reading = read_jsonl(path)
@@ -303,18 +246,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(exc: BaseException) -> str | None:
+    """An error the user must see as one line (a worker rank's failure, a launch timeout, a file
+    the system refused), or None for a bug (shown with its traceback)."""
+    dist = sys.modules.get("k3fuse.dist")  # only loaded when a verb launched ranks (it imports torch)
+    if dist is not None and isinstance(exc, dist.RankFailedError):
+        message = str(exc).splitlines()[0].split(": ", 1)[-1]
+        return f"rank {exc.rank} failed: {exc.exc_type}: {message}"
+    if dist is not None and isinstance(exc, dist.LaunchTimeout):
+        return f"{str(exc).splitlines()[0]} (a dead or hung rank?)"
+    if isinstance(exc, OSError):
+        if type(exc).__str__ is not OSError.__str__:  # fileio.WriteFailed says it all
+            return str(exc)
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return f"{where}{exc.strerror or exc}"
+    return None
+
+
+def _join_rules_value(argv: list[str]) -> list[str]:
+    """`--rules -a` as `--rules=-a`: the K3FUSE_RULES grammar starts a value with "-", which argparse
+    would otherwise read as an option."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--rules":
+            value = next(it, None)
+            out.append("--rules" if value is None else f"--rules={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb; a user mistake becomes one line on stderr and exit status 2."""
+    from .. import settings
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or _env_debug()
-    args = build_parser().parse_args(argv)
+    # torch.export.load's own deprecation (torch internals, nothing the user can act on) would be a
+    # second line under every one-line error
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    try:  # every K3FUSE_* variable, before any work: a bad one is one line, never a traceback later
+        debug = "--debug" in argv or settings.check_environment().debug
+    except settings.SettingsError as exc:
+        print(f"k3fuse: error: {exc}", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(_join_rules_value(argv))
     try:
-        return int(args.func(args) or 0)
-    except UsageError as exc:
+        with settings.restored("K3FUSE_RULES"):  # --rules sets it for this run only
+            return int(args.func(args) or 0)
+    except (UsageError, settings.SettingsError) as exc:
         if debug:
             raise
         print(f"k3fuse {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_status
+        return getattr(exc, "exit_status", 2)
+    except Exception as exc:
+        line = one_line(exc)
+        if debug or line is None:
+            raise
+        print(f"k3fuse {args.command}: error: {line} (--debug shows the traceback)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if debug:
             raise

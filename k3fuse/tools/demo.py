@@ -7,12 +7,12 @@ passes did (the rewrite log summary) and what ran at run time (implementation co
 """
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .usage import UsageError
+from ..usage import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +92,10 @@ def _run_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
                 y_new, next_new = compiled(x, state_new)
             if step == 0:
                 compile_s = time.perf_counter() - t0
+            if rank == 0:
+                took = f" (first call, compiles: {compile_s:.1f} s)" if step == 0 else ""
+                print(f"k3fuse demo: step {step + 1}/{cfg.steps} on {world_size} rank(s){took}", file=sys.stderr,
+                      flush=True)
             _copy_state(state_ref, next_ref)
             _copy_state(state_new, next_new)
             err_out = max(err_out, _rel_err(y_new, y_ref))
@@ -105,15 +109,24 @@ def _run_rank(rank: int, world_size: int, cfg: DemoConfig) -> dict[str, Any]:
 
 def check_config(cfg: DemoConfig) -> None:
     """Mistakes in the demo's settings, found before minutes of compiling (UsageError)."""
+    from .flags import decode_tokens
+
+    low, high = decode_tokens()
     if cfg.tp < 1:
         raise UsageError(f"--tp {cfg.tp}: the demo needs at least one rank", "pass --tp 1 or more")
-    if not 1 <= cfg.batch <= 64:
-        raise UsageError(f"--batch {cfg.batch}: the decode rewrites cover 1-64 tokens per step, so nothing "
-                         f"would be rewritten", "pass --batch between 1 and 64")
+    if not low <= cfg.batch <= high:
+        raise UsageError(f"--batch {cfg.batch}: the decode rewrites cover {low}-{high} tokens per step, so nothing "
+                         f"would be rewritten", f"pass --batch between {low} and {high}")
     if cfg.steps < 1:
         raise UsageError(f"--steps {cfg.steps}: nothing would be compiled or compared", "pass --steps 1 or more")
     if cfg.layers < 1:
         raise UsageError(f"--layers {cfg.layers}: the stack would be empty", "pass --layers 1 or more")
+    from k3fuse.model import get_config
+
+    try:
+        get_config(cfg.preset, n_layers=cfg.layers, residual=cfg.residual).validate_for_tp(cfg.tp)
+    except ValueError as exc:
+        raise UsageError(str(exc), "pick a --tp that divides it") from None
     if cfg.device == "cuda":
         import torch
 
@@ -187,20 +200,22 @@ def demo_passed(reports: list[dict[str, Any]], tol: float = 1e-4) -> bool:
 
 
 def register_demo(sub: Any) -> None:
+    from .flags import BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, positive_int
+
     p = sub.add_parser("demo", help="compile a small K3 stack with the k3fuse backend on TP ranks and check it")
     defaults = DemoConfig()
     p.add_argument("--preset", default=defaults.preset, choices=("tiny", "small"), help="model preset")
-    p.add_argument("--layers", type=int, default=defaults.layers)
+    p.add_argument("--layers", type=positive_int, default=defaults.layers)
     p.add_argument("--residual", choices=("plain", "attnres"), default=defaults.residual)
-    p.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel ranks (as in `k3fuse apply`)")
-    p.add_argument("--batch", type=int, default=defaults.batch,
-                   help="tokens per decode step (one per sequence); `--tokens` is the guard's range in `apply`")
-    p.add_argument("--tokens", dest="old_tokens", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--tp", type=positive_int, default=defaults.tp, help="tensor-parallel ranks")
+    p.add_argument("--batch", type=batch, default=defaults.batch, help=BATCH_HELP)
+    add_moved_tokens_flag(p, "--batch N (one count from 1 to 64)")
+    p.add_argument("--steps", type=positive_int, default=defaults.steps, help="decode steps")
     p.add_argument("--compiler", choices=("inductor", "eager"), default=defaults.compiler)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--no-strict", dest="strict", action="store_false", help="allow fused-op fallbacks")
     p.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device)
+    add_rules_flag(p)
     p.add_argument("--log", default=None, help="append the rewrite log (JSONL) here")
     p.add_argument("--json", default=None, help="write the per-rank reports here")
     p.set_defaults(func=_cmd_demo)
@@ -209,11 +224,10 @@ def register_demo(sub: Any) -> None:
 def _cmd_demo(args: Any) -> int:
     import json
 
-    from .fileio import check_append_file, check_output_file, write_text_atomic
+    from ..fileio import check_append_file, check_output_file, write_text_atomic
+    from .flags import check_moved_tokens, use_rules
 
-    if args.old_tokens is not None:
-        raise UsageError("demo --tokens is now --batch (tokens per decode step); --tokens names the guard's "
-                         "token range in `k3fuse apply`", f"pass --batch {args.old_tokens}")
+    check_moved_tokens(args, "demo")
     cfg = DemoConfig(preset=args.preset, layers=args.layers, residual=args.residual, tp=args.tp,
                      batch=args.batch, steps=args.steps, compiler=args.compiler, seed=args.seed,
                      strict=args.strict, log=args.log, device=args.device)
@@ -223,17 +237,16 @@ def _cmd_demo(args: Any) -> int:
     if args.log:
         check_append_file(args.log, option="--log")
     check_config(cfg)
+    use_rules(args.rules)
     from .console import wide_console
 
     console = wide_console(stderr=True)
     doing = (f"k3fuse demo: compiling a {cfg.preset} K3 stack on {cfg.tp} {cfg.device} rank(s) with "
              f"torch.compile(backend='k3fuse', compiler={cfg.compiler}) and decoding {cfg.steps} "
              f"steps next to stock eager (about a minute on CPU)...")
-    if not console.is_terminal:  # a spinner shows nothing in a pipe or log: say it once
-        console.print(doing)
-    with console.status(doing):
-        t0 = time.perf_counter()
-        reports = run_demo(cfg)
+    console.print(doing)  # then a line per decode step from rank 0 (a spinner would garble with them)
+    t0 = time.perf_counter()
+    reports = run_demo(cfg)
     console.print(f"k3fuse demo: ran in {time.perf_counter() - t0:.0f} s")
     print_demo(cfg, reports)
     if args.json:
