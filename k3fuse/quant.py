@@ -123,10 +123,11 @@ def quantize(w: torch.Tensor, fmt: str, scale_dtype_: torch.dtype = torch.bfloat
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype,
-               columns: int | None = None) -> torch.Tensor:
-    """Either format's dequantization (the spelling the model and the rule share)."""
+               columns: int | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Either format's dequantization (the spelling the model and the rule share); `table` is
+    MXFP4's `e2m1_table` (built when not given; int4 has none)."""
     if fmt == "mxfp4":
-        return dequantize_mxfp4(packed, scale, dtype)
+        return dequantize_mxfp4(packed, scale, dtype, table)
     if fmt == "int4":
         return dequantize_int4(packed, scale, dtype, columns)
     raise ValueError(f"unknown quantized expert format {fmt!r}; known: {sorted(CHECKPOINT_FORMATS)}")
