@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from k3fuse.bench.timing import graph_replay_us
+from k3fuse.tools.bench.timing import graph_replay_us
 from k3fuse.model.shapes import DECODE_GEMM_BENCH_SITES, gemm_sites
 
 COPY_BW = 4.28e12

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from k3fuse.bench.timing import graph_replay_us
+from k3fuse.tools.bench.timing import graph_replay_us
 from k3fuse.dist import MULTICAST_OFF, launch
 from k3fuse.model.shapes import gemm_site
 

@@ -16,7 +16,7 @@ Also the weight-read floor of each arm (bytes / copy bandwidth measured in the s
     python bench/bench_moe_front.py [--world 2] [--as-tp 2,4,8,16] [--tokens 1,2,4,8,16,32,64] [--json out.json]
     python bench/bench_moe_front.py --sweep [--as-tp 2] [--tokens 1,8,64]   # push-GEMM configs, one GPU
     python bench/bench_moe_front.py --project bench/results/h200_moe_front_slice.json [more.json ...]
-        # no GPU: fit k3fuse/bench/front_model.py on the slices, print the TP 2/4/8/16 projection
+        # no GPU: fit bench/front_model.py on the slices, print the TP 2/4/8/16 projection
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from k3fuse.bench.timing import copy_bandwidth, graph_replay_us, slowest_rank
+from k3fuse.tools.bench.timing import copy_bandwidth, graph_replay_us, slowest_rank
 from k3fuse.dist import MULTICAST_OFF, launch
 from k3fuse.model.shapes import gemm_site
 
@@ -256,8 +256,9 @@ def _coverage(tps) -> dict:
 
 
 def project(paths, out_json, bracket=BRACKET, nvlink_GBps=None, nvlink_latency_us=None) -> int:
-    """Fit k3fuse/bench/front_model.py on slice JSON(s), print the projection, write its JSON."""
-    from k3fuse.bench import front_model as M
+    """Fit bench/front_model.py on slice JSON(s), print the projection, write its JSON."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import front_model as M
 
     runs = M.load_runs(paths)
     br, br_src, gemm = None, "", None

@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from k3fuse.bench.timing import copy_bandwidth, graph_replay_us, slowest_rank
+from k3fuse.tools.bench.timing import copy_bandwidth, graph_replay_us, slowest_rank
 from k3fuse.dist import MULTICAST_OFF, launch
 from k3fuse.model.shapes import gemm_site
 

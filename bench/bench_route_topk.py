@@ -5,7 +5,7 @@ renormalise, * 2.5. Arms: "eager" (the model's `route`, op by op), "compiled" (t
 torch.compile, Inductor's kernels), "triton" (kernels/triton/route_topk.py, and each --warps
 choice), "launch_floor" (a one-program kernel that only copies k floats: what a kernel costs in
 this graph before it does any work). Each is timed with
-k3fuse.bench.timing's CUDA-graph timer: one graph replays STEPS calls on fresh logits per replay,
+k3fuse.tools.bench.timing's CUDA-graph timer: one graph replays STEPS calls on fresh logits per replay,
 median µs per call.
 
     python bench/bench_route_topk.py [--tokens 1,2,4,8,16,32,64] [--json out.json]
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from k3fuse.bench.timing import capture, time_graph
+    from k3fuse.tools.bench.timing import capture, time_graph
     from k3fuse.kernels.triton import route_topk
     from k3fuse.model.layers import route
 

@@ -7,7 +7,7 @@ widths at TP 1 and 2; 1536: the published width at TP 2). Arms: "eager" (spellin
 (the same under torch.compile, Inductor's kernels around the grouped GEMMs), "triton"
 (kernels/triton/routed_experts.py in the mode pick_config chooses, printed after its time), and
 "triton_pairwise" / "triton_grouped" (each mode forced: where they cross is PAIRWISE_MAX_PAIRS).
-Each is timed with k3fuse.bench.timing's CUDA-graph timer: one graph replays STEPS calls, new
+Each is timed with k3fuse.tools.bench.timing's CUDA-graph timer: one graph replays STEPS calls, new
 tokens and experts per replay, median µs per call. "floor" is the touched experts' weight bytes
 over the measured copy bandwidth (the expected number of distinct experts for T tokens drawing 16
 of 896 each).
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from k3fuse.bench.timing import capture, copy_bandwidth, time_graph
+    from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph
     from k3fuse.kernels.triton import routed_experts as kernel
     from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_grouped
 

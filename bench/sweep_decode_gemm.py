@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_gemm import SHAPES  # noqa: E402
 
-from k3fuse.bench.timing import graph_replay_us  # noqa: E402
+from k3fuse.tools.bench.timing import graph_replay_us  # noqa: E402
 
 SPLITK_M = (8, 32, 64)          # one M per BLOCK_M bucket (16, 32, 64)
 GEMV_M = (1, 2, 4)

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import k3fuse
-from k3fuse.cli import print_rewrite_summary
+from k3fuse.tools.cli import print_rewrite_summary
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
 

@@ -102,9 +102,9 @@ for s in "${STEPS[@]}"; do
                    tests/gpu/test_collective_safety_gpu.py ;;
     tests)     step pytest_gpu "${TEST_TIMEOUT:-420}" "${PYTEST[@]}" tests/gpu ;;
     test-layer) step pytest_layer "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" -s tests/gpu/test_layer_gpu.py ;;
-    bench-layer) step bench_layer "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.cli bench --residual plain --layers 1 \
+    bench-layer) step bench_layer "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.tools.cli bench --residual plain --layers 1 \
                    --json "$OUT/bench_layer_plain.json" --plots "$OUT/plain_" ${BENCH_ARGS:-} ;;
-    bench-attnres) step bench_attnres "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.cli bench --residual attnres --layers 2 \
+    bench-attnres) step bench_attnres "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.tools.cli bench --residual attnres --layers 2 \
                    --json "$OUT/bench_layer_attnres.json" --plots "$OUT/attnres_" ${BENCH_ARGS:-} ;;
     bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py \
                   --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;

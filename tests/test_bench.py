@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from k3fuse.bench import parse_arms
-from k3fuse.bench.runner import weight_floor
+from k3fuse.tools.bench import parse_arms
+from k3fuse.tools.bench.runner import weight_floor
 from k3fuse.model import K3DecodeStack, get_config
 
 RULES = ["oproj_allreduce_residual", "moe_tail_allreduce_norm", "moe_front_sharded", "fused_routing",
@@ -50,7 +50,7 @@ def test_weight_floor_counts_only_the_experts_the_tokens_touch():
 @pytest.mark.slow
 def test_bench_cli_smoke_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "k3fuse.cli", "bench", "--device", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, "-m", "k3fuse.tools.cli", "bench", "--device", "cpu", "--preset", "tiny",
            "--compiler", "eager", "--tokens", "1,3", "--steps", "2", "--replays", "2",
            "--arms", "stock,k3fuse,without:shared_expert_stream", "--rule-arm-tokens", "3",
            "--json", str(out), "--plots", str(tmp_path / "b_")]
@@ -86,7 +86,7 @@ def test_bench_cli_smoke_on_two_gloo_ranks(tmp_path):
 
 
 def test_side_stream_overlap_counts_only_time_under_main_stream_work():
-    from k3fuse.bench.profile import KernelEvent, side_stream_overlap
+    from k3fuse.tools.bench.profile import KernelEvent, side_stream_overlap
 
     main = [KernelEvent("mm", 7, 0.0, 10.0), KernelEvent("topk", 7, 12.0, 8.0)]  # busy 0-10, 12-20
     side = [KernelEvent("gemv", 9, 5.0, 10.0)]  # 5-15: overlaps 5-10 and 12-15
@@ -96,7 +96,7 @@ def test_side_stream_overlap_counts_only_time_under_main_stream_work():
 
 
 def test_concurrency_needs_no_stream_ids():
-    from k3fuse.bench.profile import KernelEvent, concurrency
+    from k3fuse.tools.bench.profile import KernelEvent, concurrency
 
     # a graph replay's stream ids mean nothing: the same timeline under any ids gives the same answer
     timeline = [(0.0, 10.0), (12.0, 8.0), (5.0, 10.0), (30.0, 2.0)]  # 0-10, 12-20, 5-15, 30-32

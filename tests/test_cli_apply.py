@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_helpers import digest, k3fuse, one_line_error, save_programs
 
-from k3fuse.cli import decide_tp
+from k3fuse.tools.cli import decide_tp
 from k3fuse.usage import UsageError
 
 pytestmark = pytest.mark.slow
@@ -98,7 +98,7 @@ def test_existing_output_is_replaced_atomically_and_in_place_needs_the_flag(work
 # A save that dies half-way: Ctrl-C, or a full disk, after writing part of the file.
 INTERRUPTED_SAVE = """
 import sys, errno, torch
-import k3fuse.cli
+import k3fuse.tools.cli
 def broken_save(ep, f, *a, **k):
     with open(f, "wb") as out:
         out.write(b"PK half a program")
@@ -106,7 +106,7 @@ def broken_save(ep, f, *a, **k):
         raise KeyboardInterrupt
     raise OSError(errno.ENOSPC, "No space left on device")
 torch.export.save = broken_save
-sys.exit(k3fuse.cli.main(sys.argv[2:]))
+sys.exit(k3fuse.tools.cli.main(sys.argv[2:]))
 """
 
 

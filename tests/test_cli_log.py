@@ -6,7 +6,7 @@ import json
 import pytest
 from cli_helpers import k3fuse, one_line_error
 
-from k3fuse.cli import main
+from k3fuse.tools.cli import main
 from k3fuse.log import RewriteEvent, fold_reasons, read_jsonl, split_runs
 
 

@@ -50,7 +50,7 @@ def test_demo_mistakes_are_one_line_before_compiling(tmp_path, args, fragments):
 
 
 def test_demo_fails_when_no_rewrite_fired():
-    from k3fuse.demo import demo_passed, demo_verdict
+    from k3fuse.tools.demo import demo_passed, demo_verdict
 
     report = {"rank": 0, "max_rel_err_out": 0.0, "max_rel_err_state": 0.0, "active_rules": []}
     assert not demo_passed([report])

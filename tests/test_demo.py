@@ -1,5 +1,5 @@
 """The README's main job (`k3fuse demo`) runs, rewrites every layer and matches stock eager."""
-from k3fuse.demo import DemoConfig, demo_passed, run_demo
+from k3fuse.tools.demo import DemoConfig, demo_passed, run_demo
 
 # per layer at TP=2 (plain residual): attention out-proj + MoE final reduction, one sharded MoE
 # front, one shared expert on the side stream, the 8 remaining static-weight projections

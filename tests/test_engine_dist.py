@@ -70,7 +70,7 @@ def test_multicast_needs_every_rank(ranks):
 
 
 def test_cli_apply_tp2_takes_group_from_graph(ranks, tmp_path):
-    from k3fuse.cli import main
+    from k3fuse.tools.cli import main
     from k3fuse.pipeline import default_rules
 
     _, out_dir = ranks

@@ -77,7 +77,7 @@ def test_cli_apply_and_log(exported, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("k3fuse.pipeline.all_rules", lambda: [LinearResidualRule()])  # the CLI's registry
     src, dst, logf = tmp_path / "in.pt2", tmp_path / "out.pt2", tmp_path / "log.jsonl"
     torch.export.save(ep, src)
-    from k3fuse.cli import main
+    from k3fuse.tools.cli import main
     assert main(["apply", str(src), "-o", str(dst), "--tokens", "1-8", "--log", str(logf)]) == 0
     assert op_counts(torch.export.load(dst).graph)[LINEAR_RESIDUAL] == 3
     events = [json.loads(x) for x in logf.read_text().splitlines()]
@@ -87,7 +87,7 @@ def test_cli_apply_and_log(exported, tmp_path, monkeypatch, capsys):
 
 def test_cli_rejects_bad_token_range(exported, tmp_path, capsys):
     # issue 11: a bad range is one line and exit 2 (was a ContextError traceback after loading)
-    from k3fuse.cli import main
+    from k3fuse.tools.cli import main
     with pytest.raises(SystemExit) as exc:
         main(["apply", "x.pt2", "-o", "y.pt2", "--tokens", "a-b"])
     assert exc.value.code == 2
@@ -102,7 +102,7 @@ def test_cli_rejects_bad_token_range(exported, tmp_path, capsys):
 
 def test_cli_tp2_without_collectives_in_graph_is_a_clear_error(exported, tmp_path, capsys):
     # issue 11: --tp is checked against the graph (was: "--tp 2 needs --group-name: ... groups []")
-    from k3fuse.cli import main
+    from k3fuse.tools.cli import main
     _, _, ep = exported
     torch.export.save(ep, tmp_path / "in.pt2")
     assert main(["apply", str(tmp_path / "in.pt2"), "-o", str(tmp_path / "o.pt2"), "--tp", "2"]) == 2

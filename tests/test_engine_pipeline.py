@@ -187,7 +187,7 @@ def test_log_jsonl_roundtrip_and_cli(tmp_path, capsys):
     assert lines[0]["door"] == "test" and lines[0]["rank"] == 0 and lines[0]["graph_id"] == log.events[0].graph_id
     back = RewriteLog.from_jsonl(path)
     assert back.summary()["linear_residual"]["applied"] == 2
-    from k3fuse.cli import main
+    from k3fuse.tools.cli import main
     assert main(["log", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["active_rules"] == ["linear_residual"] and out["summary"]["rms_norm"]["not_matched"] == 1

@@ -41,7 +41,7 @@ def test_editing_a_module_a_rule_uses_changes_the_pass_uuid(monkeypatch, module)
 
 def test_editing_an_unrelated_module_keeps_the_uuid(monkeypatch):
     before = _uuid()
-    _edited(monkeypatch, "k3fuse.cli")
+    _edited(monkeypatch, "k3fuse.tools.cli")
     assert _uuid() == before
 
 

@@ -1,4 +1,4 @@
-"""The MoE-front projection model (k3fuse/bench/front_model.py) and `bench_moe_front.py --project`, on CPU.
+"""The MoE-front projection model (bench/front_model.py) and `bench_moe_front.py --project`, on CPU.
 
 * the bytes per rank are the shape table's (k3fuse.model.shapes), the exchange T x (E + L) / W fp32
   to each of W - 1 peers;
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from k3fuse.bench import front_model as M
 from k3fuse.model.shapes import gemm_site
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # the model belongs to one benchmark, not the installed package
+import front_model as M  # noqa: E402
 SLICE_JSON = ROOT / "bench" / "results" / "h200_moe_front_slice.json"
 BENCH = ROOT / "bench" / "bench_moe_front.py"
 SHAPE = M.FrontShape()

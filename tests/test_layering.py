@@ -22,7 +22,7 @@ PACKAGES = {"k3fuse": "k3fuse", "patterns": "k3fuse.patterns", "kernels": "k3fus
 #: imports nothing from k3fuse but these
 LEAVES = {"k3fuse.settings": set(), "k3fuse.ir": set(), "k3fuse.usage": set(), "k3fuse.compat": set(),
           "k3fuse.runtime": {"k3fuse.settings"}, "k3fuse.spelling": {"k3fuse.quant"}, "k3fuse.quant": set(),
-          "k3fuse.console": set()}
+          "k3fuse.tools.console": set()}
 #: the framework core: it must not import the rules, the kernels or the doors
 CORE = {"k3fuse.settings", "k3fuse.ir", "k3fuse.usage", "k3fuse.compat", "k3fuse.runtime", "k3fuse.context",
         "k3fuse.guards", "k3fuse.match", "k3fuse.matcher", "k3fuse.rule", "k3fuse.normalize", "k3fuse.pipeline",
@@ -156,8 +156,16 @@ def test_kernels_reach_only_the_leaves():
     assert {m: e for m, e in bad.items() if e} == {}
 
 
+def test_the_compiler_never_imports_the_tools():
+    """k3fuse.tools (CLI, demo, bench, validate, console tables) sits on top: nothing below reaches up."""
+    bad = {m: sorted(e for e in deps if e == "k3fuse.tools" or e.startswith("k3fuse.tools."))
+           for m, deps in GRAPH.items() if not m.startswith("k3fuse.tools")}
+    assert {m: e for m, e in bad.items() if e} == {}
+    assert "k3fuse.tools.cli" in MODULES and "k3fuse.tools.bench.runner" in MODULES
+
+
 def test_rules_never_import_kernels_or_doors():
-    doors = {"k3fuse.backend", "k3fuse.inductor", "k3fuse.offline", "k3fuse.cli", "k3fuse.wiring", "k3fuse"}
+    doors = {"k3fuse.backend", "k3fuse.inductor", "k3fuse.offline", "k3fuse.tools.cli", "k3fuse.wiring", "k3fuse"}
     bad = {m: sorted(e for e in deps if e.startswith("k3fuse.kernels") or e in doors)
            for m, deps in GRAPH.items() if m.startswith("k3fuse.patterns")}
     assert {m: e for m, e in bad.items() if e} == {}

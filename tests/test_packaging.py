@@ -5,8 +5,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["k3fuse.model", "k3fuse.patterns", "k3fuse.kernels", "k3fuse.kernels.reference",
-               "k3fuse.kernels.cute", "k3fuse.kernels.triton"]
+SUBPACKAGES = ["k3fuse.model", "k3fuse.tools", "k3fuse.tools.bench", "k3fuse.patterns", "k3fuse.kernels",
+               "k3fuse.kernels.reference", "k3fuse.kernels.cute", "k3fuse.kernels.triton"]
 
 
 def test_editable_install_maps_top_level_folders():
@@ -25,10 +25,11 @@ def test_normal_install_from_the_wheel(tmp_path):
     for pkg in ["k3fuse", *SUBPACKAGES]:
         assert pkg.replace(".", "/") + "/__init__.py" in names, pkg
     assert not any(n.startswith(("kernels/", "patterns/")) for n in names)  # no stray top-level `kernels`
+    assert not any(n.endswith("front_model.py") for n in names)  # one benchmark's model stays in bench/
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[torch_dynamo_backends]" in text and "k3fuse = k3fuse.backend:k3fuse_backend" in text
-    assert "k3fuse = k3fuse.cli:main" in text
+    assert "k3fuse = k3fuse.tools.cli:main" in text
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],

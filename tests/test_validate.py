@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
-from k3fuse import validate as v
+from k3fuse.tools import validate as v
 from k3fuse.dist import RankFailedError, launch
 
 FAST = dict(preset="tiny", layers=1, steps=2, stock="eager", compiler="eager", layer_outputs=False)
 
 
 def test_cli_validate_passes_tp2(tmp_path, capsys):
-    from k3fuse.cli import main
+    from k3fuse.tools.cli import main
 
     out = tmp_path / "v.json"
     rc = main(["validate", "--preset", "tiny", "--layers", "2", "--steps", "2", "--tp", "2",

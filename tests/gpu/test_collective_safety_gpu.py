@@ -392,7 +392,7 @@ def test_tp_subgroup(tmp_path):
 def test_validate_gpu():
     """`k3fuse validate --device cuda`: bf16 stack on 2 GPUs, the fused all-reduce kernels ran (strict),
     every difference from the float64 copy is within stock's or explained by a near-tie flip."""
-    from k3fuse import validate as v
+    from k3fuse.tools import validate as v
 
     os.environ.update(ENV, K3FUSE_AR_TIMEOUT_S=str(WARMUP_TIMEOUT_S))
     cfg = v.ValidateConfig(preset="small", layers=2, tp=2, tokens=4, steps=4, dtype="bfloat16",

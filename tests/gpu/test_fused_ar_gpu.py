@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
-from k3fuse.bench.timing import median, slowest_rank, time_graph  # noqa: E402
+from k3fuse.tools.bench.timing import median, slowest_rank, time_graph  # noqa: E402
 from ar_helpers import poison, spawn  # noqa: E402
 from k3fuse.model.shapes import gemm_site  # noqa: E402
 
@@ -153,7 +153,7 @@ def _body(rank, world, dist, protocol):
                     same_on_all_ranks(normed, f"graph T={T} replay {i}")
             torch.cuda.synchronize()
             # rough timing (not a benchmark: one op per graph, the same weight every replay):
-            # median µs per replay over 200 (k3fuse.bench.timing), the slower rank
+            # median µs per replay over 200 (k3fuse.tools.bench.timing), the slower rank
             us = slowest_rank(median(time_graph(g, 1, 200)), dev)
             if rank == 0:
                 print(f"TIMING {protocol} T={T}: {us:.2f} us per graph replay", flush=True)

@@ -124,7 +124,7 @@ def test_layer_error_is_explained(world):
     or follow a top-k flip near a tie; strict mode, the fused ops on their GPU kernels."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    from k3fuse import validate as v
+    from k3fuse.tools import validate as v
 
     cfg = v.ValidateConfig(preset="k3", layers=1, tp=world, tokens=5, steps=3, device="cuda",
                            overrides=(("moe_inter", 128),), layer_outputs=False, timeout_s=900)

@@ -87,7 +87,7 @@ def _check_group(cfg: ValidateConfig):
     """The process group for cfg.tp; a clear error when it is missing or the ranks disagree."""
     import torch.distributed as dist
 
-    from .dist import ProcessGroupMissing, disagreements, require_group
+    from ..dist import ProcessGroupMissing, disagreements, require_group
 
     if cfg.tp == 1:
         return None
@@ -110,7 +110,7 @@ def _check_group(cfg: ValidateConfig):
 
 
 def _build(cfg: ValidateConfig, n_layers: int, rank: int, group, device):
-    from .model import K3DecodeStack, get_config
+    from ..model import K3DecodeStack, get_config
 
     over = {**dict(cfg.overrides), "n_layers": n_layers, "residual": cfg.residual}
     if cfg.dtype:
@@ -146,7 +146,7 @@ def _router_hooks(model, store: list, scores: bool) -> list:
 
 def _inject(scale: float) -> None:
     """Tests: a wrong fused all-reduce (reference output times `scale`) on CPU."""
-    from .kernels import dispatch
+    from ..kernels import dispatch
 
     for op in ("gemm_ar_residual", "gemm_ar_residual_rmsnorm"):
         ref = next(i for i in dispatch.implementations(op) if i.name == dispatch.REFERENCE)
@@ -169,7 +169,7 @@ def _run_paths(cfg, model, ref, device, xs, ctx):
     """Run the steps teacher-forced on the three paths; returns outputs, states, routing, log."""
     import k3fuse
 
-    from .log import RewriteLog
+    from ..log import RewriteLog
 
     stock = model if cfg.stock == "eager" else torch.compile(model, backend="inductor")
     rlog = RewriteLog(None)
@@ -353,7 +353,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig) -> dict[str, 
 
 def run_validate(cfg: ValidateConfig) -> list[dict[str, Any]]:
     """Validate on cfg.tp ranks (gloo on CPU, NCCL on GPUs); one report per rank."""
-    from .dist import launch
+    from ..dist import launch
 
     if cfg.tp == 1:
         return [validate_rank(0, 1, cfg)]

@@ -1,4 +1,4 @@
-"""`k3fuse validate` on the command line (the work is in k3fuse.validate, imported when it runs)."""
+"""`k3fuse validate` on the command line (the work is in k3fuse.tools.validate, imported when it runs)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .bench.cli import parse_overrides
-from .fileio import check_output_file, write_text_atomic
+from ..fileio import check_output_file, write_text_atomic
 from .validate_config import ValidateConfig
 
 
@@ -43,7 +43,7 @@ def register_validate(sub: Any) -> None:
 
 
 def _cmd_validate(args: Any) -> int:
-    from .dist import LaunchTimeout, RankFailedError
+    from ..dist import LaunchTimeout, RankFailedError
     from .validate import ValidateError, passed, print_validate, run_validate
 
     if args.json:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..usage import UsageError
+from ...usage import UsageError
 
 CUDA_DEFAULTS = {"preset": "k3", "set": "moe_inter=128", "tp": 2}
 CPU_DEFAULTS = {"preset": "small", "set": "", "tp": 2}

@@ -40,7 +40,7 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
         cond["cuda"] = torch.version.cuda
         cond["copy_bandwidth_TBps"] = round(reports[0].get("copy_bandwidth_Bps", 0) / 1e12, 3)
         cond["multicast"] = reports[0].get("multicast")
-        from ..dist import MULTICAST_OFF
+        from ...dist import MULTICAST_OFF
 
         cond["env"] = {k: os.environ.get(k) for k in MULTICAST_OFF}
     return cond

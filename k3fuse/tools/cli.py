@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .console import print_reasons, print_rewrite_summary, print_runs
-from .usage import UsageError
+from ..usage import UsageError
 
 
 def _env_debug() -> bool:
     """K3FUSE_DEBUG=1 (a malformed value is no reason to hide the traceback it asks for)."""
-    from . import settings
+    from .. import settings
 
     try:
         return settings.get("K3FUSE_DEBUG")
@@ -115,14 +115,14 @@ def _rules_context_fields(spec: str | None) -> dict[str, Any]:
     """--rules "a,b" (only these) / "-a" (all but a) -> DecodeContext fields."""
     if not spec:
         return {}
-    from .pipeline import parse_rules_env
+    from ..pipeline import parse_rules_env
 
     only, minus = parse_rules_env(spec)
     return {"enabled_rules": only, "disabled_rules": minus}
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
-    from .fileio import check_append_file, check_input_file, check_output_file
+    from ..fileio import check_append_file, check_input_file, check_output_file
 
     # every path first: a mistake found after minutes of rewriting is a lost run
     src = check_input_file(args.input, "input program")
@@ -204,8 +204,8 @@ def register_apply(sub: Any) -> None:
 
 
 def _cmd_log(args: argparse.Namespace) -> int:
-    from .fileio import check_input_file
-    from .log import RewriteLog, fold_reasons, read_jsonl, split_runs
+    from ..fileio import check_input_file
+    from ..log import RewriteLog, fold_reasons, read_jsonl, split_runs
 
     path = check_input_file(args.file, "log file")
     reading = read_jsonl(path)

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .usage import UsageError
+from ..usage import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -209,7 +209,7 @@ def register_demo(sub: Any) -> None:
 def _cmd_demo(args: Any) -> int:
     import json
 
-    from .fileio import check_append_file, check_output_file, write_text_atomic
+    from ..fileio import check_append_file, check_output_file, write_text_atomic
 
     if args.old_tokens is not None:
         raise UsageError("demo --tokens is now --batch (tokens per decode step); --tokens names the guard's "
