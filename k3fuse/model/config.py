@@ -141,6 +141,12 @@ PRESETS: dict[str, K3Config] = {
 }
 
 
+# K3 with narrow bf16 routed experts (moe_inter=128, a twelfth of the published width): the layer figures
+# before MXFP4, kept under a name that says so.
+PRESETS["k3_moe_inter128"] = dataclasses.replace(PRESETS["k3"], moe_inter=128, expert_format="bf16",
+                                                 name="k3_moe_inter128")
+
+
 def get_config(name: str, **overrides: Any) -> K3Config:
     """A preset by name, with fields replaced by `overrides` (validated again)."""
     try:

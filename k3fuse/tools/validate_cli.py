@@ -6,7 +6,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from .bench.cli import parse_overrides
+from .bench.cli import MergeOverrides, parse_overrides
 from ..fileio import check_output_file, write_text_atomic
 from .validate_config import ValidateConfig
 
@@ -16,8 +16,9 @@ def register_validate(sub: Any) -> None:
     p = sub.add_parser("validate", help="decode N steps through stock and k3fuse and explain every difference "
                                         "against a float64 copy of the model")
     p.add_argument("--preset", default=d.preset, help="model preset (tiny, small, k3)")
-    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
-                   help="K3Config fields, e.g. moe_inter=128 (the preset k3 with small routed experts)")
+    p.add_argument("--set", dest="overrides", type=parse_overrides, action=MergeOverrides, default={},
+                   help="K3Config fields (repeatable), e.g. expert_format=mxfp4 (MXFP4 routed experts; the k3 "
+                        "preset's), or --set moe_inter=128 --set expert_format=bf16 (narrow bf16 experts)")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--residual", choices=("plain", "attnres"), default=d.residual)
     p.add_argument("--tp", type=int, default=d.tp)
