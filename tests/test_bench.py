@@ -179,3 +179,15 @@ def test_bench_cli_mxfp4_experts_with_zipf_routing(tmp_path):
     assert result["weight_read_floor"]["8"]["experts_touched"] == result["distinct_experts"]["8"]["mean"]
     assert all(r["rel_err_vs_stock"] < 1e-4 for r in result["arms"]["k3fuse"]["rows"])
     assert result["arms"]["k3fuse"]["error"] is None and result["arms"]["k3fuse"]["fallbacks"] == {}
+
+
+def test_tables_print_when_every_arm_failed(capsys):
+    from k3fuse.tools.bench.report import print_tables
+
+    result = {"conditions": {"preset": "k3", "overrides": {}, "layers": 1, "residual": "plain", "tp": 1,
+                             "device": "cuda", "steps_per_graph": 10, "replays": 20, "routing": "uniform"},
+              "model": {"moe_inter": 3072, "expert_format": "mxfp4"}, "weight_read_floor": {},
+              "arms": {"k3fuse": {"rows": [], "error": "OutOfMemoryError: CUDA out of memory", "compile_s": 0.0}}}
+    print_tables(result)
+    out = capsys.readouterr().out
+    assert "mxfp4 experts" in out and "k3fuse (error)" in out

@@ -143,7 +143,7 @@ def print_tables(result: dict[str, Any]) -> None:
                                              for T in tokens])
     console.print(table)
 
-    kt = Table(title=f"at T={tokens[0]}: kernels per step, kernel time run concurrently; compile time, rewrites")
+    kt = Table(title=f"at T={tokens[0] if tokens else '-'}: kernels per step, kernel time run concurrently; compile time, rewrites")
     for col in ("arm", "kernels/step", "device µs/step", "concurrent µs/step", "max rel err vs stock",
                 "compile s", "passes ms", "applied", "fallbacks", "error"):
         kt.add_column(col)
