@@ -106,3 +106,9 @@ def test_cli_validate_mxfp4_stack_tp2(tmp_path, capsys):
     r0 = json.loads(out.read_text())["ranks"][0]
     assert r0["model"]["expert_format"] == "mxfp4" and r0["model"]["moe_inter"] == 64
     assert r0["output_err_k3fuse"][0] < 1e-4 and r0["output_err_stock"][0] < 1e-4  # fp32 vs float64 copy
+
+
+def test_quantized_width_tp_misfit_is_one_clear_error_before_any_rank_starts():
+    cfg = v.ValidateConfig(tp=2, overrides=(("expert_format", "mxfp4"),), **FAST)  # tiny: I/2 = 16
+    with pytest.raises(v.ValidateError, match="TP=2 leaves moe_inter/tp=16 .* mxfp4 group size 32"):
+        v.run_validate(cfg)

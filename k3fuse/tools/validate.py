@@ -112,13 +112,22 @@ def _check_group(cfg: ValidateConfig):
     return group
 
 
-def _build(cfg: ValidateConfig, n_layers: int, rank: int, group, device):
-    from ..model import K3DecodeStack, get_config
+def model_config(cfg: ValidateConfig, n_layers: int | None = None) -> Any:
+    """The K3Config validate builds (preset, --set, layers, residual, dtype), checked for cfg.tp."""
+    from ..model import get_config
 
-    over = {**dict(cfg.overrides), "n_layers": n_layers, "residual": cfg.residual}
+    over = {**dict(cfg.overrides), "n_layers": n_layers or cfg.layers, "residual": cfg.residual}
     if cfg.dtype:
         over["dtype"] = cfg.dtype
     mcfg = get_config(cfg.preset, **over)
+    mcfg.validate_for_tp(cfg.tp)
+    return mcfg
+
+
+def _build(cfg: ValidateConfig, n_layers: int, rank: int, group, device):
+    from ..model import K3DecodeStack
+
+    mcfg = model_config(cfg, n_layers)
     on_device = device.type == "cuda"  # K3 widths: seconds on the GPU instead of minutes on the host
     model = K3DecodeStack(mcfg, tp_size=cfg.tp, rank=rank, group=group, seed=cfg.seed, device=device,
                           init_on_device=on_device)
@@ -362,6 +371,10 @@ def run_validate(cfg: ValidateConfig) -> list[dict[str, Any]]:
     """Validate on cfg.tp ranks (gloo on CPU, NCCL on GPUs); one report per rank."""
     from ..dist import launch
 
+    try:
+        model_config(cfg)  # a bad preset, --set or TP is one clear error here, not one per rank
+    except ValueError as exc:
+        raise ValidateError(f"validate: {exc}") from None
     if cfg.tp == 1:
         return [validate_rank(0, 1, cfg)]
     backend = "nccl" if cfg.device == "cuda" else "gloo"
