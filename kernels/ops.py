@@ -35,6 +35,10 @@ arguments in schema order without `strict` (supports and run get the same), and 
   kda_delta_rule            (recurrent, g, beta, k, v, q) -> (S_new, o), both new fp32 tensors
   routed_experts            (a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta) -> z [T*k, L]
                              in pair order, a's dtype (k3fuse/spelling.py `routed_experts`)
+  routed_experts_w4a16      (a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                             top_k, situ_beta, situ_linear_beta, format, table) -> z [T*k, L] in pair
+                             order, a's dtype (k3fuse/spelling.py `routed_experts_quantized`; `table`
+                             MXFP4's nibble -> value table, None for int4)
 The op itself returns the fork's x_pass and performs the join (streams.join), so neither is an impl.
 Collective ops: every rank must pick the same implementation (supports must decide from shapes,
 dtypes and world size only), or the ranks would run different collectives.
@@ -50,7 +54,8 @@ import torch.fx
 
 from k3fuse import runtime
 from k3fuse.ir import OpTraits, declare_op_traits
-from k3fuse.spelling import routed_experts, routed_experts_gathered
+from k3fuse.spelling import (routed_experts, routed_experts_gathered, routed_experts_quantized,
+                             routed_experts_quantized_gathered)
 
 from . import dispatch as _dispatch
 from . import streams
@@ -210,6 +215,42 @@ def _routed_experts_fake(a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_b
     return a.new_empty((experts.shape[0], a.shape[1]))
 
 
+#: the quantized expert formats routed_experts_w4a16 takes (k3fuse/quant.py's layouts) and the
+#: packed elements per stored item of each: uint8 bytes of two E2M1 nibbles, int32 words of eight
+W4A16_FORMATS = {"mxfp4": 2, "int4": 8}
+
+
+def _routed_experts_w4a16_fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k,
+                               situ_beta, situ_linear_beta, format, table=None, strict=False):
+    name = "k3fuse.routed_experts_w4a16"
+    torch._check(format in W4A16_FORMATS,
+                 lambda: f"{name}: format {format!r} is not one of {sorted(W4A16_FORMATS)}")
+    per = W4A16_FORMATS[format]
+    torch._check(a.dim() == 2, lambda: f"{name}: a must be the latent [T, L], got {tuple(a.shape)}")
+    torch._check(experts.dim() == 1 and experts.dtype == torch.int64,
+                 lambda: f"{name}: experts must be int64 [T*top_k], got {experts.dtype} {tuple(experts.shape)}")
+    torch._check(experts.shape[0] == a.shape[0] * top_k,
+                 lambda: f"{name}: {experts.shape[0]} expert ids for {a.shape[0]} tokens x top_k={top_k}")
+    L = a.shape[1]
+    torch._check(w1_packed.dim() == 3 and w1_packed.shape == w3_packed.shape and w1_packed.shape[2] * per == L,
+                 lambda: f"{name}: {format} w1/w3 must be [E, I, L/{per}] with L={L}, got "
+                         f"{tuple(w1_packed.shape)} / {tuple(w3_packed.shape)}")
+    E, I = w1_packed.shape[0], w1_packed.shape[1]
+    torch._check(tuple(w2_packed.shape) == (E, L, I // per) and I % per == 0,
+                 lambda: f"{name}: {format} w2 must be [E, L, I/{per}] = {(E, L, I // per)}, got "
+                         f"{tuple(w2_packed.shape)}")
+    torch._check(table is None or (format == "mxfp4" and tuple(table.shape) == (16,)),
+                 lambda: f"{name}: the table is MXFP4's 16 E2M1 values (int4 has none), got "
+                         f"{tuple(table.shape)} for {format}")
+    for what, scale, rows, cols in (("w1_scale", w1_scale, I, L), ("w3_scale", w3_scale, I, L),
+                                    ("w2_scale", w2_scale, L, I)):
+        torch._check(tuple(scale.shape) == (E, rows, cols // 32),
+                     lambda what=what, scale=scale, rows=rows, cols=cols:
+                     f"{name}: {what} must be [E, {rows}, {cols}/32] = {(E, rows, cols // 32)} (group size 32), "
+                     f"got {tuple(scale.shape)}")
+    return a.new_empty((experts.shape[0], L))
+
+
 # --- eager bodies that are more than a dispatch -------------------------------------------------
 def _shared_expert_fork(x, proj, proj_bias, w_down, b_down, act, site, strict=False):
     """Launch the shared-expert branch for `site` (side stream on CUDA); return x_pass, a copy of x."""
@@ -304,6 +345,17 @@ DECLARATIONS: tuple[OpDecl, ...] = (
            "(Tensor a, Tensor experts, Tensor w1, Tensor w3, Tensor w2, int top_k, float situ_beta, "
            "float situ_linear_beta, bool strict=False) -> Tensor",
            _routed_experts_fake, routed_experts, routed_experts_gathered),
+    # routed_experts over the checkpoint's 4-bit experts (k3fuse/quant.py; format "mxfp4" or "int4",
+    # group size 32; `table` the spelling's E2M1 value table for mxfp4, None for int4):
+    # z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // k], w3[e_p] @ a[p // k]) on the dequantized
+    # weights, rounded to a's dtype after each projection. Stock: the model's spelling (the step's
+    # experts gathered, dequantized, grouped GEMMs on CUDA); reference: the same dequantization,
+    # then the gathered bmm (any device).
+    OpDecl("routed_experts_w4a16",
+           "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "
+           "Tensor w2_packed, Tensor w2_scale, int top_k, float situ_beta, float situ_linear_beta, str format, "
+           "Tensor? table=None, bool strict=False) -> Tensor",
+           _routed_experts_w4a16_fake, routed_experts_quantized, routed_experts_quantized_gathered),
 )
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
