@@ -34,7 +34,7 @@ and dequantizes in registers. One pattern per format (the dequantization differs
 variant and the log name the format. top_k is read off the shapes there (a free size, not an int
 wildcard: see QUANT_TOP_K), and the trace bakes in the slot count min(T*k, E) besides the sizes
 above (free sizes, checked against the operands, whose shapes the guards check for groups of 32).
-Static shapes only: a symbolic token count is refused with the reason (the model's stock spelling runs).
+E, I and L must be static; the token count may be symbolic (a recompile for a second batch size).
 Needs: packed weights and scales static in the format's layout and dtypes (mxfp4 uint8 / uint8, int4
 int32 / bf16, the pattern's), MXFP4's E2M1 table a static buffer (the kernel checks its values once).
 """
@@ -164,14 +164,16 @@ def _quantized_failure(match: Match, fmt: str) -> GuardFailure | None:
     if a is None or len(a) != 2 or experts is None or len(experts) != 1 or w1 is None or len(w1) != 3:
         return GuardFailure("site", "shape", "operands are not a [T, L], experts [T*k] and stacked [E, ...] "
                             "packed weights", values)
-    if not all(isinstance(d, int) for s in shapes.values() if s is not None for d in s):
-        return GuardFailure("site", "shape", "symbolic sizes: the quantized pattern needs static shapes", values)
     n_experts, inter, latent = w1[0], w1[1], a[1]
+    if not all(isinstance(d, int) for d in (n_experts, inter, latent)):
+        return GuardFailure("site", "shape", "E, I and L must be static (only the token count may be symbolic)",
+                            values)
     if inter % quant.GROUP_SIZE or latent % quant.GROUP_SIZE:
         return GuardFailure("site", "group_size", f"I and L must be whole groups of {quant.GROUP_SIZE}",
                             {**values, "I": inter, "L": latent})
-    want = {"a": (a[0], latent), "experts": (a[0] * top_k,),
-            "w1_packed": (n_experts, *quant.packed_shape(fmt, inter, latent)),
+    if str(experts[0]) != str(a[0] * top_k):
+        return GuardFailure("site", "shape", "expected experts [T*top_k] for a [T, L]", values)
+    want = {"w1_packed": (n_experts, *quant.packed_shape(fmt, inter, latent)),
             "w1_scale": (n_experts, *quant.scale_shape(fmt, inter, latent)),
             "w2_packed": (n_experts, *quant.packed_shape(fmt, latent, inter)),
             "w2_scale": (n_experts, *quant.scale_shape(fmt, latent, inter))}
@@ -187,7 +189,9 @@ def _quantized_failure(match: Match, fmt: str) -> GuardFailure | None:
             or not all(scale_ok(dtypes[n]) for n in ("w1_scale", "w3_scale", "w2_scale"))):
         return GuardFailure("site", "dtype", f"the packed weights or scales are not {fmt}'s dtypes, or the expert "
                             "ids are not int64", {**values, **{f"{n}_dtype": str(d) for n, d in dtypes.items()}})
-    captured = {"tokens": a[0], "latent": latent, "pairs": a[0] * top_k, "slots": min(a[0] * top_k, n_experts)}
+    pairs = a[0] * top_k
+    slots = min(pairs, n_experts) if isinstance(pairs, int) else torch.sym_min(pairs, n_experts)
+    captured = {"tokens": a[0], "latent": latent, "pairs": pairs, "slots": slots}
     for name, want_size in captured.items():
         if name in match.scalars and str(match.scalars[name]) != str(want_size):
             return GuardFailure("site", "shape", f"the traced size {name} is not the operands'",

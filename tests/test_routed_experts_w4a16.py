@@ -165,6 +165,32 @@ def test_rule_captures_other_sizes_and_top_k(fmt):
     assert torch.equal(new_ep.module()(*args), module(*args))
 
 
+@pytest.mark.parametrize("fmt,spelled,dtype", [("mxfp4", spelling.routed_experts_quantized_gathered, torch.float32),
+                                              ("int4", spelling.routed_experts_quantized_grouped, torch.bfloat16)])
+def test_rule_matches_a_dynamic_token_count(fmt, spelled, dtype):
+    """torch.compile with the token dim dynamic (as a recompile for a second batch size makes it): one
+    rewritten graph, the slot count min(T*k, E) a symbolic size, serves every token count."""
+    torch._dynamo.reset()
+    experts = QuantizedExperts(fmt, spelled, dtype=dtype)
+    router = torch.randn(experts.w1_packed.shape[0], experts.w2_packed.shape[1])
+
+    class Routed(nn.Module):  # the expert ids come from the tokens, as in the model (one symbolic T)
+        def forward(self, a):
+            return experts(a, torch.topk(a.float() @ router.T, experts.k, dim=-1).indices)
+
+    module = Routed()
+    log = k3fuse.RewriteLog()
+    fn = torch.compile(module, backend="k3fuse", options={"context": k3fuse.DecodeContext(strict=True), "log": log})
+    runtime.reset_stats()
+    with torch.no_grad(), runtime.strict():
+        for T in (3, 5, 9):
+            a, _ = _inputs(experts, T=T)
+            torch._dynamo.mark_dynamic(a, 0)
+            torch.testing.assert_close(fn(a).float(), module(a).float(), rtol=2e-2, atol=2e-2)
+    assert log.applied(RULE) == 1
+    assert runtime.stats()[OP] == {"reference": 3} and runtime.fallbacks() == {}
+
+
 def test_rule_refuses_a_table_that_is_not_a_static_buffer():
     class TableInput(QuantizedExperts):
         def forward(self, a, idx, table):
