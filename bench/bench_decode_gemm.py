@@ -36,8 +36,10 @@ def main(argv=None) -> int:
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
     from k3fuse.kernels import dispatch
-    from k3fuse.kernels.cute import compat, decode_gemm, decode_gemv
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels.lib.cute import compat
+    from k3fuse.kernels.lib.cute import gemv as decode_gemv
+    from k3fuse.kernels.ops import decode_gemm
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     dev = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(dev)
@@ -63,9 +65,10 @@ def main(argv=None) -> int:
                 torch.ops.k3fuse.decode_gemm(xs[0], ws[0], None, odt)
             res["k3fuse_impl"] = next(iter(runtime.stats()["decode_gemm"]))
             res["k3fuse"] = graph_replay_us(lambda i: torch.ops.k3fuse.decode_gemm(xs[i], ws[i], None, odt), copies)
-            if compat.available() and decode_gemv.supports(xs[0], ws[0], None, odt):
+            spec = decode_gemm.DecodeGemmSpec.from_call(xs[0], ws[0], None, odt)
+            if decode_gemm.gemv_accepts(spec, crossover=False) is None:
                 res["cute.gemv"] = graph_replay_us(lambda i: decode_gemv.run(xs[i], ws[i], None, odt, out=ys[i]), copies)
-            if splitk_gemm.supports(xs[0], ws[0], None, odt):
+            if decode_gemm.splitk_accepts(spec) is None:
                 res["triton.splitk"] = graph_replay_us(lambda i: splitk_gemm.run(xs[i], ws[i], None, odt, out=ys[i]), copies)
                 res["splitk_cfg"] = splitk_gemm.pick_config(M, N, K, props.multi_processor_count)
             for k in ("torch.mm", "k3fuse", "cute.gemv", "triton.splitk"):

@@ -51,7 +51,7 @@ def _worker(rank, world, tokens, as_tp, out_json):
     op = torch.ops.k3fuse.moe_front_sharded
     gemm = torch.ops.k3fuse.decode_gemm
 
-    def stock(x, wr, wd):   # the model's spelling (kernels/reference/stock.py)
+    def stock(x, wr, wd):   # the model's spelling (kernels/lib/reference/stock.py)
         return F.linear(x.float(), wr.float()), F.linear(x, wd)
 
     stock_c = torch.compile(stock, fullgraph=True)
@@ -118,15 +118,17 @@ def _time_slice(n, T, xs, wrs, wds, group, dev, floor) -> dict:
     and one decode GEMM over the same rows stacked; {"skipped": why} where the kernel declines.
     A side arm that fails (no kernel for the stacked rows in strict mode) is None, its error kept."""
     from k3fuse import runtime
-    from k3fuse.kernels.symm_workspace import get_workspace
-    from k3fuse.kernels.triton import moe_front_sharded as K
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels.collective import get_workspace
+    from k3fuse.kernels.lib.triton import moe_gather as K
+    from k3fuse.kernels.lib.triton import splitk_gemm
+    from k3fuse.kernels.ops import moe_front
 
     op = torch.ops.k3fuse.moe_front_sharded
     gemm = torch.ops.k3fuse.decode_gemm
     e1, l1 = E // n, L // n
-    why = K.decide(T, H, e1, l1, torch.bfloat16, torch.bfloat16, 1, MAX_T, triton_ok=K.HAVE_TRITON, dist_ok=True,
-                   protocol=K._protocol()) if E % n == 0 and L % n == 0 else f"E {E} / L {L} not divisible by {n}"
+    why = moe_front.accepts(moe_front.MoEFrontSpec(tokens=T, E=e1, L=l1, H=H, dtype=torch.bfloat16, world_size=1,
+                                                   max_tokens=MAX_T)) \
+        if E % n == 0 and L % n == 0 else f"E {E} / L {L} not divisible by {n}"
     if why is not None:
         return {"skipped": why}
     out: dict = {"floor_slice": floor(e1 + l1), "errors": {}}
@@ -180,15 +182,15 @@ def _time_slice(n, T, xs, wrs, wds, group, dev, floor) -> dict:
 
 def _sweep_worker(rank, world, tokens, as_tp, out_json):
     """Time the op on one rank's 1/as_tp slice under every push-GEMM config; print the best per
-    token count as entries for kernels/triton/moe_front_sharded.TUNED."""
+    token count as entries for kernels/lib/triton/moe_gather.TUNED."""
     import itertools
 
     import torch.distributed as dist
 
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
-    from k3fuse.kernels.triton import moe_front_sharded as K
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels.lib.triton import moe_gather as K
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
@@ -238,17 +240,19 @@ def _coverage(tps) -> dict:
     """Per TP: None where the kernel takes K3's front (the op at world W, and one rank's slice) at
     1, 8 and 64 tokens, else its reasons; {} when the kernel module cannot be imported here."""
     try:
-        from k3fuse.kernels.triton import moe_front_sharded as K
+        from k3fuse.kernels.ops import moe_front
+        from k3fuse.kernels.lib.triton import splitk_gemm  # noqa: F401  (the predicate reads its tiles)
     except Exception:  # pragma: no cover - a checkout without the kernels
         return {}
+
+    def why_not(T, e, l_, W):
+        return moe_front.accepts(moe_front.MoEFrontSpec(tokens=T, E=e, L=l_, H=H, dtype=torch.bfloat16, world_size=W,
+                                                        max_tokens=MAX_T))
     out = {}
     for W in tps:
         whys = []
         for T in (1, 8, MAX_T):
-            for why in (K.decide(T, H, E, L, torch.bfloat16, torch.bfloat16, W, MAX_T, triton_ok=True,
-                                 dist_ok=True, protocol="lamport"),
-                        K.decide(T, H, E // W, L // W, torch.bfloat16, torch.bfloat16, 1, MAX_T, triton_ok=True,
-                                 dist_ok=True, protocol="lamport")):
+            for why in (why_not(T, E, L, W), why_not(T, E // W, L // W, 1)):
                 if why and why not in whys:
                     whys.append(why)
         out[W] = "; ".join(whys) or None

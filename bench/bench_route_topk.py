@@ -2,7 +2,7 @@
 
 K3's router tail on one GPU: logits fp32 [T, 896] -> sigmoid, + b_corr, top-16, gather,
 renormalise, * 2.5. Arms: "eager" (the model's `route`, op by op), "compiled" (the same under
-torch.compile, Inductor's kernels), "triton" (kernels/triton/route_topk.py, and each --warps
+torch.compile, Inductor's kernels), "triton" (kernels/lib/triton/route_topk.py, and each --warps
 choice), "launch_floor" (a one-program kernel that only copies k floats: what a kernel costs in
 this graph before it does any work). Each is timed with
 k3fuse.tools.bench.timing's CUDA-graph timer: one graph replays STEPS calls on fresh logits per replay,
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from k3fuse.tools.bench.timing import capture, time_graph
-    from k3fuse.kernels.triton import route_topk
+    from k3fuse.kernels.lib.triton import route_topk
     from k3fuse.model.layers import route
 
     compiled_route = torch.compile(route, fullgraph=True)

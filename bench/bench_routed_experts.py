@@ -6,7 +6,7 @@ K3's routed experts on one GPU: latent a [T, 3584] bf16, 16 of 896 experts per t
 widths at TP 1 and 2; 1536: the published width at TP 2). Arms: "eager" (spelling
 `routed_experts_grouped`: argsort, searchsorted, three torch._grouped_mm, index_copy), "compiled"
 (the same under torch.compile, Inductor's kernels around the grouped GEMMs), "triton"
-(kernels/triton/routed_experts.py in the mode pick_config chooses, printed after its time), and
+(kernels/lib/triton/routed_experts.py in the mode pick_config chooses, printed after its time), and
 "triton_pairwise" / "triton_grouped" (each mode forced: where they cross is PAIRWISE_MAX_PAIRS).
 Each is timed with k3fuse.tools.bench.timing's CUDA-graph timer: one graph replays STEPS calls, new
 tokens and experts per replay, median µs per call. "floor" is the touched experts' weight bytes
@@ -19,7 +19,7 @@ W4A16 (--formats mxfp4,int4; I = 3072, 1536, 384 per rank by default): the packe
 random codes and scales in k3fuse/quant.py's layouts (the bytes the checkpoint has). Arms, each in
 one CUDA graph of STEPS calls with new tokens and experts per replay: "stock" (the model's spelling
 `routed_experts_quantized_grouped` under torch.compile: the step's distinct experts gathered,
-dequantized, grouped GEMMs), "w4a16" (kernels/triton/routed_experts_w4a16.py, pick_config's mode),
+dequantized, grouped GEMMs), "w4a16" (kernels/lib/triton/routed_experts_w4a16.py, pick_config's mode),
 "bf16" (today's BF16 kernel on the dequantized weights, 3.8x the bytes) and "humming" (humming's
 indexed W4A16 MoE GEMMs, gate/up and down only: bench/humming_moe.py; --humming-inter picks the
 widths it compiles for, its JIT takes seconds a shape). Each row reports the distinct experts the
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_w4a16(args)
     from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph
-    from k3fuse.kernels.triton import routed_experts as kernel
+    from k3fuse.kernels.lib.triton import routed_experts as kernel
     from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_grouped
 
     situ = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)

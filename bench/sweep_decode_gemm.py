@@ -6,7 +6,7 @@ and the token bucket and is found by measurement, not guessed. Same timing metho
 bench_decode_gemm.py (CUDA-graph replays over rotated weight copies, fresh activations, medians).
 Triton variants are compiled first by a pool of processes (shared on-disk Triton cache), then timed.
 Writes JSON with every timing and prints the best configurations; `--emit` writes the tuned table
-kernels/triton/splitk_tuned.py is made from (see docs/perf.md).
+kernels/lib/triton/splitk_tuned.py is made from (see docs/perf.md).
 
     python bench/sweep_decode_gemm.py --json sweep.json [--emit splitk_tuned.py]
 """
@@ -64,7 +64,7 @@ def gemv_configs(M, N, K):
 def _compile_task(args):
     dev, M, N, K, odt, cfg = args
     torch.cuda.set_device(dev)
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
@@ -81,8 +81,9 @@ def _gpu(rank, shapes, out_path, jobs):
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     import k3fuse.kernels  # noqa: F401
-    from k3fuse.kernels.cute import compat, decode_gemv
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels.lib.cute import compat
+    from k3fuse.kernels.lib.cute import gemv as decode_gemv
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     tasks = [(rank, M, N, K, odt, c) for (_, N, K, odt) in shapes for M in SPLITK_M
              for c in splitk_configs(M, N, K)]

@@ -16,8 +16,8 @@ import torch
 
 from k3fuse import quant
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph
-from k3fuse.kernels.triton import routed_experts as bf16_kernel
-from k3fuse.kernels.triton import routed_experts_w4a16 as kernel
+from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
+from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
 
 E, K, L = 896, 16, 3584
@@ -104,7 +104,7 @@ def timed(steps, refill, replays: int) -> float:
     return us
 
 
-#: the launch configurations --sweep times (kernels/triton/routed_experts_w4a16.py GATE_UP / DOWN)
+#: the launch configurations --sweep times (kernels/lib/triton/routed_experts_w4a16.py GATE_UP / DOWN)
 SWEEP = {"mma_bn256_w4_s3": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": False},
          "mma_bn256_w4_s5": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 5, "WGMMA": False},
          "wgmma_bn256_w4_s3": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": True}}

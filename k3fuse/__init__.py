@@ -42,14 +42,14 @@ if TYPE_CHECKING:
 def load() -> None:
     """Import torch, check its version, register the k3fuse ops and the reference model's
     checkpoint types, and wire the K3 rules and the kernel registry into the framework
-    (k3fuse.wiring; idempotent; `import k3fuse` calls it except inside the `k3fuse` command)."""
+    (k3fuse.plugins; idempotent; `import k3fuse` calls it except inside the `k3fuse` command)."""
     from . import compat
 
     compat.check_torch_version()  # fail here, clearly, rather than deep inside tracing
     from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
-    from .wiring import wire_defaults
+    from .plugins import install_plugins
 
-    wire_defaults()  # registers torch.ops.k3fuse.* (needed to load saved programs), installs the K3 rules
+    install_plugins()  # registers torch.ops.k3fuse.* (needed to load saved programs), installs the K3 rules
 
     module = sys.modules[__name__]
     for name, sub in _LAZY.items():

@@ -24,7 +24,7 @@ from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
-from .wiring import wire_defaults
+from .plugins import install_plugins
 
 COMPILERS = ("inductor", "eager")
 _OPTION_KEYS = {"compiler", "context", "log", "rules"}
@@ -45,7 +45,7 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
     ctx = DecodeContext.coerce(opts.get("context"))
     rlog = RewriteLog.coerce(opts.get("log"), rank=ctx.rank)
     rules: Sequence[Rule] | RuleRegistry | None = opts.get("rules")
-    wire_defaults()
+    install_plugins()
     registry = RuleRegistry.coerce(rules)
     return compiler, ctx, rlog, registry
 

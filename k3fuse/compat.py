@@ -16,6 +16,8 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from .ir import COLLECTIVE_NAMESPACE  # noqa: E402
+
 MIN_TORCH = (2, 11)
 MAX_TORCH_EXCLUSIVE = (2, 14)
 
@@ -44,7 +46,7 @@ def check_torch_version(version: str | None = None) -> tuple[int, int]:
 
 
 # --- functional collectives as they appear in ATen graphs -------------------------------------
-c10d_functional = torch.ops._c10d_functional
+c10d_functional = getattr(torch.ops, COLLECTIVE_NAMESPACE)
 ALL_REDUCE = c10d_functional.all_reduce.default
 ALL_GATHER = c10d_functional.all_gather_into_tensor.default
 WAIT_TENSOR = c10d_functional.wait_tensor.default

@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 
 from . import settings
+from .token_range import DECODE_TOKENS
 from .usage import UsageError
-
-#: the decode token range the fused kernels are built for
-DECODE_TOKENS = (1, 64)
 
 MulticastPolicy = Literal["auto", "off", "require"]
 _POLICIES = ("auto", "off", "require")
@@ -177,7 +175,7 @@ class DecodeContext:
     group_name: str | None = None
     device_capability: tuple[int, int] | None = None
     dtype: torch.dtype | None = None
-    tokens: tuple[int, int] = (1, 64)
+    tokens: tuple[int, int] = DECODE_TOKENS
     multicast: MulticastPolicy = "auto"
     strict: bool = False
     enabled_rules: frozenset[str] | None = None
@@ -206,6 +204,10 @@ class DecodeContext:
                                    "pass e.g. (9, 0) for sm90, or None on CPU")
             object.__setattr__(self, "device_capability", tuple(cap))
         self._validate()
+        if self.multicast_info is None:  # probed once, here: the context never changes after it is built
+            on_gpu = self.device_capability is not None and torch.cuda.is_available()
+            object.__setattr__(self, "multicast_info",
+                               probe_multicast(self.multicast, device=torch.device("cuda") if on_gpu else None))
 
     def _validate(self) -> None:
         if not _is_int(self.tp_size) or self.tp_size < 1:
@@ -289,10 +291,8 @@ class DecodeContext:
         return cls(**kw)
 
     def multicast_status(self) -> MulticastStatus:
-        """The probed status, or a local (single-rank) probe if the context was built by hand."""
-        if self.multicast_info is None:
-            device = torch.device("cuda") if self.device_capability is not None and torch.cuda.is_available() else None
-            object.__setattr__(self, "multicast_info", probe_multicast(self.multicast, device=device))
+        """The status probed when the context was built (collectively by `from_process_group`, else
+        on this rank alone)."""
         assert self.multicast_info is not None
         return self.multicast_info
 

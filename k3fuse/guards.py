@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.fx as fx
 
-from .context import DECODE_TOKENS
 from .ir import is_static_placeholder as is_static
+from .ir import leading_tokens, node_value
 
 if TYPE_CHECKING:
     from .context import DecodeContext
@@ -25,32 +25,40 @@ GuardLevel = Literal["contract", "site", "call"]
 
 @dataclass(frozen=True)
 class KernelCatalog:
-    """What the guards ask of the kernel registry, installed by k3fuse.wiring (kernels.dispatch),
+    """What the guards ask of the kernel registry, installed by k3fuse.plugins (kernels.dispatch),
     so the framework never imports the kernels.
 
     ops_without_kernel(ops): the ops with no CUDA kernel in this build.
     import_errors(): kernel modules that failed to import, {module: error}.
-    coverage(op, shape, tokens): token counts no CUDA kernel of `op` serves for `shape`, each
-    with every kernel's limit.
+    coverage(spec, tokens): token counts at which no CUDA kernel of `spec.op` accepts `spec`, each
+    with every kernel's reason.
     """
 
     ops_without_kernel: Callable[[Iterable[str]], list[str]]
     import_errors: Callable[[], dict[str, str]]
-    coverage: Callable[[str, dict[str, Any], Iterable[int]], dict[int, list[str]]]
+    coverage: Callable[[KernelSpec, Iterable[int]], dict[int, list[str]]]
+
+
+class KernelSpec(Protocol):
+    """What the coverage guard reads of an op's Spec (k3fuse.kernels.spec.Spec)."""
+
+    op: ClassVar[str]
+
+    def site_values(self) -> dict[str, Any]: ...
 
 
 _catalog: KernelCatalog | None = None
 
 
 def install_kernel_catalog(catalog: KernelCatalog) -> None:
-    """Called by k3fuse.wiring (the package root and the doors)."""
+    """Called by k3fuse.plugins (the package root and the doors)."""
     global _catalog
     _catalog = catalog
 
 
 def _kernel_catalog() -> KernelCatalog:
     if _catalog is None:
-        raise RuntimeError("no kernel registry installed: call k3fuse.wiring.wire_defaults() (import k3fuse does)")
+        raise RuntimeError("no kernel registry installed: call k3fuse.plugins.install_plugins() (import k3fuse does)")
     return _catalog
 
 
@@ -82,15 +90,6 @@ def failures(*results: GuardFailure | None | Iterable[GuardFailure | None]) -> l
 
 
 # --- contract predicates (once per graph) --------------------------------------------------------
-
-
-def decode_token_range(ctx: DecodeContext, level: GuardLevel = "contract") -> GuardFailure | None:
-    """The context's token range lies within decode (1..64 tokens per step)."""
-    lo, hi = ctx.tokens
-    if DECODE_TOKENS[0] <= lo <= hi <= DECODE_TOKENS[1]:
-        return None
-    return GuardFailure(level, "token_range", "token range is outside decode 1..64",
-                        {"tokens": ctx.tokens, "decode": DECODE_TOKENS})
 
 
 def tp_at_least(ctx: DecodeContext, minimum: int = 2, level: GuardLevel = "contract") -> GuardFailure | None:
@@ -132,12 +131,7 @@ def site_tokens(node: Any) -> int | None:
     """Tokens of a decode activation node [..., features] (the product of its leading dims), or
     None when a dim is symbolic or the shape is unknown."""
     shape = shape_of(node)
-    if shape is None or not all(isinstance(d, int) for d in shape[:-1]):
-        return None
-    n = 1
-    for d in shape[:-1]:
-        n *= d
-    return n
+    return None if shape is None else leading_tokens(shape)
 
 
 def _spans(counts: Iterable[int]) -> str:
@@ -153,10 +147,11 @@ def _spans(counts: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def kernel_covers(ctx: DecodeContext, op: str, shape: dict[str, Any], tokens: int | None,
+def kernel_covers(ctx: DecodeContext, spec: KernelSpec, tokens: int | None,
                   level: GuardLevel = "site") -> GuardFailure | None:
-    """On a GPU, some CUDA kernel of `op` serves this site's `shape` at every token count the site
-    can see: `tokens` when the graph fixes it, else the context's whole range.
+    """On a GPU, some CUDA kernel of `spec.op` accepts this site's `spec` (the op's Spec, built by
+    the rule; the kernels' own predicates decide) at every token count the site can see: `tokens`
+    when the graph fixes it, else the context's whole range.
 
     Why: an op inserted where no kernel serves the shape falls back on every call (strict mode
     raises, and the rewrite only adds a dispatch). On CPU the reference is the implementation.
@@ -164,10 +159,11 @@ def kernel_covers(ctx: DecodeContext, op: str, shape: dict[str, Any], tokens: in
     if ctx.device_capability is None:
         return None
     counts = [tokens] if tokens is not None else range(ctx.tokens[0], ctx.tokens[1] + 1)
-    uncovered = _kernel_catalog().coverage(op, shape, counts)
+    uncovered = _kernel_catalog().coverage(spec, counts)
     if not uncovered:
         return None
     limits = sorted({why for whys in uncovered.values() for why in whys})
+    op, shape = spec.op, spec.site_values()
     described = " ".join(f"{k}={v}" for k, v in shape.items())
     return GuardFailure(level, "kernel_shape",
                         f"no CUDA kernel of k3fuse.{op} serves {described} at tokens {_spans(uncovered)}",
@@ -219,16 +215,17 @@ def static_weight(node: Any, what: str = "weight", level: GuardLevel = "site") -
                         {what: name, "node_kind": kind})
 
 
-def token_count(node: Any, ctx: DecodeContext, dim: int = 0, what: str = "tokens",
+def token_count(node: Any, ctx: DecodeContext, dim: int | None = 0, what: str = "tokens",
                 level: GuardLevel = "site") -> GuardFailure | None:
-    """The token dim of `node` (from its meta value) is within the context's range.
+    """The token count of `node` (from its meta value) is within the context's range: its size
+    along `dim`, or with dim=None the product of its leading dims (an activation [..., features]).
 
     A symbolic size passes here: the fused op checks it per call (call-level guard).
     """
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    val = node_value(node)
     if not isinstance(val, torch.Tensor):
         return GuardFailure(level, "token_range", f"no shape known for {what}", {what: getattr(node, "name", node)})
-    size = val.shape[dim]
+    size = leading_tokens(val.shape) if dim is None else val.shape[dim]
     if not isinstance(size, int):
         return None
     lo, hi = ctx.tokens
@@ -238,18 +235,24 @@ def token_count(node: Any, ctx: DecodeContext, dim: int = 0, what: str = "tokens
                         {what: size, "range": ctx.tokens})
 
 
+def same_group(group_name: Any, ctx: DecodeContext, level: GuardLevel = "site") -> GuardFailure | None:
+    """The collective runs over the context's TP group (a fused collective is built for that group)."""
+    if group_name == ctx.group_name:
+        return None
+    return GuardFailure(level, "group", "the all-reduce is not over the context's TP group",
+                        {"group_name": group_name, "tp_group": ctx.group_name})
+
+
 def shape_of(node: Any) -> tuple[Any, ...] | None:
     """Shape of a node's meta value (ints or SymInts), or None if unknown."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    val = node_value(node)
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 __all__ = [
     "GuardFailure",
     "GuardLevel",
-    "DECODE_TOKENS",
     "failures",
-    "decode_token_range",
     "tp_at_least",
     "device_capability_at_least",
     "KernelCatalog",
@@ -263,5 +266,6 @@ __all__ = [
     "is_static",
     "static_weight",
     "token_count",
+    "same_group",
     "shape_of",
 ]

@@ -27,7 +27,7 @@ from .ir import mark_static
 from .log import RewriteLog
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
-from .wiring import wire_defaults
+from .plugins import install_plugins
 
 
 def _aot_metadata() -> Any:
@@ -72,7 +72,7 @@ class K3FusePass(CustomGraphPass):
     def __init__(self, ctx: DecodeContext, *, rules: RuleRegistry | list[Rule] | None = None,
                  log: RewriteLog | str | os.PathLike[str] | None = None, chain: Any = None):
         self.ctx = ctx
-        wire_defaults()
+        install_plugins()
         self.rules = RuleRegistry.coerce(rules)
         self.log = RewriteLog.coerce(log, rank=ctx.rank)
         self.chain = chain

@@ -4,23 +4,27 @@ Qualified op names, what a collective, its handle and a synchronisation point ar
 doors put on static placeholders, and node order. Ops declare their own traits (`OpTraits`: a
 synchronisation point, an anchor that only orders itself inside a collective's window, argument
 positions taken only for ordering) with `declare_op_traits`; k3fuse's fused ops do so where they
-are declared (kernels/ops.py), so the verifier and the rules know no op by name.
+are declared (kernels/ops/), so the verifier and the rules know no op by name.
 
 A leaf over torch.fx: imports nothing from k3fuse.
 """
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 
 #: node.meta key the doors set on placeholders that are static (parameters, buffers and constants
 #: the graph never mutates); nothing else may be assumed static
 STATIC_META = "k3fuse_static"
+#: the functional collectives' op namespace (k3fuse.compat holds the ops themselves)
 COLLECTIVE_NAMESPACE = "_c10d_functional"
-WAIT_TENSOR = "_c10d_functional::wait_tensor"
+WAIT_TENSOR = f"{COLLECTIVE_NAMESPACE}::wait_tensor"
 
 
 @dataclass(frozen=True)
@@ -28,12 +32,12 @@ class OpTraits:
     """What the verifier and the rules need to know about an op's ordering.
 
     sync: data written elsewhere is valid after the call (a wait, a fused collective, a join).
-    anchor: takes a collective handle only to sit inside the collective's window (never reads it).
+    collective_window: takes a collective handle only to sit inside the collective's window (never reads it).
     ordering_args: argument positions taken only to be ordered after them, never read.
     """
 
     sync: bool = False
-    anchor: bool = False
+    collective_window: bool = False
     ordering_args: frozenset[int] = frozenset()
 
 
@@ -49,11 +53,6 @@ def declare_op_traits(qualname: str, traits: OpTraits) -> None:
 def op_traits(node_or_qualname: fx.Node | str | None) -> OpTraits:
     name = op_qualname(node_or_qualname) if isinstance(node_or_qualname, fx.Node) else node_or_qualname
     return _TRAITS.get(name or "", _NO_TRAITS)
-
-
-def declared_ops() -> dict[str, OpTraits]:
-    """Every op with declared traits (qualname -> traits)."""
-    return dict(_TRAITS)
 
 
 def op_qualname(node: fx.Node) -> str | None:
@@ -105,11 +104,33 @@ def is_static_value(node: fx.Node) -> bool:
     return node.op == "get_attr" or is_static_placeholder(node)
 
 
+def node_value(node: Any) -> Any:
+    """The traced value of a node (meta["val"]: a fake tensor, SymInt, ...), None for a non-node."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def tensor_value(node: Any) -> torch.Tensor | None:
+    """The node's traced value if it is a tensor, else None."""
+    v = node_value(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def leading_tokens(shape: Sequence[Any]) -> int | None:
+    """Tokens of a decode activation of `shape` [..., features]: the product of the leading dims,
+    None when one of them is symbolic."""
+    n = 1
+    for d in shape[:-1]:
+        if not isinstance(d, int):
+            return None
+        n *= d
+    return n
+
+
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     """Each node's position in graph order (the order the code runs in)."""
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-__all__ = ["STATIC_META", "WAIT_TENSOR", "OpTraits", "declare_op_traits", "op_traits", "declared_ops", "op_qualname",
+__all__ = ["STATIC_META", "WAIT_TENSOR", "OpTraits", "declare_op_traits", "op_traits", "op_qualname", "COLLECTIVE_NAMESPACE",
            "is_sync", "is_wait", "is_collective", "is_handle", "mark_static", "is_static_placeholder",
-           "is_static_value", "node_order"]
+           "is_static_value", "node_order", "node_value", "tensor_value", "leading_tokens"]

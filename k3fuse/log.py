@@ -230,10 +230,6 @@ class RewriteLog:
         (logger.info if event.decision == "applied" else logger.debug)("k3fuse[%s] %s", event.door, event.line())
         return event
 
-    def extend(self, events: Iterable[RewriteEvent]) -> None:
-        for e in events:
-            self.add(e)
-
     @staticmethod
     def _append(path: Path, events: Iterable[RewriteEvent]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,12 +239,6 @@ class RewriteLog:
                 os.write(fd, (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode())
         finally:
             os.close(fd)
-
-    def to_jsonl(self, path: str | os.PathLike[str]) -> Path:
-        """Append every event to `path` (JSONL) and return it."""
-        p = Path(path)
-        self._append(p, self.events)
-        return p
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str], *, skip_malformed: bool = False) -> RewriteLog:

@@ -37,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import normalize
 from .guards import GuardFailure
 from .ir import node_order
-from .match import Match, PatternSpec
+from .rewrite_site import Match, PatternSpec
 
 
 class HasPatterns(Protocol):
@@ -455,11 +455,11 @@ def _pattern_path(pattern: CompiledPattern, start: fx.Node) -> list[fx.Node]:
     return [start]
 
 
-def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], anchor: Any = None
+def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any = None
               ) -> tuple[str, dict[str, Any]] | None:
     """Why none of `patterns` matched: the closest candidate and where it diverged.
 
-    Every graph node computing the anchor op (default: each pattern's first output op) is a
+    Every graph node computing `site_op` (default: each pattern's first output op) is a
     candidate. From it the pattern's path to its output is followed forward through the graph's
     readers; where that reaches the output, the pattern is matched backwards from there. The
     candidate that got furthest wins; the reason names the first graph node that differs, e.g.
@@ -473,15 +473,15 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], anchor: Any 
         if n.op == "call_function":
             by_key.setdefault(normalize.canonical(n)[0], []).append(n)
     best: tuple[int, str, dict[str, Any]] | None = None
-    anchor_name = ""
+    site_op_name = ""
     for pattern in patterns:
         m = _Matcher(pattern)
         start = pattern.outputs[0]
-        if anchor is not None:
-            start = next((n for n in pattern.graph.nodes if n.op == "call_function" and n.target == anchor), None)
+        if site_op is not None:
+            start = next((n for n in pattern.graph.nodes if n.op == "call_function" and n.target == site_op), None)
             if start is None:
                 continue
-        anchor_name = op_name(start)
+        site_op_name = op_name(start)
         path = _pattern_path(pattern, start)
         for ga in by_key.get(m.keys[start], ()):
             g, depth, miss = ga, 1, None
@@ -516,7 +516,7 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], anchor: Any 
             if best is None or depth > best[0]:
                 best = (depth, *miss)
     if best is None:
-        what = str(getattr(anchor, "overloadpacket", anchor)) if anchor is not None else anchor_name
+        what = str(getattr(site_op, "overloadpacket", site_op)) if site_op is not None else site_op_name
         return f"no {what} in the graph", {}
     return best[1], best[2]
 

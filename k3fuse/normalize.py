@@ -1,6 +1,6 @@
 """Canonical spelling of ATen graphs, so one traced pattern matches every way a model writes it.
 
-Two kinds of normalisation live here:
+Three kinds of normalisation live here:
 
 * *Equivalence* (read-only): `canonical(node)` names an op by what it computes. `t`, `transpose`
   and `permute` that swap the last two dims are one op; `_to_copy(dtype=)` and
@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from .ir import node_value
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -44,12 +46,8 @@ COMMUTATIVE = frozenset({aten.add.Tensor, aten.mul.Tensor})
 _SPLIT_MARK = "k3fuse_split_addmm"
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _rank(node: Any) -> int | None:
-    v = _val(node)
+    v = node_value(node)
     return v.dim() if isinstance(v, torch.Tensor) else None
 
 
@@ -62,7 +60,7 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
     if node.target is aten.to.dtype:
         return node.args[1]
     extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v is not None}
-    src = _val(node.args[0])
+    src = node_value(node.args[0])
     if "device" in extra and isinstance(src, torch.Tensor) and torch.device(extra["device"]) == src.device:
         del extra["device"]
     if extra.get("layout") == torch.strided:
@@ -88,7 +86,7 @@ def is_transparent(node: Any) -> bool:
     if node.target in VIEW_LIKE:
         return True
     dtype = cast_dtype(node)
-    src = _val(node.args[0]) if node.args else None
+    src = node_value(node.args[0]) if node.args else None
     return dtype is not None and isinstance(src, torch.Tensor) and src.dtype == dtype
 
 
@@ -105,7 +103,7 @@ def copied_value(node: Any) -> fx.Node | None:
     if len(node.args) < 2 or not isinstance(node.args[0], fx.Node) or not isinstance(node.args[1], fx.Node):
         return None
     dst, src = node.args[0], node.args[1]
-    dv, sv = _val(dst), _val(src)
+    dv, sv = node_value(dst), node_value(src)
     if not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor)):
         return None
     if dv.dtype != sv.dtype or tuple(dv.shape) != tuple(sv.shape):
@@ -209,10 +207,10 @@ def split_addmm(graph: fx.Graph) -> int:
         for new in (mm, add):
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             new.meta[_SPLIT_MARK] = True
-        out = _val(node)
+        out = node_value(node)
         if isinstance(out, torch.Tensor):
             add.meta["val"] = out
-            mm_val = _fake_mm(_val(x), _val(w))
+            mm_val = _fake_mm(node_value(x), node_value(w))
             if mm_val is not None:
                 mm.meta["val"] = mm_val
         node.replace_all_uses_with(add)

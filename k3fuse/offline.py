@@ -25,7 +25,7 @@ from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule
-from .wiring import wire_defaults
+from .plugins import install_plugins
 
 _STATIC_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -231,7 +231,7 @@ def load_program(path: str | os.PathLike[str]) -> ExportedProgram:
     `k3fuse.load`), without torch's logging-error block for example inputs of custom types."""
     from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
 
-    wire_defaults()
+    install_plugins()
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{path} is not a zip archive")
     loggers = [logging.getLogger(name) for name in ("torch._export.serde.serialize", "torch.export")]
@@ -311,7 +311,7 @@ def apply(
         ep = exported_program._update(copy.deepcopy(exported_program.graph_module), exported_program.graph_signature)
     gm = ep.graph_module
     mark_static_placeholders(gm.graph, static_placeholder_names(ep))
-    wire_defaults()
+    install_plugins()
     rlog = run_pipeline(gm, ctx, rules=rules, door="offline", log=log)
     if rlog.applied() == 0:
         return ep, rlog

@@ -4,7 +4,7 @@
               -> per match: site guards -> rewrite -> log  -> verifier
               -> restore normalisation -> lint -> dead-code elimination -> recompile
 
-Rules come from the installed provider (k3fuse.wiring installs the K3 rules of k3fuse.patterns)
+Rules come from the installed provider (k3fuse.plugins installs the K3 rules of k3fuse.patterns)
 unless the caller passes its own. Each can be switched by the context (enabled_rules / disabled_rules) and by the environment variable
 K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a, "+a" adds a rule that is off by
 default (Rule.default_on False); the forms can be mixed.
@@ -133,7 +133,7 @@ _rule_provider: RuleProvider | None = None
 
 def install_rule_provider(provider: RuleProvider) -> None:
     """Set where the default rules come from: fresh instances of every rule, in pipeline order.
-    k3fuse.wiring installs the K3 rules (k3fuse.patterns.all_rules); the pipeline knows none."""
+    k3fuse.plugins installs the K3 rules (k3fuse.patterns.all_rules); the pipeline knows none."""
     global _rule_provider
     _rule_provider = provider
 
@@ -142,7 +142,7 @@ def all_rules() -> list[Rule]:
     """Every default rule in pipeline order, the off-by-default ones included (the K3 rules). A missing
     provider raises: silently running no rules would look like a model without K3 sites."""
     if _rule_provider is None:
-        raise RuntimeError("no default rules installed: call k3fuse.wiring.wire_defaults() (import k3fuse does)")
+        raise RuntimeError("no default rules installed: call k3fuse.plugins.install_plugins() (import k3fuse does)")
     return list(_rule_provider())
 
 

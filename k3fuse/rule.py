@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch.fx as fx
 
 from .guards import GuardFailure
-from .match import Match, PatternSpec, RewriteError, Variant, fake_call
+from .rewrite_site import Match, PatternSpec, RewriteError, Variant, fake_call
 from .matcher import compiled_patterns, find_matches, near_miss
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 
 #: framework modules whose code shapes every rule's rewrite (matching, normalisation, placement)
-FRAMEWORK_SOURCES = ("k3fuse.guards", "k3fuse.ir", "k3fuse.match", "k3fuse.matcher", "k3fuse.normalize", "k3fuse.rule")
+FRAMEWORK_SOURCES = ("k3fuse.guards", "k3fuse.ir", "k3fuse.rewrite_site", "k3fuse.matcher", "k3fuse.normalize", "k3fuse.rule")
 #: module prefixes a rule's own dependencies are followed into
 _RULE_SIDE = ("k3fuse.patterns", "k3fuse.spelling", "k3fuse.model")
 
@@ -78,7 +78,7 @@ class Rule:
     default_off_reason: ClassVar[str] = ""
     #: the op a site of this rule is built around (e.g. the all_reduce); near-miss reports start
     #: from it. None: the op of each pattern's first output
-    anchor: ClassVar[Any] = None
+    site_op: ClassVar[Any] = None
     #: a configurable rule's settings type (a frozen dataclass); None: the rule has no settings
     settings_type: ClassVar[type | None] = None
     #: this instance's settings (an instance of settings_type), replaced per context by
@@ -128,7 +128,7 @@ class Rule:
         Default: the matcher's near-miss search from the rule's `anchor` op. Structural rules
         override it. The pipeline puts the answer on the rule's `not_matched` event.
         """
-        return near_miss(graph, compiled_patterns(self), anchor=self.anchor)
+        return near_miss(graph, compiled_patterns(self), site_op=self.site_op)
 
     def fingerprint(self) -> str:
         """Hash of everything this rule's rewrite depends on, for compile-cache keys

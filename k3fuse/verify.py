@@ -16,8 +16,8 @@ synchronisation point than it did before. Terms, precisely:
 A rule's result is rejected with `ReorderingError` (naming the node) when either holds:
 
 1. *Handle discipline*: a collective handle is read by anything but its ``wait_tensor`` or an
-   *anchor op* (``OpTraits(anchor=True)``: ops that take the handle only to be ordered inside the
-   collective's window, like ``k3fuse.l2_prefetch`` between ``all_reduce`` and ``wait_tensor``), or an anchor op
+   *collective-window op* (``OpTraits(collective_window=True)``: ops that take the handle only to be ordered inside the
+   collective's window, like ``k3fuse.l2_prefetch`` between ``all_reduce`` and ``wait_tensor``), or such an op
    reads a non-static value besides handles. Inside a collective's window only static weights
    may be read.
 2. *No hoisting across a sync*: for a non-static value V and a sync node S present both before
@@ -67,7 +67,7 @@ def check_handles(graph: fx.Graph, rule: str | None = None) -> None:
         for user in node.users:
             if is_wait(user) or is_handle(user):
                 continue
-            if not op_traits(user).anchor:
+            if not op_traits(user).collective_window:
                 raise ReorderingError(
                     f"{_by(rule)}{user.name} reads collective handle {node.name} before its wait_tensor", user, rule)
             bad = [i for i in user.all_input_nodes if not (is_handle(i) or is_static_value(i))]

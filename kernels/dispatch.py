@@ -1,30 +1,23 @@
 """Per-call implementation choice for the fused ops, with counted fallbacks.
 
-Each op (`torch.ops.k3fuse.<op>`) has an ordered list of implementations (`Impl`) and one *stock*
-function: the unfused torch sequence the op replaced. `dispatch(op, *args)` runs, in order:
+Each op (`torch.ops.k3fuse.<op>`) has an ordered list of implementations (`Impl`), one *stock*
+function (the unfused torch sequence the op replaced) and a `Spec` type (kernels/spec.py).
+`dispatch(op, *args)` runs, in order:
 
 1. kill switch (`runtime.is_disabled()`): the stock sequence, counted as `fallback:disabled`;
 2. call guard: when the op has `max_tokens`, a token count T outside [1, max_tokens] runs the stock
    sequence, counted as `fallback:tokens T outside [1, max_tokens]`;
-3. the highest-priority Impl for the tensors' device whose `supports(*args, **kw)` returns None.
-   "reference" is the expected implementation on CPU. On CUDA, when every kernel declines, the op
-   runs the stock sequence (the model's own bf16 ops, cuBLAS and NCCL), never the fp32 reference:
-   a fallback that costs what the unfused model costs, counted with a reason that lists why every
-   kernel declined (or failed to import).
+3. the highest-priority Impl for the tensors' device whose `accepts(spec)` returns None, `spec`
+   being the op's Spec built from these arguments. "reference" is the expected implementation on
+   CPU. On CUDA, when every kernel declines, the op runs the stock sequence (the model's own ops,
+   cuBLAS and NCCL), never the fp32 reference, counted with every kernel's reason.
 
-GPU kernel modules register themselves when imported::
-
-    from k3fuse.kernels.dispatch import Impl, register_impl
-    register_impl("decode_gemm", Impl("cute.gemv", supports=_supports, run=_run, priority=100,
-                                      warmup=_warmup))
-
-`supports` and `run` receive the op's arguments exactly as the op received them, in schema order,
-without `strict` (ops with a call guard also pass `max_tokens=` as a keyword). `run` returns what
-the op returns (see kernels/ops.py). The modules under k3fuse.kernels.cute and
-k3fuse.kernels.triton are imported lazily on the first CUDA call (or `warmup`), never at
-`import k3fuse.kernels`; a module that fails to import simply registers nothing, and its error is
-quoted in the fallback reason. A kernel whose `run` raises is disabled for that op (its error becomes
-its decline reason) and the next implementation runs; in strict mode the error is raised instead.
+An op module (kernels/ops/<op>.py) registers its implementations on import. A kernel names the
+library modules it runs (`Impl.needs`, e.g. ("cute.gemv",) for k3fuse.kernels.lib.cute.gemv);
+they are imported on the first CUDA call (or `warmup`, `coverage`), never at `import
+k3fuse.kernels`, and a kernel whose modules fail to import (or whose toolchain is missing or
+switched off) is left out, its error quoted in the fallback reason. A kernel whose `run` raises is
+disabled for that op and the next implementation runs; in strict mode the error is raised.
 Collective ops (`COLLECTIVE_OPS`) never fall back per rank: a raising implementation raises
 `K3FuseCollectiveError` (or the kernel's own CollectiveError) on this rank, and the bounded spins of
 the fused kernels make the peers raise as well.
@@ -32,7 +25,6 @@ the fused kernels make the peers raise as well.
 from __future__ import annotations
 
 import importlib
-import pkgutil
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -43,49 +35,52 @@ import torch
 
 from k3fuse import runtime, settings
 
+from .spec import token_count
+
 REFERENCE = "reference"
 ALL_DEVICES: tuple[str, ...] = ("cpu", "cuda")
-KERNEL_PACKAGES: tuple[str, ...] = ("k3fuse.kernels.cute", "k3fuse.kernels.triton")
-# K3FUSE_DISABLE_CUTE=1 / K3FUSE_DISABLE_TRITON=1 skip importing that family (e.g. a broken toolchain).
-_PACKAGE_SWITCHES = {"k3fuse.kernels.cute": "K3FUSE_DISABLE_CUTE", "k3fuse.kernels.triton": "K3FUSE_DISABLE_TRITON"}
+LIBRARY = "k3fuse.kernels.lib"
+# K3FUSE_DISABLE_CUTE=1 / K3FUSE_DISABLE_TRITON=1 skip importing that toolchain (e.g. a broken one).
+_TOOLCHAIN_SWITCHES = {"cute": "K3FUSE_DISABLE_CUTE", "triton": "K3FUSE_DISABLE_TRITON"}
 
 
 @dataclass(frozen=True)
 class Impl:
     """One implementation of an op.
 
-    supports(*args, **kw) -> None if it can run these arguments, else a short reason (shown in the
-    fallback message). run(*args, **kw) -> the op's result. priority: higher is tried first.
-    device_types: tensor device types it is considered for (kernels: cuda only).
-    warmup(shapes) compiles ahead of CUDA-graph capture; `shapes` is op-specific (see `warmup`).
-    covers(shape) answers at compile time, from one op-specific shape dict like warmup's (e.g.
-    {"M": tokens, "N", "K", "dtype", "out_dtype", "bias"} for decode_gemm): None if the kernel
-    serves that shape, else its limit. Rules ask it (`coverage`) before inserting the op, so a site
-    no kernel serves stays stock instead of falling back on every call. None: no shape limits.
+    accepts(spec) -> None if it can run the op's Spec (kernels/spec.py), else a short reason. The
+    same predicate answers the compile-time coverage guard (a Spec built by the rule, once per
+    token count) and each call (a Spec built from the arguments), so its reason is what the log
+    and the fallback counters print. run(*args, **kw) -> the op's result, from the op's arguments
+    in schema order without `strict`. priority: higher is tried first. device_types: tensor device
+    types it is considered for (kernels: cuda only). warmup(shapes) compiles ahead of CUDA-graph
+    capture; `shapes` is op-specific (see `warmup`). needs: the library modules it runs, relative
+    to k3fuse.kernels.lib ("cute.gemv", "triton.splitk_gemm"), imported on first CUDA use.
     """
 
     name: str
-    supports: Callable[..., str | None]
+    accepts: Callable[[Any], str | None]
     run: Callable[..., Any]
     priority: int = 0
     device_types: tuple[str, ...] = ("cuda",)
     warmup: Callable[[Sequence[Any]], None] | None = None
-    covers: Callable[[dict[str, Any]], str | None] | None = None
+    needs: tuple[str, ...] = ()
 
 
 @dataclass
 class _OpEntry:
     impls: list[Impl] = field(default_factory=list)
     stock: Callable[..., Any] | None = None
+    spec_type: Callable[..., Any] | None = None  # Spec.from_call of the op (kernels/spec.py)
     broken: dict[str, str] = field(default_factory=dict)  # impl name -> why it was disabled
 
 
 # Collective ops: every rank must run the same implementation, so an implementation that raises
-# (or whose supports() raises) fails the op on this rank with K3FuseCollectiveError instead of
+# (or whose accepts() raises) fails the op on this rank with K3FuseCollectiveError instead of
 # being disabled on this rank only and falling back (the peers would wait in another collective).
 # Its peers fail too: the fused kernels' spins are bounded and a failing rank marks every peer's
-# workspace failed (kernels/symm_workspace.py).
-# Filled from the op declarations (kernels/ops.py, OpDecl.collective).
+# workspace failed (kernels/collective.py).
+# Filled from the op declarations (OpDecl.collective).
 COLLECTIVE_OPS: set[str] = set()
 
 
@@ -95,9 +90,10 @@ class K3FuseCollectiveError(RuntimeError):
 
 _lock = threading.RLock()
 _ops: dict[str, _OpEntry] = {}
-_declared: set[str] = set()  # ops declared in kernels/ops.py; implementations register against these
+_declared: set[str] = set()  # ops declared (kernels/declare.py); implementations register against these
 _gpu_loaded = False
 _import_errors: dict[str, str] = {}  # module -> "ExcType: message"
+_loaded: set[str] = set()  # library modules ("cute.gemv") that imported on a usable toolchain
 
 
 def _entry(op: str) -> _OpEntry:
@@ -108,15 +104,17 @@ def _entry(op: str) -> _OpEntry:
         return _ops.setdefault(op, _OpEntry())
 
 
-def declare(op: str) -> None:
-    """Open `op` for implementations (kernels/ops.py `declare`, from the op's OpDecl)."""
+def declare(op: str, spec_type: Callable[..., Any] | None = None) -> None:
+    """Open `op` for implementations (kernels/declare.py, from the op's OpDecl); `spec_type`
+    builds the op's Spec from a call's arguments (`Spec.from_call`)."""
     with _lock:
         _declared.add(op)
+        _entry(op).spec_type = spec_type
 
 
 def _check_declared(op: str) -> None:
     if op not in _declared:
-        raise KeyError(f"k3fuse op {op!r} is not declared: declare it once in kernels/ops.py (OpDecl), then "
+        raise KeyError(f"k3fuse op {op!r} is not declared: declare it once in its module under kernels/ops/ (OpDecl), then "
                        f"register implementations against it; declared ops: {', '.join(sorted(_declared))}")
 
 
@@ -158,34 +156,53 @@ def import_errors() -> dict[str, str]:
 
 
 def load_gpu_impls() -> None:
-    """Import every public module of the CuTe and Triton packages once, so they register.
+    """Import the library modules every registered kernel needs, once, so they can run.
 
-    Guarded per module: an ImportError (or any error while importing, e.g. a broken driver) is
-    recorded and that module registers nothing. Called on the first CUDA dispatch and by `warmup`.
+    Guarded per module: a toolchain that is missing or switched off (K3FUSE_DISABLE_CUTE=1,
+    K3FUSE_DISABLE_TRITON=1) or a module that fails to import (e.g. a broken driver) is recorded,
+    and the kernels that need it are left out. Called on the first CUDA dispatch, by `warmup` and
+    by `coverage`.
     """
     global _gpu_loaded
     with _lock:
         if _gpu_loaded:
             return
         _gpu_loaded = True
-        for package in KERNEL_PACKAGES:
-            switch = _PACKAGE_SWITCHES.get(package)
+        needed = sorted({m for entry in _ops.values() for impl in entry.impls for m in impl.needs})
+        for module in needed:
+            toolchain = module.split(".")[0]
+            package = f"{LIBRARY}.{toolchain}"
+            if package in _import_errors:
+                continue
+            switch = _TOOLCHAIN_SWITCHES.get(toolchain)
             if switch and settings.get(switch):
                 _import_errors[package] = f"disabled by {switch}=1"
                 continue
             try:
-                pkg = importlib.import_module(package)
+                missing = importlib.import_module(package).unavailable()
             except Exception as exc:
                 _import_errors[package] = _short_error(exc)
                 continue
-            for info in pkgutil.iter_modules(getattr(pkg, "__path__", [])):
-                if info.name.startswith("_"):
-                    continue
-                name = f"{package}.{info.name}"
-                try:
-                    importlib.import_module(name)
-                except Exception as exc:
-                    _import_errors[name] = _short_error(exc)
+            if missing is not None:
+                _import_errors[package] = missing
+                continue
+            try:
+                importlib.import_module(f"{LIBRARY}.{module}")
+            except Exception as exc:
+                _import_errors[f"{LIBRARY}.{module}"] = _short_error(exc)
+                continue
+            _loaded.add(module)
+
+
+def loaded(module: str) -> bool:
+    """Library module `module` ("triton.splitk_gemm") imported on a usable toolchain (after
+    `load_gpu_impls`): for a kernel with an optional second path."""
+    return module in _loaded
+
+
+def _usable(impl: Impl) -> bool:
+    """Every library module `impl` needs imported (on CPU: no kernel module is ever loaded)."""
+    return all(m in _loaded for m in impl.needs)
 
 
 def _short_error(exc: BaseException) -> str:
@@ -202,14 +219,6 @@ def _device_type(args: Iterable[Any]) -> str:
                 if isinstance(t, torch.Tensor):
                     return t.device.type
     return "cpu"
-
-
-def token_count(x: torch.Tensor) -> int:
-    """Tokens of a decode activation [..., features]: the product of the leading dims."""
-    n = 1
-    for d in x.shape[:-1]:
-        n *= int(d)
-    return n
 
 
 def _run_stock(op: str, entry: _OpEntry, args: tuple, kw: dict) -> Any:
@@ -242,19 +251,22 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
         load_gpu_impls()
 
     declined: list[str] = []
+    spec: Any = None
     for impl in entry.impls:  # never mutated in place (register/unregister replace the list)
-        if device not in impl.device_types:
+        if device not in impl.device_types or not _usable(impl):
             continue
         reason = entry.broken.get(impl.name)
-        if reason is None:
+        if reason is None and impl.name != REFERENCE:
             try:
-                reason = impl.supports(*args, **kw)
+                if spec is None and entry.spec_type is not None:
+                    spec = entry.spec_type(*args, **kw)
+                reason = impl.accepts(spec)
             except Exception as exc:  # a buggy predicate declines instead of failing the op
                 if op in COLLECTIVE_OPS:  # ... except where the ranks could then diverge
                     raise K3FuseCollectiveError(
-                        f"k3fuse collective op {op}: {impl.name}.supports raised "
+                        f"k3fuse collective op {op}: {impl.name}.accepts raised "
                         f"{_short_error(exc)}; not falling back on this rank only") from exc
-                reason = f"supports raised {_short_error(exc)}"
+                reason = f"accepts raised {_short_error(exc)}"
         if reason is not None:
             declined.append(f"{impl.name}: {reason}")
             continue
@@ -269,7 +281,7 @@ def dispatch(op: str, *args: Any, strict: bool = False, **kw: Any) -> Any:
         except Exception as exc:
             if op in COLLECTIVE_OPS:
                 if isinstance(exc, K3FuseCollectiveError):
-                    raise   # e.g. symm_workspace.CollectiveTimeoutError: names the op, rank, peer
+                    raise   # e.g. collective.CollectiveTimeoutError: names the op, rank, peer
                 raise K3FuseCollectiveError(
                     f"k3fuse collective op {op}: {impl.name} failed: {_short_error(exc)} (no "
                     "per-rank fallback: the other ranks fail too, see their errors)") from exc
@@ -309,7 +321,7 @@ def warmup(op: str, shapes: Sequence[Any]) -> dict[str, str | None]:
         load_gpu_impls()
     result: dict[str, str | None] = {}
     for impl in implementations(op):
-        if impl.warmup is None:
+        if impl.warmup is None or not _usable(impl):
             continue
         try:
             impl.warmup(shapes)
@@ -319,24 +331,27 @@ def warmup(op: str, shapes: Sequence[Any]) -> dict[str, str | None]:
     return result
 
 
+def cuda_kernels(op: str) -> list[Impl]:
+    """The CUDA kernels of `op` that can run in this build (imports the library modules first)."""
+    load_gpu_impls()
+    return [i for i in implementations(op) if i.name != REFERENCE and "cuda" in i.device_types and _usable(i)]
+
+
 def ops_without_kernel(ops: Iterable[str]) -> list[str]:
-    """The ops among `ops` with no CUDA kernel registered (imports the GPU modules first)."""
-    load_gpu_impls()
-    return [op for op in ops
-            if not any(i.name != REFERENCE and "cuda" in i.device_types for i in implementations(op))]
+    """The ops among `ops` with no CUDA kernel that can run in this build."""
+    return [op for op in ops if not cuda_kernels(op)]
 
 
-def coverage(op: str, shape: dict[str, Any], tokens: Iterable[int]) -> dict[int, list[str]]:
-    """Token counts of `tokens` at which no CUDA kernel of `op` covers `shape`, each with every
-    kernel's limit ({} when some kernel serves every count). `shape` is the op's shape dict without
-    "M"; each token count is tried as "M". Imports the GPU modules first."""
-    load_gpu_impls()
-    kernels = [i for i in implementations(op) if i.name != REFERENCE and "cuda" in i.device_types]
+def coverage(spec: Any, tokens: Iterable[int]) -> dict[int, list[str]]:
+    """Token counts of `tokens` at which no CUDA kernel of `spec.op` accepts `spec` (with that
+    token count), each with every kernel's reason ({} when some kernel serves every count)."""
+    kernels = cuda_kernels(spec.op)
     uncovered: dict[int, list[str]] = {}
     for m in tokens:
+        at = spec.with_tokens(m)
         limits = []
         for impl in kernels:
-            why = impl.covers(dict(shape, M=m)) if impl.covers is not None else None
+            why = impl.accepts(at)
             if why is None:
                 break
             limits.append(f"{impl.name}: {why}")
@@ -351,10 +366,11 @@ def _reset_for_tests() -> None:
     with _lock:
         _gpu_loaded = False
         _import_errors.clear()
+        _loaded.clear()
         for entry in _ops.values():
             entry.broken.clear()
 
 
 __all__ = ["Impl", "REFERENCE", "COLLECTIVE_OPS", "K3FuseCollectiveError", "declare", "register_impl", "unregister_impl",
            "register_stock", "dispatch", "implementations", "import_errors", "load_gpu_impls", "warmup", "coverage",
-           "token_count"]
+           "cuda_kernels", "ops_without_kernel"]

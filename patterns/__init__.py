@@ -1,8 +1,8 @@
 """The Kimi K3 decode rules (k3fuse.patterns), one fusion family per file, in pipeline order.
 
 1. oproj_allreduce_residual  row-parallel projection -> all_reduce -> residual add [-> RMSNorm]
-2. moe_tail_allreduce_norm   MoE latent all_reduce -> latent RMSNorm -> one op (off by default: no H200
-                             measurement yet, issue 9)
+2. moe_tail_allreduce_norm   MoE latent all_reduce -> latent RMSNorm -> one op (off by default: not
+                             measured on two GPUs yet)
 3. moe_front_sharded         replicated router + latent down-projection -> sharded GEMM + all-gather
 4. fused_routing             router tail (sigmoid, bias, top-k, renormalise, scale) -> one kernel
 5. routed_experts            routed experts (grouped GEMMs or gathered bmm over the pairs) -> one op
@@ -27,11 +27,11 @@ from __future__ import annotations
 from k3fuse.rule import Rule
 
 from .decode_gemm import DecodeGemm
+from .fused_routing import FusedRouting
 from .kda_delta_rule import KDADeltaRule
 from .moe_front_sharded import MoEFrontSharded
 from .moe_tail_rule import MoETailAllReduceNorm
 from .oproj_allreduce_residual import OProjAllReduceResidual
-from .route_topk_rule import FusedRouting
 from .routed_experts_rule import RoutedExperts
 from .shared_expert_stream import SharedExpertStream
 from .weight_prefetch import WeightPrefetch
@@ -45,16 +45,6 @@ def all_rules() -> list[Rule]:
     return [cls() for cls in RULE_CLASSES]
 
 
-def default_rules() -> list[Rule]:
-    """Fresh instances of the K3 rules that run unless told otherwise (Rule.default_on), in order."""
-    return [cls() for cls in RULE_CLASSES if cls.default_on]
-
-
-def describe() -> list[tuple[str, str]]:
-    """(name, description) of every rule, in pipeline order."""
-    return [(cls.name, cls.description) for cls in RULE_CLASSES]
-
-
-__all__ = ["all_rules", "default_rules", "describe", "RULE_CLASSES", "OProjAllReduceResidual", "MoETailAllReduceNorm",
+__all__ = ["all_rules", "RULE_CLASSES", "OProjAllReduceResidual", "MoETailAllReduceNorm",
            "MoEFrontSharded",
            "FusedRouting", "RoutedExperts", "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]

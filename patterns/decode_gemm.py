@@ -17,14 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, is_static, kernel_covers, site_tokens,
+from k3fuse.guards import (GuardFailure, failures, is_static, kernel_covers, site_tokens,
                            static_weight, token_count)
 from k3fuse.ir import node_order
+from k3fuse.kernels.ops.decode_gemm import DecodeGemmSpec
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import cast_free, per_dtype, randn, trunk_dtype
+from ._pattern_tools import cast_free, per_dtype, randn, trunk_dtype
 
 T, K, N = 4, 16, 8  # example shapes
 
@@ -78,9 +79,6 @@ class DecodeGemm(Rule):
         order = node_order(graph)
         return sorted(with_bias + rest, key=lambda m: order[m.outputs[0]])
 
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
-
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         bias = static_weight(match["bias"], "bias") if "bias" in match.inputs else None
         found = failures(static_weight(match["weight"], "weight"), bias, token_count(match["x"], ctx),
@@ -88,9 +86,9 @@ class DecodeGemm(Rule):
         if found:
             return found
         x, w = match.val("x"), match.val("weight")
-        shape = {"N": int(w.shape[0]), "K": int(w.shape[1]), "dtype": x.dtype,
-                 "out_dtype": self._out_dtype(match) or x.dtype, "bias": "bias" in match.inputs}
-        return failures(kernel_covers(ctx, "decode_gemm", shape, site_tokens(match["x"])))
+        spec = DecodeGemmSpec(N=int(w.shape[0]), K=int(w.shape[1]), dtype=x.dtype,
+                              out_dtype=self._out_dtype(match) or x.dtype, bias="bias" in match.inputs)
+        return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     @staticmethod
     def _out_dtype(match: Match) -> torch.dtype | None:

@@ -31,13 +31,14 @@ import torch
 import torch.fx as fx
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import GuardFailure, decode_token_range, failures, kernel_covers, shape_of, token_count
-from k3fuse.ir import node_order
+from k3fuse.guards import GuardFailure, failures, kernel_covers, shape_of, token_count
+from k3fuse.ir import node_order, tensor_value
+from k3fuse.kernels.ops.kda_delta import KDADeltaSpec
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.rule import Match, PatternSpec, Rule
 from k3fuse.spelling import delta_rule
 
-from ._spelling import randn
+from ._pattern_tools import randn
 
 D = 8  # example head dim (the pattern is shape-agnostic except for which dims are 1)
 
@@ -95,9 +96,6 @@ class KDADeltaRule(Rule):
         order = node_order(graph)
         return sorted(traced + layout, key=lambda m: order[m.outputs[0]])
 
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
-
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         found = failures(_shape_failure(match), _dtype_failure(match))
         if found:
@@ -106,8 +104,8 @@ class KDADeltaRule(Rule):
         if found:
             return found
         T, h, dk, dv = shape_of(match["recurrent"])
-        shape = {"heads": h, "dk": dk, "dv": dv, "dtype": torch.float32}
-        return failures(kernel_covers(ctx, "kda_delta_rule", shape, T if isinstance(T, int) else None))
+        spec = KDADeltaSpec(heads=h, dk=dk, dv=dv, dtype=torch.float32)
+        return failures(kernel_covers(ctx, spec, T if isinstance(T, int) else None))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         fused = match.insert(torch.ops.k3fuse.kda_delta_rule.default,
@@ -141,11 +139,6 @@ def _chain(n) -> tuple[fx.Node, list[fx.Node]]:
     return n, chain[::-1]
 
 
-def _val(n):
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _replay(base: torch.Tensor, chain: list[fx.Node]) -> torch.Tensor | None:
     """`base` (a fresh contiguous fake tensor standing for the chain's source) through the chain's
     layout ops as views; None when a step is not a view of the previous one."""
@@ -155,7 +148,7 @@ def _replay(base: torch.Tensor, chain: list[fx.Node]) -> torch.Tensor | None:
             if n.target in _SAME:
                 continue
             if n.target in _RESHAPES:
-                t = t.view(_val(n).shape)
+                t = t.view(tensor_value(n).shape)
             elif n.target is aten.t.default:
                 t = t.t()
             elif n.target is aten.transpose.int:
@@ -201,7 +194,7 @@ def _is_view_of(n, src: fx.Node, expected) -> list[fx.Node] | None:
     """The layout chain from `src` to `n` when it computes `expected(base)` of a contiguous base of
     src's shape; else None."""
     root, chain = _chain(n)
-    val = _val(src)
+    val = tensor_value(src)
     if root is not src or val is None:
         return None
     base = _fresh(val, val.shape)
@@ -215,7 +208,7 @@ def _contraction(bmm: fx.Node, S: fx.Node, vec: fx.Node, final: fx.Node) -> list
     ending at `final`, in either operand order; None if the bmm is not exactly that."""
     if not (isinstance(bmm, fx.Node) and bmm.target is aten.bmm.default):
         return None
-    sv = _val(S)
+    sv = tensor_value(S)
     if sv is None or sv.dim() != 4:
         return None
     T, h, dk, dv = sv.shape
@@ -236,7 +229,7 @@ def _contraction(bmm: fx.Node, S: fx.Node, vec: fx.Node, final: fx.Node) -> list
 def _unsqueezed(n, dim: int) -> tuple[fx.Node, list[fx.Node]] | None:
     """(x, chain) when `n` is `x.unsqueeze(dim)` up to views."""
     root, _ = _chain(n)
-    if _val(root) is None:
+    if tensor_value(root) is None:
         return None
     chain = _is_view_of(n, root, lambda b: b.unsqueeze(dim))
     return None if chain is None else (root, chain)
@@ -265,7 +258,7 @@ def _layout_match_at(graph: fx.Graph, A: fx.Node) -> Match | None:
             continue
         for rec, E in _pairs(S1):
             dec = _unsqueezed(E, -1)
-            if dec is None or not _is(dec[0], aten.exp.default) or _val(rec) is None or _val(rec).dim() != 4:
+            if dec is None or not _is(dec[0], aten.exp.default) or tensor_value(rec) is None or tensor_value(rec).dim() != 4:
                 continue
             exp, e_chain = dec
             for KU, EU in _pairs(U):
@@ -294,7 +287,7 @@ def _layout_match_at(graph: fx.Graph, A: fx.Node) -> Match | None:
 def _second_contraction(graph: fx.Graph, A: fx.Node):
     """(qc, o, nodes) for o = einsum("thkv,thk->thv", A, qc): a bmm reading a view of A, its result
     followed forward through single-user layout ops to a [T, h, dv] value."""
-    T, h, dk, dv = _val(A).shape
+    T, h, dk, dv = tensor_value(A).shape
     for bmm in graph.nodes:
         if not _is(bmm, aten.bmm.default):
             continue
@@ -304,7 +297,7 @@ def _second_contraction(graph: fx.Graph, A: fx.Node):
         qc = roots[1 - roots.index(A)]
         final = bmm
         while True:
-            v = _val(final)
+            v = tensor_value(final)
             if v is not None and v.dim() == 3 and all(_known(a == b) for a, b in zip(v.shape, (T, h, dv))):
                 break
             users = list(final.users)

@@ -20,7 +20,7 @@ Without any meeting point (front-only graphs) the one non-shared-expert linear o
 latent.
 Needs from the weights: W_r [E, H] (and W_down [L, H]) static and replicated (the K3 contract),
 E and L divisible by TP; on a GPU, a kernel that covers (E, L, H, dtype, TP) at the site's tokens
-(kernels/triton/moe_front_sharded.py: bf16/fp16 weights in the trunk dtype, K % 128 == 0).
+(kernels/lib/triton/moe_gather.py: bf16/fp16 weights in the trunk dtype, K % 128 == 0).
 """
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, divisible, failures, kernel_covers, shape_of,
+from k3fuse.guards import (GuardFailure, divisible, failures, kernel_covers, shape_of,
                            site_tokens, static_weight, token_count, tp_at_least)
 from k3fuse.ir import node_order
+from k3fuse.kernels.ops.moe_front import MoEFrontSpec
 from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forward_users, op_name
 from k3fuse.normalize import skip_transparent, value_root
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 
-from ._spelling import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
+from ._pattern_tools import TRUNK_DTYPES, cast_free, dtype_of, linear, per_dtype, randn, trunk_dtype
 from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
@@ -279,7 +280,7 @@ class MoEFrontSharded(Rule):
                 "(sigmoid, softmax), add, masked_fill or a view", values)
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(tp_at_least(ctx, 2), decode_token_range(ctx))
+        return failures(tp_at_least(ctx, 2))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         e = (shape_of(match["router_w"]) or (None,))[0]
@@ -296,10 +297,10 @@ class MoEFrontSharded(Rule):
             return found
         # on a GPU, a kernel for this shape at every token count the site can see (never a rewrite
         # that only falls back); the weights' dtype is what the kernel reads
-        shape = {"E": e, "L": (shape_of(match["down_w"]) or (0,))[0] if "down_w" in match.inputs else 0,
-                 "H": int(shape_of(match["x"])[-1]), "dtype": dtype_of(match["router_w"]),
-                 "world_size": ctx.tp_size, "max_tokens": ctx.tokens[1]}
-        return failures(kernel_covers(ctx, "moe_front_sharded", shape, site_tokens(match["x"])))
+        spec = MoEFrontSpec(E=e, L=(shape_of(match["down_w"]) or (0,))[0] if "down_w" in match.inputs else 0,
+                            H=int(shape_of(match["x"])[-1]), dtype=dtype_of(match["router_w"]),
+                            world_size=ctx.tp_size, max_tokens=ctx.tokens[1])
+        return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         down_w = match.inputs.get("down_w")

@@ -3,9 +3,9 @@
 Why: after the routed experts each TP rank holds a latent partial [T, L] (L = 3584 in K3); the
 model all-reduces it (NCCL, a latency-bound collective of a few KB to 450 KB) and RMSNorms the sum
 (a second, memory-bound launch) before W_up. k3fuse.allreduce_rmsnorm does both in the one-shot
-protocol family of the out-projection op (kernels/cute/allreduce_rmsnorm.py: a push of the partial
+protocol family of the out-projection op (kernels/ops/allreduce_rmsnorm.py: a push of the partial
 into every peer's symmetric buffer, then the one-shot epilogue polls, sums in fixed rank order and
-normalises in registers), issue 9 item 3.
+normalises in registers).
 
 Spelling: k3fuse.spelling's own functions, traced as the model calls them (LatentMoE.forward):
     r = all_reduce_sum(partial, group)        # all_reduce + wait_tensor
@@ -30,18 +30,19 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from k3fuse import compat
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
+from k3fuse.guards import (GuardFailure, failures, kernel_covers, same_group, shape_of, site_tokens,
                            static_weight, token_count, tp_at_least)
+from k3fuse.kernels.ops.allreduce_rmsnorm import AllReduceNormSpec
 from k3fuse.matcher import forward_users, op_name
 from k3fuse.normalize import is_metadata_check
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import GROUP, all_reduce_sum, dtype_of, per_dtype, randn, rms_norm, trunk_dtype
+from ._pattern_tools import GROUP, all_reduce_sum, dtype_of, per_dtype, randn, rms_norm, trunk_dtype
 
 T, L = 4, 16  # example shapes: tokens, latent width
 aten = torch.ops.aten
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _tail(x: Tensor, norm_weight: Tensor, eps: float, group_name: str) -> tuple[Tensor, Tensor]:
@@ -74,7 +75,7 @@ class MoETailAllReduceNorm(Rule):
     # same NVLink exchange as oproj_allreduce_residual (unicast one-shot): policy "require" rejects it
     # where multicast is unavailable
     uses_multicast = True
-    anchor = torch.ops._c10d_functional.all_reduce.default
+    site_op = compat.ALL_REDUCE
 
     def patterns(self) -> list[PatternSpec]:
         return per_dtype("norm", _tail, lambda d: (randn(T, L, dtype=d), randn(L, dtype=d), 1e-5, GROUP))
@@ -86,9 +87,9 @@ class MoETailAllReduceNorm(Rule):
         first output, here the all-reduced sum itself, so it has nothing to follow.)"""
         best: tuple[int, str, dict[str, Any]] | None = None
         for node in graph.nodes:
-            if node.target is not self.anchor:
+            if node.target is not self.site_op:
                 continue
-            for wait in (u for u in node.users if u.target is _WAIT):
+            for wait in (u for u in node.users if u.target is compat.WAIT_TENSOR):
                 readers = forward_users(wait)
                 names = [f"{op_name(u)} ({u.name})" for u in readers]
                 values = {"all_reduce": node.name, "wait": wait.name, "readers": [op_name(u) for u in readers]}
@@ -106,21 +107,18 @@ class MoETailAllReduceNorm(Rule):
         return best[1], best[2]
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(tp_at_least(ctx, 2), decode_token_range(ctx))
+        return failures(tp_at_least(ctx, 2))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
-        group = match["group_name"]
-        same_group = None if group == ctx.group_name else GuardFailure(
-            "site", "group", "the all-reduce is not over the context's TP group",
-            {"group_name": group, "tp_group": ctx.group_name})
         found = failures(_operand_failure(match), static_weight(match["norm_weight"], "norm_weight"),
-                         token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype), same_group)
+                         token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
+                         same_group(match["group_name"], ctx))
         if found:
             return found
-        shape = {"L": int(shape_of(match["x"])[-1]), "dtype": dtype_of(match["x"]),
-                 "w_dtype": dtype_of(match["norm_weight"]), "world_size": ctx.tp_size,
-                 "max_tokens": ctx.tokens[1]}
-        return failures(kernel_covers(ctx, "allreduce_rmsnorm", shape, site_tokens(match["x"])))
+        spec = AllReduceNormSpec(L=int(shape_of(match["x"])[-1]), dtype=dtype_of(match["x"]),
+                                 w_dtype=dtype_of(match["norm_weight"]), world_size=ctx.tp_size,
+                                 max_tokens=ctx.tokens[1])
+        return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         fused = match.insert(torch.ops.k3fuse.allreduce_rmsnorm.default,

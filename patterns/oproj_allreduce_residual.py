@@ -24,12 +24,13 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from k3fuse import compat
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, shape_of, static_weight, token_count,
+from k3fuse.guards import (GuardFailure, failures, same_group, shape_of, static_weight, token_count,
                            tp_at_least)
 from k3fuse.rule import Match, PatternSpec, Rule
 
-from ._spelling import GROUP, all_reduce_sum, cast_free, linear, per_dtype, randn, rms_norm, trunk_dtype
+from ._pattern_tools import GROUP, all_reduce_sum, cast_free, linear, per_dtype, randn, rms_norm, trunk_dtype
 
 T, K, H = 4, 8, 16  # example shapes: tokens, local reduction width, hidden
 
@@ -79,7 +80,7 @@ class OProjAllReduceResidual(Rule):
     # (the kernel itself is the unicast one-shot; a multicast variant is out of scope)
     uses_multicast = True
     # near misses are reported from each all_reduce: the closest one and where it left the pattern
-    anchor = torch.ops._c10d_functional.all_reduce.default
+    site_op = compat.ALL_REDUCE
 
     def patterns(self) -> list[PatternSpec]:
         def ex(dtype: torch.dtype, addend: bool, norm: bool) -> tuple:
@@ -98,18 +99,14 @@ class OProjAllReduceResidual(Rule):
         ]
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(tp_at_least(ctx, 2), decode_token_range(ctx))
+        return failures(tp_at_least(ctx, 2))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         weights = [static_weight(match["weight"], "weight")]
         if "norm_weight" in match.inputs:
             weights.append(static_weight(match["norm_weight"], "norm_weight"))
-        group = match["group_name"]
-        same_group = None if group == ctx.group_name else GuardFailure(
-            "site", "group", "the all-reduce is not over the context's TP group",
-            {"group_name": group, "tp_group": ctx.group_name})
-        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype), same_group,
-                        _rows_agree(match))
+        return failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
+                        same_group(match["group_name"], ctx), _rows_agree(match))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         status = ctx.multicast_status()

@@ -46,8 +46,10 @@ import torch
 import torch.fx as fx
 
 from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, decode_token_range, failures, kernel_covers, shape_of, site_tokens,
+from k3fuse.guards import (GuardFailure, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count)
+from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
+from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec
 from k3fuse.matcher import compiled_patterns, int_sentinel, near_miss
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
 from k3fuse.spelling import (routed_experts_gathered, routed_experts_grouped, routed_experts_quantized_gathered,
@@ -55,7 +57,7 @@ from k3fuse.spelling import (routed_experts_gathered, routed_experts_grouped, ro
 
 from k3fuse import quant
 
-from ._spelling import dtype_of, numeric_literals
+from ._pattern_tools import dtype_of, numeric_literals
 
 aten = torch.ops.aten
 
@@ -247,7 +249,7 @@ class RoutedExperts(Rule):
                    "gathered bmm; BF16 or dequantized MXFP4/int4) -> k3fuse.routed_experts / "
                    "routed_experts_w4a16 (one op: each selected expert's weights read once, 4-bit ones "
                    "dequantized in registers)")
-    anchor = aten._grouped_mm.default
+    site_op = aten._grouped_mm.default
 
     def patterns(self) -> list[PatternSpec]:
         gathered_sizes = (("tokens", T), ("latent", L))
@@ -265,13 +267,11 @@ class RoutedExperts(Rule):
         for the grouped spelling, bmm for the gathered one."""
         present = {n.target for n in graph.nodes if n.op == "call_function"}
         compiled = compiled_patterns(self)
-        for anchor, form in ((aten._grouped_mm.default, GROUPED), (aten.bmm.default, GATHERED)):
-            if anchor in present:
-                return near_miss(graph, [c for c in compiled if c.spec.key.form.split("_")[0] == form], anchor=anchor)
+        for site_op, form in ((aten._grouped_mm.default, GROUPED), (aten.bmm.default, GATHERED)):
+            if site_op in present:
+                return near_miss(graph, [c for c in compiled if c.spec.key.form.split("_")[0] == form],
+                                 site_op=site_op)
         return "no aten._grouped_mm or aten.bmm in the graph (no routed experts)", {}
-
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         fmt = _format(match)
@@ -285,8 +285,8 @@ class RoutedExperts(Rule):
         if found:
             return found
         w1 = shape_of(match["w1"])
-        shape = {"E": w1[0], "I": w1[1], "L": w1[2], "top_k": match["top_k"], "dtype": dtype_of(match["a"])}
-        return failures(kernel_covers(ctx, "routed_experts", shape, site_tokens(match["a"])))
+        spec = RoutedExpertsSpec(E=w1[0], I=w1[1], L=w1[2], top_k=match["top_k"], dtype=dtype_of(match["a"]))
+        return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def _check_quantized(self, match: Match, ctx: DecodeContext, fmt: str) -> list[GuardFailure]:
         weights = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
@@ -298,9 +298,9 @@ class RoutedExperts(Rule):
         if found:
             return found
         w1, a = shape_of(match["w1_packed"]), shape_of(match["a"])
-        shape = {"E": w1[0], "I": w1[1], "L": a[1], "top_k": match["top_k"], "dtype": dtype_of(match["a"]),
-                 "format": fmt}
-        return failures(kernel_covers(ctx, "routed_experts_w4a16", shape, site_tokens(match["a"])))
+        spec = RoutedExpertsW4A16Spec(E=w1[0], I=w1[1], L=a[1], top_k=match["top_k"], dtype=dtype_of(match["a"]),
+                                      format=fmt)
+        return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         fmt = _format(match)

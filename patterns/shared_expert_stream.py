@@ -22,7 +22,7 @@ Rewrite (per branch), x = the MoE input:
   x_pass = k3fuse.shared_expert_fork(x, [W_i], [b_i], W_down|None, b_down|None, act, site)  before x's
   first reader; every other reader of x (router / latent / routed path) reads x_pass, so no scheduler
   can sink the fork below the routed experts; `act` is the activation's own ATen ops as a program
-  (kernels/reference/shared_expert.py), so the fork computes the model's sequence, rounding points
+  (kernels/lib/reference/shared_expert.py), so the fork computes the model's sequence, rounding points
   included, on any GPU or CPU;
   y = k3fuse.shared_expert_join(x_pass, anchor=y_routed, [x, W..., b...], site, out_features)  right
   before the consumer of the branch output (the all_reduce, the add, or the fused reduction). The
@@ -42,12 +42,12 @@ from torch._ops import OpOverload
 
 from k3fuse import compat
 from k3fuse.context import DecodeContext
-from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, static_weight
-from k3fuse.ir import node_order, op_qualname
+from k3fuse.guards import GuardFailure, failures, is_static, static_weight, token_count
+from k3fuse.ir import node_order, node_value, op_qualname
 from k3fuse.normalize import CAST_OPS, VIEW_LIKE, canonical, cast_dtype, is_metadata_check, skip_transparent
-from k3fuse.rule import Match, Rule, fake_call
+from k3fuse.rule import Match, Rule
 
-from ._spelling import erase_dead, trunk_dtype
+from ._pattern_tools import erase_dead, trunk_dtype
 
 aten = torch.ops.aten
 _FUSED_REDUCTION = {"k3fuse::gemm_ar_residual", "k3fuse::gemm_ar_residual_rmsnorm"}
@@ -107,10 +107,6 @@ def _real_users(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if not is_metadata_check(u)]
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _static_transposed(wt: Any) -> tuple[fx.Node, list[fx.Node]] | None:
     """W if `wt` is W.T (views allowed) of a static [N, K] weight, with the layout nodes passed."""
     if not isinstance(wt, fx.Node) or wt.op != "call_function":
@@ -119,7 +115,7 @@ def _static_transposed(wt: Any) -> tuple[fx.Node, list[fx.Node]] | None:
     if not isinstance(src, fx.Node) or src.op != "call_function" or canonical(src)[0] != ("transpose_last2",):
         return None
     w, wviews = skip_transparent(src.args[0])
-    if not is_static(w) or not isinstance(_val(w), torch.Tensor) or _val(w).dim() != 2:
+    if not is_static(w) or not isinstance(node_value(w), torch.Tensor) or node_value(w).dim() != 2:
         return None
     return w, [*views, src, *wviews]
 
@@ -132,7 +128,7 @@ def _linear(node: Any) -> _Proj | None:
     if node.target is aten.add.Tensor and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
         for a, b in (node.args, node.args[::-1]):
             if isinstance(a, fx.Node) and a.target is aten.mm.default and isinstance(b, fx.Node) and is_static(b):
-                bv, av = _val(b), _val(a)
+                bv, av = node_value(b), node_value(a)
                 if (isinstance(bv, torch.Tensor) and isinstance(av, torch.Tensor) and bv.dim() == 1
                         and bv.dtype == av.dtype):
                     mm, bias, nodes = a, b, [node]
@@ -152,7 +148,7 @@ def _linear(node: Any) -> _Proj | None:
 
 
 def _keeps_features(node: fx.Node) -> bool:
-    out, src = _val(node), _val(node.args[0]) if node.args else None
+    out, src = node_value(node), node_value(node.args[0]) if node.args else None
     return (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.dim() >= 1
             and src.dim() >= 1 and str(out.shape[-1]) == str(src.shape[-1]))
 
@@ -241,12 +237,12 @@ def _encode_arg(arg: Any, index: dict[fx.Node, int], where: fx.Node) -> Any:
 
 def _program(b: _Branch) -> str:
     """The activation as a JSON program of its own ATen ops over the projections (see
-    kernels/reference/shared_expert.py); layout-only views are dropped (the fork runs on [T, F])."""
+    kernels/lib/reference/shared_expert.py); layout-only views are dropped (the fork runs on [T, F])."""
     index: dict[fx.Node, int] = {p.out: i for i, p in enumerate(b.projs)}
     steps: list[list[Any]] = []
     for n in b.act_nodes:
-        if n.target in VIEW_LIKE or (cast_dtype(n) is not None and _val(n.args[0]) is not None
-                                      and _val(n.args[0]).dtype == cast_dtype(n)):
+        if n.target in VIEW_LIKE or (cast_dtype(n) is not None and node_value(n.args[0]) is not None
+                                      and node_value(n.args[0]).dtype == cast_dtype(n)):
             index[n] = index[n.args[0]]  # same value, another layout (or a no-op cast)
             continue
         t = n.target
@@ -259,7 +255,7 @@ def _program(b: _Branch) -> str:
 
 
 def _lead_shape(node: fx.Node) -> list[str] | None:
-    v = _val(node)
+    v = node_value(node)
     return [str(s) for s in v.shape[:-1]] if isinstance(v, torch.Tensor) else None
 
 
@@ -291,7 +287,7 @@ def _check_structure(b: _Branch) -> None:
 class _Site:
     branch: _Branch
     consumer: fx.Node  # the node the join goes right before
-    anchor: fx.Node  # the routed output
+    routed: fx.Node  # the routed output (the join is ordered after it)
     program: str = ""
     chain: list[fx.Node] = field(default_factory=list)  # all_reduce, wait [, copy, views] to the add
 
@@ -312,7 +308,7 @@ def _through_reduction(side: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
 
 
 def _candidates(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, Any, list[fx.Node], fx.Node]]:
-    """(branch output, consumer, anchor, reduction chain, join node) for every add-like join."""
+    """(branch output, consumer, routed, reduction chain, join node) for every add-like join."""
     out = []
     for node in graph.nodes:
         if op_qualname(node) in _FUSED_REDUCTION and len(node.args) > 3 and node.args[3] is not None:
@@ -361,7 +357,7 @@ def _variant(b: _Branch) -> str:
         base = f"mlp{n}" if b.down else f"act{n}"
     if any(p.bias is not None for p in [*b.projs, *([b.down] if b.down else [])]):
         base += "+bias"
-    dtype = _val(b.x).dtype if isinstance(_val(b.x), torch.Tensor) else None
+    dtype = node_value(b.x).dtype if isinstance(node_value(b.x), torch.Tensor) else None
     return base if dtype in (None, torch.float32) else f"{base}[{str(dtype).removeprefix('torch.')}]"
 
 
@@ -382,7 +378,7 @@ class SharedExpertStream(Rule):
         found: list[Match] = []
         seen: set[fx.Node] = set()
         order = node_order(graph)
-        for branch_out, consumer, anchor, chain, join_node in _candidates(graph):
+        for branch_out, consumer, routed, chain, join_node in _candidates(graph):
             if branch_out in seen:
                 continue
             try:
@@ -393,12 +389,12 @@ class SharedExpertStream(Rule):
             m = self._match(graph, b, chain)
             try:
                 _check_structure(b)
-                self._check_join(b, consumer, anchor, chain, join_node, order)
+                self._check_join(b, consumer, routed, chain, join_node, order)
                 program = _program(b)
             except _NearMiss as miss:
                 m.refused = miss.failure
             else:
-                m.payload = _Site(b, consumer, anchor, program, chain)
+                m.payload = _Site(b, consumer, routed, program, chain)
             found.append(m)
         return found
 
@@ -418,7 +414,7 @@ class SharedExpertStream(Rule):
         return Match(variant=_variant(b), graph=graph, inputs=inputs, scalars={}, outputs=[b.out], nodes=nodes)
 
     @staticmethod
-    def _check_join(b: _Branch, consumer: fx.Node, anchor: Any, chain: list[fx.Node], join_node: fx.Node,
+    def _check_join(b: _Branch, consumer: fx.Node, routed: Any, chain: list[fx.Node], join_node: fx.Node,
                     order: dict[fx.Node, int]) -> None:
         out = b.out
         users = _real_users(out)
@@ -438,22 +434,19 @@ class SharedExpertStream(Rule):
             refuse("the shared-expert output has other consumers than the sum with the routed output")
         if op_qualname(consumer) in _FUSED_REDUCTION and b.down is not None:
             refuse("the fused MoE reduction already takes a down projection: the branch must end at the activation")
-        if not isinstance(anchor, fx.Node) or order[anchor] > order[join_node]:
+        if not isinstance(routed, fx.Node) or order[routed] > order[join_node]:
             refuse("the routed output is computed after the shared output's consumer")
-        if order[anchor] > order[consumer] and not chain:
+        if order[routed] > order[consumer] and not chain:
             refuse("the routed output is computed after the shared output's consumer")
         # (with a chain, a scheduler issued the shared all-reduce before the routed output exists, e.g.
         # Inductor's post-grad graph: the rewrite moves the chain after the routed output, see rewrite)
-        if not _ancestors_include(anchor, b.x):
+        if not _ancestors_include(routed, b.x):
             raise _NearMiss("moe_join", "the other addend is not computed from the branch input (not a routed "
-                            "output: a residual add of a dense MLP?)", {"addend": anchor.name, "input": b.x.name})
-
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
+                            "output: a residual add of a dense MLP?)", {"addend": routed.name, "input": b.x.name})
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         weights = [static_weight(n, name) for name, n in match.inputs.items() if name != "x"]
-        return failures(*weights, _token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype))
+        return failures(*weights, token_count(match["x"], ctx, dim=None), trunk_dtype(match["x"], "x", ctx.dtype))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         s: _Site = match.payload
@@ -462,10 +455,10 @@ class SharedExpertStream(Rule):
         site = sum(1 for n in graph.nodes if op_qualname(n) == "k3fuse::shared_expert_fork")
         region = set(match.nodes) | set(b.layout())
         order = node_order(graph)
-        if order[s.anchor] > order[s.consumer]:  # all_reduce -> wait [-> copy] issued early: after the anchor
-            prev = s.anchor
+        if order[s.routed] > order[s.consumer]:  # all_reduce -> wait [-> copy] issued early: after the routed output
+            prev = s.routed
             for n in sorted(s.chain, key=order.__getitem__):
-                if order[n] < order[s.anchor]:
+                if order[n] < order[s.routed]:
                     prev.append(n)
                     prev = n
             order = node_order(graph)
@@ -474,27 +467,19 @@ class SharedExpertStream(Rule):
         proj_bias = [p.bias for p in b.projs if p.bias is not None]
         w_down = b.down.weight if b.down else None
         b_down = b.down.bias if b.down else None
-        fork_args = (x, proj, proj_bias, w_down, b_down, s.program, site, ctx.strict)
-        with graph.inserting_before(first_reader):
-            fork = graph.call_function(ops.shared_expert_fork.default, fork_args)
-        fork.meta["val"] = fake_call(ops.shared_expert_fork.default, fork_args, {})
+        out = b.out
+        fork = match.insert(ops.shared_expert_fork.default, (x, proj, proj_bias, w_down, b_down, s.program, site,
+                                                             ctx.strict), before=first_reader, provenance=out)
         for user in list(x.users):  # the main stream reads x through the fork
             if user is not fork and user not in region and not is_metadata_check(user):
                 user.replace_input_with(x, fork)
-        out = b.out
         reads = [x, *proj, *proj_bias, *(t for t in (w_down, b_down) if t is not None)]
-        join_args = (fork, s.anchor, reads, site, int(_val(out).shape[-1]))
-        with graph.inserting_before(s.consumer):
-            join = graph.call_function(ops.shared_expert_join.default, join_args)
-        join.meta["val"] = fake_call(ops.shared_expert_join.default, join_args, {})
-        for n in (fork, join):
-            for key in ("stack_trace", "nn_module_stack"):
-                if key in out.meta:
-                    n.meta[key] = out.meta[key]
+        join = match.insert(ops.shared_expert_join.default, (fork, s.routed, reads, site, int(node_value(out).shape[-1])),
+                            before=s.consumer, provenance=out)
         out.replace_all_uses_with(join, delete_user_cb=lambda u: u is not join and not is_metadata_check(u))
         erase_dead(graph, [*match.nodes, *b.layout()])
         match.note(site=site, side_region=_side_region(b), activation=_act_ops(b), projections=len(proj),
-                   join_before=s.consumer.name, anchor=s.anchor.name)
+                   join_before=s.consumer.name, anchor=s.routed.name)
         return [fork, join]
 
 
@@ -505,24 +490,6 @@ def _side_region(b: _Branch) -> str:
 
 def _act_ops(b: _Branch) -> list[str]:
     return [n.target._opname for n in b.act_nodes if n.target not in VIEW_LIKE]
-
-
-def _token_count(x: fx.Node, ctx: DecodeContext) -> GuardFailure | None:
-    """The tokens of x [..., H] (product of the leading dims) are within the context's range; a
-    symbolic size passes (the fused ops check per call)."""
-    v = _val(x)
-    if not isinstance(v, torch.Tensor):
-        return GuardFailure("site", "token_range", "no shape known for tokens", {"tokens": x.name})
-    n = 1
-    for s in v.shape[:-1]:
-        if not isinstance(s, int):
-            return None
-        n *= s
-    lo, hi = ctx.tokens
-    if lo <= n <= hi:
-        return None
-    return GuardFailure("site", "token_range", "tokens outside the context's token range",
-                        {"tokens": n, "range": ctx.tokens})
 
 
 __all__ = ["SharedExpertStream", "shared_mlp_linears"]

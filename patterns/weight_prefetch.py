@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from k3fuse import compat
 from k3fuse.context import ContextError, DecodeContext
-from k3fuse.guards import GuardFailure, decode_token_range, failures, is_static, token_count
+from k3fuse.guards import GuardFailure, failures, is_static, token_count
 from k3fuse.ir import is_collective, is_sync, op_qualname
 from k3fuse.normalize import canonical, is_transparent
 from k3fuse.rule import Match, PatternSpec, Rule
@@ -85,9 +85,8 @@ class WeightPrefetch(Rule):
 
     name = "weight_prefetch"
     emits = ("l2_prefetch",)
-    # k3fuse bench, 2 x H200, TP 2, K3 widths, 1 token (docs/perf.md): k3fuse 368.7 us with the rule,
-    # 353.2 us without; the rule alone 461.3 us against 422.4 stock (0.92x): the bulk prefetch
-    # competes for HBM with the collective's neighbours instead of hiding W_up's read
+    # off: the bulk prefetch competes for HBM with the collective's neighbours instead of hiding
+    # the next weight read (the layer benchmark, docs/perf.md)
     default_on = False
     default_off_reason = "measured slower on 2 x H200: 1.15x with it, 1.20x without at 1 token"
     description = ("all_reduce ... wait_tensor still in the graph -> k3fuse.l2_prefetch(handle, [next "
@@ -131,9 +130,6 @@ class WeightPrefetch(Rule):
                                          "weight before the next sync point", {"collective": ar.name})
             found.append(m)
         return found
-
-    def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
-        return failures(decode_token_range(ctx))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         handle = match["collective"]

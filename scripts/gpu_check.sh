@@ -87,7 +87,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
 for p in ("triton", "nvidia-cutlass-dsl", "apache-tvm-ffi", "cuda-bindings", "humming-kernels"):
     try: print(p, md.version(p))
     except Exception as e: print(p, "missing")
-from k3fuse.kernels.cute import compat
+from k3fuse.kernels.lib.cute import compat
 print("cute available", compat.available(), compat.cute_version(), compat.IMPORT_ERROR or "")
 EOF
   env | grep -E "NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS"

@@ -2,11 +2,13 @@
 group-rank warm-up, cross-rank agreement and the no-per-rank-fallback rule for collective ops.
 
 The kernels themselves run only on GPUs (tests/gpu/test_collective_safety_gpu.py); what they
-compute from the protocol words is mirrored in kernels/symm_workspace.py (`advance`,
+compute from the protocol words is mirrored in kernels/collective.py (`advance`,
 `reset_buffer`, `flag_arrived`) and simulated here with several ranks in arbitrary interleavings,
 starting the counter near every wrap point.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import random
 
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 import k3fuse.kernels  # noqa: F401
-from k3fuse.kernels import dispatch, symm_workspace as sw
+from k3fuse.kernels import collective as sw
+from k3fuse.kernels import dispatch
 
 SENT = object()   # the Lamport sentinel (-0.0)
 
@@ -152,30 +155,35 @@ def test_stream_lane_is_scoped():
 
 
 # --- decisions from shared facts ------------------------------------------------------------------
-def test_decide_uses_shared_facts_only():
-    from k3fuse.kernels.cute import gemm_ar_residual as g
+def test_predicate_uses_shared_facts_only(monkeypatch):
+    from k3fuse.kernels.ops import oproj_allreduce as g
 
-    kw = dict(cute_ok=True, triton_ok=True, dist_ok=True)
+    dispatch.load_gpu_impls()
+    accepts = g._accepts("lamport")
     bf = torch.bfloat16
-    assert g.decide(1, 7168, 6144, bf, bf, None, ((7168,), bf), 2, 64, **kw) is None
-    assert g.decide(64, 7168, 6144, bf, bf, ((64, 7168), bf), None, 2, 64, **kw) is None
-    assert "tokens" in g.decide(65, 7168, 6144, bf, bf, None, None, 2, 64, **kw)
-    assert "dtype" in g.decide(1, 7168, 6144, torch.float32, torch.float32, None, None, 2, 64, **kw)
-    assert "world_size" in g.decide(1, 7168, 6144, bf, bf, None, None, 9, 64, **kw)
-    assert "CuTe" in g.decide(1, 7168, 6144, bf, bf, None, None, 2, 64, **dict(kw, cute_ok=False))
+    spec = g.OProjSpec(H=7168, K=6144, dtype=bf, res_dtype=bf, addend=False, norm_dtype=bf, world_size=2,
+                       max_tokens=64)
+    assert accepts(spec) is None
+    assert accepts(dataclasses.replace(spec, tokens=64, addend=True, norm_dtype=None)) is None
+    assert "tokens" in accepts(spec.with_tokens(65))
+    assert "dtype" in accepts(dataclasses.replace(spec, dtype=torch.float32, res_dtype=torch.float32))
+    assert "world_size" in accepts(dataclasses.replace(spec, world_size=9))
+    assert "K3FUSE_AR_PROTOCOL" in g._accepts("flags")(spec)
+    from k3fuse.kernels.lib.cute import compat
+
+    monkeypatch.setattr(compat, "available", lambda: False)
+    assert "CuTe" in accepts(spec)
     import inspect
 
-    src = inspect.getsource(g._reason) + inspect.getsource(g.decide) + inspect.getsource(g._gemm_path)
+    src = inspect.getsource(g.OProjSpec) + inspect.getsource(g._accepts) + inspect.getsource(g.gemm_path)
     assert "data_ptr" not in src and "broken" not in src    # no pointers, no per-rank state
 
 
-def test_reason_ignores_alignment(monkeypatch):
-    """Misaligned views (same shapes) get the same answer as aligned tensors: they are staged."""
-    from k3fuse.kernels.cute import gemm_ar_residual as g
+def test_spec_ignores_alignment():
+    """Misaligned views (same shapes) get the same Spec, so the same answer: they are staged."""
+    from k3fuse.kernels import collective
+    from k3fuse.kernels.ops import oproj_allreduce as g
 
-    monkeypatch.setattr(g.compat, "available", lambda: True)
-    monkeypatch.setattr(g.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(g, "_triton_ok", lambda: True)
     H, K = 512, 256
     w = torch.zeros(H, K, dtype=torch.bfloat16)
     base = torch.zeros(2 * H + 8, dtype=torch.bfloat16)
@@ -183,12 +191,12 @@ def test_reason_ignores_alignment(monkeypatch):
     xb = torch.zeros(2 * K + 8, dtype=torch.bfloat16)
     x_al, x_mis = xb[:2 * K].view(2, K), xb[3:2 * K + 3].view(2, K)
     assert res_mis.data_ptr() % 16 and x_mis.data_ptr() % 16
-    a = g._reason(x_al, w, res_al, None, None, 2, 64)
-    b = g._reason(x_mis, w, res_mis, None, None, 2, 64)
+    a = g.OProjSpec.from_call(x_al, w, res_al, None, "0", 2, max_tokens=64)
+    b = g.OProjSpec.from_call(x_mis, w, res_mis, None, "0", 2, max_tokens=64)
     assert a == b
-    st = g._aligned(res_mis)
+    st = collective.staged(res_mis)
     assert st.data_ptr() % 16 == 0 and torch.equal(st, res_mis)
-    assert g._aligned(res_al) is res_al
+    assert collective.staged(res_al) is res_al
 
 
 # --- collective ops never fall back per rank ------------------------------------------------------
@@ -196,10 +204,10 @@ def test_reason_ignores_alignment(monkeypatch):
 def raising_impl():
     names = []
 
-    def add(op, run=None, supports=None):
+    def add(op, run=None, accepts=None):
         def boom(*a, **k):
             raise ValueError("kernel exploded")
-        impl = dispatch.Impl("test.raising", supports=supports or (lambda *a, **k: None), run=run or boom,
+        impl = dispatch.Impl("test.raising", accepts=accepts or (lambda spec: None), run=run or boom,
                              priority=10_000, device_types=("cpu",))
         dispatch.register_impl(op, impl)
         names.append(op)
@@ -224,11 +232,11 @@ def test_collective_impl_failure_raises_not_falls_back(raising_impl):
         dispatch.dispatch("gemm_ar_residual", *_ar_args(), max_tokens=64)
 
 
-def test_collective_supports_failure_raises(raising_impl):
-    def bad_supports(*a, **k):
+def test_collective_predicate_failure_raises(raising_impl):
+    def bad_accepts(spec):
         raise KeyError("rank-local state")
-    raising_impl("gemm_ar_residual", supports=bad_supports)
-    with pytest.raises(dispatch.K3FuseCollectiveError, match="supports raised"):
+    raising_impl("gemm_ar_residual", accepts=bad_accepts)
+    with pytest.raises(dispatch.K3FuseCollectiveError, match="accepts raised"):
         dispatch.dispatch("gemm_ar_residual", *_ar_args(), max_tokens=64)
 
 
@@ -254,7 +262,7 @@ def test_non_collective_op_still_falls_back(raising_impl):
 def _ranks_body(rank, world):
     import torch.distributed as dist
 
-    from k3fuse.kernels.cute import gemm_ar_residual as g
+    from k3fuse.kernels import collective as g
 
     out = {}
     sub_a = dist.new_group([0, 1])

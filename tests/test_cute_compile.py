@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 import k3fuse.kernels  # noqa: F401,E402
 from k3fuse import runtime  # noqa: E402
-from k3fuse.kernels.cute import compat  # noqa: E402
+from k3fuse.kernels.lib.cute import compat  # noqa: E402
 
 needs_cute = pytest.mark.skipif(not compat.HAVE_CUTE,
                                 reason=f"nvidia-cutlass-dsl not importable: {compat.IMPORT_ERROR}")
@@ -45,7 +45,7 @@ def _ops(ptx: str) -> dict[str, int]:
 @needs_cute
 @pytest.mark.parametrize("M,N,K,out_dtype", GEMV_CASES)
 def test_gemv_compiles_to_ptx(M, N, K, out_dtype, tmp_path):
-    from k3fuse.kernels.cute import decode_gemv
+    from k3fuse.kernels.lib.cute import gemv as decode_gemv
 
     cfg = decode_gemv.pick_config(M, N, K)
     assert cfg is not None, f"GEMV must cover K3 shape {N}x{K} at M={M}"
@@ -66,7 +66,7 @@ def test_gemv_compiles_to_ptx(M, N, K, out_dtype, tmp_path):
     (8, False, True, False), (4, True, False, True),
 ])
 def test_oneshot_ar_compiles_to_ptx(world, addend, norm, pdl, tmp_path):
-    from k3fuse.kernels.cute import oneshot_ar
+    from k3fuse.kernels.lib.cute import oneshot_epilogue as oneshot_ar
 
     key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, torch.bfloat16, torch.bfloat16, pdl)
     ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
@@ -101,7 +101,7 @@ def _assert_wrap_safe_indexing(ptx: str) -> None:
 ])
 def test_oneshot_ar_flags_compiles_to_ptx(world, rank, addend, norm, tmp_path):
     """K3FUSE_AR_PROTOCOL=flags: release flags to every rank, acquire spin, then one data load."""
-    from k3fuse.kernels.cute import oneshot_ar
+    from k3fuse.kernels.lib.cute import oneshot_epilogue as oneshot_ar
 
     key, build = oneshot_ar.builder(world, 7168, 64, addend, norm, torch.bfloat16, torch.bfloat16,
                                     flags_rank=rank)
@@ -124,42 +124,30 @@ def test_oneshot_ar_flags_compiles_to_ptx(world, rank, addend, norm, tmp_path):
     _assert_wrap_safe_indexing(ptx)
 
 
-@pytest.fixture
-def restore_registry():
-    """Importing a kernel module registers its Impls: undo that for the registry tests."""
-    from k3fuse.kernels import dispatch
-
-    saved = {op: list(e.impls) for op, e in dispatch._ops.items()}
-    yield
-    for op, e in dispatch._ops.items():
-        e.impls = saved.get(op, [])
-
-
-def test_protocol_selection(monkeypatch, restore_registry):
+def test_protocol_selection(monkeypatch):
     """K3FUSE_AR_PROTOCOL picks one of two distinctly named Impls; read once per process."""
-    from k3fuse.kernels.cute import gemm_ar_residual as g
+    from k3fuse.kernels import collective, dispatch
+    from k3fuse.kernels.ops import oproj_allreduce as g
 
-    monkeypatch.setattr(g, "_PROTOCOL", [])
+    monkeypatch.setattr(collective, "_PROTOCOL", [])
     monkeypatch.setenv("K3FUSE_AR_PROTOCOL", "flags")
-    assert g.protocol() == "flags" and g._flags_rank(1) == 1 and not g._pdl("gemv")
+    assert collective.protocol() == "flags" and collective.flags_rank(1) == 1 and not g._pdl("gemv")
     monkeypatch.setenv("K3FUSE_AR_PROTOCOL", "lamport")
-    assert g.protocol() == "flags"                        # fixed after the first read
-    assert g._only("lamport", lambda *a, **k: None)() == "K3FUSE_AR_PROTOCOL=flags"
-    assert g._only("flags", lambda *a, **k: None)() is None
-    monkeypatch.setattr(g, "_PROTOCOL", [])
+    assert collective.protocol() == "flags"                        # fixed after the first read
+    spec = g.OProjSpec(H=7168, K=6144, dtype=torch.bfloat16, res_dtype=torch.bfloat16, addend=False,
+                       norm_dtype=None, world_size=2, max_tokens=64)
+    assert g._accepts("lamport")(spec) == "K3FUSE_AR_PROTOCOL=flags"
+    monkeypatch.setattr(collective, "_PROTOCOL", [])
     monkeypatch.delenv("K3FUSE_AR_PROTOCOL")
-    assert g.protocol() == "lamport" and g._flags_rank(1) is None
-    if compat.HAVE_CUTE:
-        from k3fuse.kernels import dispatch
-
-        names = {i.name for i in dispatch.implementations("gemm_ar_residual_rmsnorm")}
-        assert {"cute.oneshot_ar", "cute.oneshot_ar.flags"} <= names
+    assert collective.protocol() == "lamport" and collective.flags_rank(1) is None
+    names = {i.name for i in dispatch.implementations("gemm_ar_residual_rmsnorm")}
+    assert {"cute.oneshot_ar", "cute.oneshot_ar.flags"} <= names
 
 
 @needs_cute
 @pytest.mark.parametrize("M,world,rank", [(1, 2, 0), (2, 2, 1), (4, 8, 5)])
 def test_gemv_push_epilogue_compiles(M, world, rank, tmp_path):
-    from k3fuse.kernels.cute import decode_gemv
+    from k3fuse.kernels.lib.cute import gemv as decode_gemv
 
     N, K = 7168, 6144
     rows, threads = decode_gemv.pick_config(M, N, K)
@@ -178,14 +166,12 @@ def test_no_multicast_anywhere_in_kernels():
     """The kernels, workspace and benchmarks never touch NVLink multicast."""
     root = os.path.join(os.path.dirname(__file__), "..")
     banned = re.compile(r"multimem|multicast_ptr|cuMulticast|MulticastCreate")
-    for sub in ("kernels/cute", "kernels/triton", "bench"):
+    for sub in ("kernels", "bench"):
         for dirpath, _, files in os.walk(os.path.join(root, sub)):
             for f in files:
                 if f.endswith(".py"):
                     text = open(os.path.join(dirpath, f)).read()
                     assert not banned.search(text), f"{sub}/{f} mentions a multicast API"
-    text = open(os.path.join(root, "kernels", "symm_workspace.py")).read()
-    assert not banned.search(text)
 
 
 def test_import_guard_and_reference_on_cpu():
@@ -212,7 +198,7 @@ def test_splitk_compiles_for_sm90():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "push_ptr": "*i64", "gen_ptr": "*i64", "w2_ptr": "*bf16", "M": "i32", "N": "i32",
@@ -249,7 +235,7 @@ def test_l2_prefetch_compiles_to_bulk_prefetch_for_sm90():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import l2_prefetch
+    from k3fuse.kernels.lib.triton import l2_prefetch
 
     src = triton.compiler.ASTSource(
         fn=l2_prefetch._prefetch_kernel, signature={"addr_ptr": "*i64", "size_ptr": "*i32", "n": "i32",
@@ -260,7 +246,7 @@ def test_l2_prefetch_compiles_to_bulk_prefetch_for_sm90():
 
 
 def test_l2_prefetch_chunks_follow_the_list_and_stop_at_the_budget():
-    from k3fuse.kernels.triton import l2_prefetch
+    from k3fuse.kernels.lib.triton import l2_prefetch
 
     a, b = torch.empty(100_000, dtype=torch.bfloat16), torch.empty(50_000, dtype=torch.bfloat16)
     assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
@@ -278,7 +264,7 @@ def test_glu_activation_compiles_for_sm90():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import glu_act
+    from k3fuse.kernels.lib.triton import glu_act
 
     src = triton.compiler.ASTSource(
         fn=glu_act._situ_glu_kernel, signature={"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16",
@@ -294,7 +280,7 @@ def test_glu_activation_compiles_for_sm90():
 def test_oneshot_ar_without_residual_compiles_to_ptx(world, flags_rank, tmp_path):
     """allreduce_rmsnorm's epilogue (has_residual=False, L = 3584): the same poll / flags, sum and
     norm, no residual load; the residual variants' cache keys are unchanged."""
-    from k3fuse.kernels.cute import oneshot_ar
+    from k3fuse.kernels.lib.cute import oneshot_epilogue as oneshot_ar
 
     L = 3584
     args = (world, L, 64, False, True, torch.bfloat16, torch.bfloat16, False, flags_rank)
@@ -325,7 +311,7 @@ def test_lamport_push_compiles_for_sm90():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import lamport_push
+    from k3fuse.kernels.lib.triton import lamport_push
 
     sig = {"x_ptr": "*bf16", "push_ptr": "*i64", "gen_ptr": "*i64", "n": "i32", "WORLD": "constexpr",
            "RANK": "constexpr", "MAXT": "constexpr", "H": "constexpr", "BLOCK": "constexpr"}

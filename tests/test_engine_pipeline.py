@@ -169,11 +169,15 @@ def test_guard_predicates():
     assert isinstance(f, GuardFailure) and f.values == {"rows": 10, "by": 4} and "[site:divisible]" in str(f)
     assert guards.tp_at_least(ctx, 2).values["tp_size"] == 1
     assert guards.device_capability_at_least(ctx, (9, 0)).values["device_capability"] is None
-    assert guards.decode_token_range(ctx) is None
     node = make_fx(lambda x: x + 1, tracing_mode="fake")(torch.randn(16, 4))
     add = next(n for n in node.graph.nodes if n.op == "call_function")
     assert guards.token_count(add, ctx).values == {"tokens": 16, "range": (1, 8)}
     assert guards.token_count(add, DecodeContext(tokens=(1, 16))) is None
+    node3 = make_fx(lambda x: x + 1, tracing_mode="fake")(torch.randn(2, 3, 4))  # [B, S, H]: 6 tokens
+    add3 = next(n for n in node3.graph.nodes if n.op == "call_function")
+    assert guards.token_count(add3, DecodeContext(tokens=(1, 4)), dim=None).values == {"tokens": 6, "range": (1, 4)}
+    assert guards.token_count(add3, DecodeContext(tokens=(1, 4))) is None  # dim 0: 2 tokens
+    assert guards.same_group("tp", DecodeContext()).values == {"group_name": "tp", "tp_group": None}
     assert guards.dtype_in(DecodeContext(dtype=torch.float16), [torch.bfloat16]).guard == "dtype"
 
 

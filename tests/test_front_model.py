@@ -232,16 +232,16 @@ def test_bench_times_every_as_tp_and_skips_what_the_kernel_declines(monkeypatch,
     spec = importlib.util.spec_from_file_location("bench_moe_front", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from k3fuse.kernels import symm_workspace
-    from k3fuse.kernels.triton import moe_front_sharded as K
-    from k3fuse.kernels.triton import splitk_gemm
+    from k3fuse.kernels import collective
+    from k3fuse.kernels.lib.triton import moe_gather as K
+    from k3fuse.kernels.lib.triton import splitk_gemm
 
     fills = []
     data = types.SimpleNamespace(view=lambda dt: types.SimpleNamespace(fill_=fills.append))
-    monkeypatch.setattr(symm_workspace, "get_workspace", lambda *a, **k: types.SimpleNamespace(
+    monkeypatch.setattr(collective, "get_workspace", lambda *a, **k: types.SimpleNamespace(
         ptrs=None, gen=None, datas=[data]))
     monkeypatch.setattr(splitk_gemm, "run", lambda *a, **k: None)
-    monkeypatch.setattr(K, "_protocol", lambda: "lamport")
+    monkeypatch.setattr(collective, "_PROTOCOL", ["lamport"])
     pdl_seen = []
 
     def fake_replay(fn, steps):

@@ -1,6 +1,8 @@
-"""Dependencies point one way (issue 12): the framework core knows neither rules nor kernels, the
-kernels reach only the framework's leaves, and no two modules import each other, directly or
-around a loop.
+"""Dependencies point one way: the framework core knows neither rules nor kernels, the kernels
+reach only the framework's leaves, the rules reach the kernels only through an op's Spec, the
+kernel library (kernels/lib) registers nothing and never imports across toolchains, a kernel's
+limits exist only as its predicate (`Impl.accepts`), and no two modules import each other,
+directly or around a loop.
 
 The package-dir remap (patterns/ -> k3fuse.patterns, kernels/ -> k3fuse.kernels) hides these edges
 from import tools, so this test builds the import graph itself from the source: every `import`
@@ -20,12 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"k3fuse": "k3fuse", "patterns": "k3fuse.patterns", "kernels": "k3fuse.kernels"}
 
 #: imports nothing from k3fuse but these
-LEAVES = {"k3fuse.settings": set(), "k3fuse.ir": set(), "k3fuse.usage": set(), "k3fuse.compat": set(),
+LEAVES = {"k3fuse.settings": set(), "k3fuse.ir": set(), "k3fuse.usage": set(), "k3fuse.compat": {"k3fuse.ir"},
           "k3fuse.runtime": {"k3fuse.settings"}, "k3fuse.spelling": {"k3fuse.quant"}, "k3fuse.quant": set(),
-          "k3fuse.tools.console": set()}
+          "k3fuse.tools.console": set(), "k3fuse.token_range": set()}
 #: the framework core: it must not import the rules, the kernels or the doors
-CORE = {"k3fuse.settings", "k3fuse.ir", "k3fuse.usage", "k3fuse.compat", "k3fuse.runtime", "k3fuse.context",
-        "k3fuse.guards", "k3fuse.match", "k3fuse.matcher", "k3fuse.rule", "k3fuse.normalize", "k3fuse.pipeline",
+CORE = {"k3fuse.settings", "k3fuse.token_range", "k3fuse.ir", "k3fuse.usage", "k3fuse.compat", "k3fuse.runtime",
+        "k3fuse.context", "k3fuse.guards", "k3fuse.rewrite_site", "k3fuse.matcher", "k3fuse.rule", "k3fuse.normalize", "k3fuse.pipeline",
         "k3fuse.verify", "k3fuse.log"}
 #: what a kernel module may import from k3fuse outside k3fuse.kernels
 KERNEL_REACH = {"k3fuse.runtime", "k3fuse.settings", "k3fuse.compat", "k3fuse.dist", "k3fuse.ir", "k3fuse.spelling",
@@ -131,7 +133,8 @@ def _cycles() -> list[list[str]]:
 
 def test_the_graph_is_real():
     assert len(MODULES) > 60
-    assert "k3fuse.kernels.dispatch" in GRAPH["k3fuse.kernels.ops"]
+    assert "k3fuse.kernels.dispatch" in GRAPH["k3fuse.kernels.ops.decode_gemm"]
+    assert "k3fuse.kernels.lib.triton.splitk_gemm" in GRAPH["k3fuse.kernels.lib.triton.moe_gather"]
     assert "k3fuse.rule" in GRAPH["k3fuse.patterns.decode_gemm"]
 
 
@@ -164,8 +167,70 @@ def test_the_compiler_never_imports_the_tools():
     assert "k3fuse.tools.cli" in MODULES and "k3fuse.tools.bench.runner" in MODULES
 
 
-def test_rules_never_import_kernels_or_doors():
-    doors = {"k3fuse.backend", "k3fuse.inductor", "k3fuse.offline", "k3fuse.tools.cli", "k3fuse.wiring", "k3fuse"}
-    bad = {m: sorted(e for e in deps if e.startswith("k3fuse.kernels") or e in doors)
+#: what a rule may import from the kernels: an op module, for its Spec (the typed contract)
+RULE_REACH_PREFIX = "k3fuse.kernels.ops."
+LIBRARY = "k3fuse.kernels.lib"
+TOOLCHAINS = ("cute", "triton", "reference")
+
+
+def test_rules_reach_kernels_only_through_an_ops_spec():
+    doors = {"k3fuse.backend", "k3fuse.inductor", "k3fuse.offline", "k3fuse.tools.cli", "k3fuse.plugins", "k3fuse"}
+    bad = {m: sorted(e for e in deps if (e.startswith("k3fuse.kernels") and not e.startswith(RULE_REACH_PREFIX))
+                     or e in doors)
            for m, deps in GRAPH.items() if m.startswith("k3fuse.patterns")}
     assert {m: e for m, e in bad.items() if e} == {}
+
+
+def _toolchain(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[3] if module.startswith(LIBRARY + ".") and len(parts) > 3 else None
+
+
+def test_the_library_never_imports_across_toolchains():
+    """A module under kernels/lib/<toolchain> imports no other toolchain's modules (cute never triton, and
+    the other way round; the plain-torch references neither): a kernel mixing both is an op's business."""
+    bad = {m: sorted(e for e in deps if _toolchain(e) not in (None, _toolchain(m)))
+           for m, deps in GRAPH.items() if _toolchain(m)}
+    assert {m: e for m, e in bad.items() if e} == {}
+    assert all(_toolchain(m) in TOOLCHAINS for m in GRAPH if _toolchain(m))
+
+
+def test_the_library_registers_nothing():
+    """kernels/lib holds kernel bodies: it imports neither the dispatcher's registry, the op
+    declarations nor the op modules, and never calls register_impl / register_stock / declare."""
+    registry = {"k3fuse.kernels.declare", "k3fuse.kernels.ops", "k3fuse.kernels.dispatch"}
+    for name, path in MODULES.items():
+        if not name.startswith(LIBRARY):
+            continue
+        assert not {e for e in GRAPH[name] if e in registry or e.startswith("k3fuse.kernels.ops.")}, name
+        calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+                 for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+        assert not calls & {"register_impl", "register_stock", "declare"}, (name, calls)
+
+
+#: function names that would state a kernel's limits a second time, beside its predicate
+LIMIT_NAMES = {"supports", "covers", "_supports", "_covers", "decide", "_shape_limit", "_reason"}
+
+
+def test_a_kernels_limits_exist_only_as_its_predicate():
+    """Every implementation states its limits once, as `Impl.accepts` over its op's Spec, which serves
+    the compile-time coverage guard and the call-time dispatch alike: no kernel module defines a
+    separate supports/covers/decide, and Impl has no second predicate to fill in."""
+    from dataclasses import fields
+
+    from k3fuse.kernels import dispatch
+
+    for name, path in MODULES.items():
+        if name.startswith("k3fuse.kernels"):
+            defs = {n.name for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            assert not defs & LIMIT_NAMES, (name, sorted(defs & LIMIT_NAMES))
+    assert [f.name for f in fields(dispatch.Impl) if f.name in ("supports", "covers")] == []
+    import k3fuse.kernels.ops as ops
+
+    for decl in ops.DECLARATIONS:
+        for impl in dispatch.implementations(decl.name):
+            assert impl.name == dispatch.REFERENCE or callable(impl.accepts), (decl.name, impl.name)
+        if any(i.name != dispatch.REFERENCE and "cuda" in i.device_types and i.needs
+               for i in dispatch.implementations(decl.name)):
+            assert decl.spec is not None, f"{decl.name}: kernels need the op's Spec"

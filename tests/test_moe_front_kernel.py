@@ -20,8 +20,10 @@ from k3fuse.model.shapes import gemm_site
 
 triton = pytest.importorskip("triton")
 
-from k3fuse.kernels.triton import moe_front_sharded as K  # noqa: E402
-from k3fuse.kernels.triton import splitk_gemm  # noqa: E402
+from k3fuse.kernels import collective  # noqa: E402
+from k3fuse.kernels.lib.triton import moe_gather as K  # noqa: E402
+from k3fuse.kernels.lib.triton import splitk_gemm  # noqa: E402
+from k3fuse.kernels.ops import moe_front  # noqa: E402
 
 E, H = gemm_site("router").n, gemm_site("router").k
 L = gemm_site("w_down").n
@@ -29,8 +31,14 @@ BF16 = torch.bfloat16
 
 
 def _decide(T=1, h=H, e=E, l_=L, x_dtype=BF16, w_dtype=BF16, world=2, max_tokens=64, protocol="lamport"):
-    return K.decide(T, h, e, l_, x_dtype, w_dtype, world, max_tokens, triton_ok=True, dist_ok=True,
-                    protocol=protocol)
+    spec = moe_front.MoEFrontSpec(tokens=T, E=e, L=l_, H=h, dtype=w_dtype, world_size=world, max_tokens=max_tokens,
+                                  x_dtype=x_dtype)
+    saved = list(collective._PROTOCOL)
+    collective._PROTOCOL[:] = [protocol]
+    try:
+        return moe_front.accepts(spec)
+    finally:
+        collective._PROTOCOL[:] = saved
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -66,7 +74,7 @@ def test_split_config_keeps_tiles_inside_one_weight():
 
 
 def test_timeout_in_this_op_is_named():
-    from k3fuse.kernels.symm_workspace import ArWorkspace
+    from k3fuse.kernels.collective import ArWorkspace
 
     ws = ArWorkspace.__new__(ArWorkspace)
     ws.rank, ws.world, ws.group_name, ws.global_ranks = 0, 2, "tp", [4, 5]

@@ -21,8 +21,8 @@ from torch import nn
 import k3fuse
 from k3fuse import runtime
 from k3fuse.dist import launch
-from k3fuse.kernels.reference import allreduce as ref_allreduce
-from k3fuse.kernels.reference import stock
+from k3fuse.kernels.lib.reference import allreduce as ref_allreduce
+from k3fuse.kernels.lib.reference import stock
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.spelling import all_reduce_sum, rms_norm
 from stack_helpers import compiled_door, max_diff, strict_steps, tiny_stack
@@ -239,21 +239,23 @@ def test_rule_runs_when_named_in_the_environment(monkeypatch):
 
 
 def test_cuda_impl_registers_and_covers_k3_latent():
-    """The CUDA module imports on CPU (registers both protocol Impls when the DSL is there) and
-    its compile-time limits cover K3's latent at every decode token count."""
-    from k3fuse.kernels.cute import allreduce_rmsnorm as cuda_impl
-    from k3fuse.kernels.cute import compat
+    """Both protocol Impls are registered, and their one predicate accepts K3's latent at every
+    decode token count (the rule's compile-time Spec) and names the limit it refuses."""
+    import dataclasses
 
-    shape = {"L": L, "dtype": torch.bfloat16, "w_dtype": torch.bfloat16, "world_size": 2, "max_tokens": 64}
-    assert all(cuda_impl.covers(dict(shape, M=m)) is None for m in range(1, 65))
-    assert "L=3583" in cuda_impl.covers(dict(shape, L=3583, M=1))
-    assert "dtype" in cuda_impl.covers(dict(shape, dtype=torch.float32, M=1))
-    assert cuda_impl.decide(3, L, torch.bfloat16, (L,), torch.bfloat16, 2, 64, cute_ok=True, triton_ok=True,
-                            dist_ok=True) is None
-    assert "tokens 65" in cuda_impl.decide(65, L, torch.bfloat16, (L,), torch.bfloat16, 2, 64, cute_ok=True,
-                                           triton_ok=True, dist_ok=True)
+    from k3fuse.kernels import dispatch
+    from k3fuse.kernels.lib.cute import compat
+    from k3fuse.kernels.ops.allreduce_rmsnorm import AllReduceNormSpec
+
+    spec = AllReduceNormSpec(L=L, dtype=torch.bfloat16, w_dtype=torch.bfloat16, world_size=2, max_tokens=64)
+    kernels = {i.name: i for i in dispatch.cuda_kernels(OP)}  # the CuTe DSL and triton installed
     if compat.HAVE_CUTE:
-        from k3fuse.kernels import dispatch
-
+        assert dispatch.coverage(spec, range(1, 65)) == {}
+        lamport = kernels["cute.allreduce_rmsnorm"]
+        assert "L=3583" in lamport.accepts(dataclasses.replace(spec, L=3583))
+        assert "dtype" in lamport.accepts(dataclasses.replace(spec, dtype=torch.float32))
+        assert "M=65" in lamport.accepts(spec.with_tokens(65))
+        assert "torch.distributed" in lamport.accepts(dataclasses.replace(spec, dist_ready=False))
+    if compat.HAVE_CUTE:
         names = {i.name for i in dispatch.implementations(OP)}
         assert {"cute.allreduce_rmsnorm", "cute.allreduce_rmsnorm.flags", "reference"} <= names

@@ -19,8 +19,8 @@ from k3fuse import runtime
 from k3fuse.dist import launch
 from k3fuse.kernels import dispatch, streams
 from k3fuse.kernels.dispatch import Impl
-from k3fuse.kernels.reference import stock
-from k3fuse.kernels.reference.shared_expert import situ_act
+from k3fuse.kernels.lib.reference import stock
+from k3fuse.kernels.lib.reference.shared_expert import situ_act
 
 ops = torch.ops.k3fuse
 BF16 = torch.bfloat16
@@ -349,8 +349,8 @@ def test_registry_priority_supports_and_failure(registered_impls):
         seen.append((x.shape, weight.shape, bias, out_dtype))
         return torch.zeros(2, 8, dtype=BF16)
 
-    def picky(x, weight, bias, out_dtype):
-        return None if x.shape[0] <= 2 else f"M={x.shape[0]} > 2"
+    def picky(spec):
+        return None if spec.tokens <= 2 else f"M={spec.tokens} > 2"
 
     registered_impls += [("decode_gemm", "test.fast"), ("decode_gemm", "test.broken")]
     dispatch.register_impl("decode_gemm", Impl("test.fast", picky, fast_run, 10, ("cpu",)))
@@ -377,7 +377,8 @@ def test_reference_on_cuda_is_a_fallback_listing_why_kernels_declined(monkeypatc
     """Simulated: the device decision says cuda, one kernel declines and one module failed to import."""
     monkeypatch.setattr(dispatch, "_device_type", lambda args: "cuda")
     monkeypatch.setattr(dispatch, "load_gpu_impls", lambda: None)
-    monkeypatch.setitem(dispatch._import_errors, "k3fuse.kernels.triton.splitk_gemm",
+    monkeypatch.setattr(dispatch, "_loaded", set())  # no library module: only the test kernel can run
+    monkeypatch.setitem(dispatch._import_errors, "k3fuse.kernels.lib.triton.splitk_gemm",
                         "ModuleNotFoundError: No module named 'triton'")
     registered_impls.append(("decode_gemm", "cute.test_gemv"))
     dispatch.register_impl("decode_gemm", Impl("cute.test_gemv", lambda *a: "K=16 not a multiple of 64",
@@ -386,7 +387,7 @@ def test_reference_on_cuda_is_a_fallback_listing_why_kernels_declined(monkeypatc
     ops.decode_gemm(x, w, None)
     (reason,) = runtime.stats()["decode_gemm"]
     assert reason == ("fallback:cute.test_gemv: K=16 not a multiple of 64; import failed: "
-                      "k3fuse.kernels.triton.splitk_gemm (ModuleNotFoundError: No module named 'triton')")
+                      "k3fuse.kernels.lib.triton.splitk_gemm (ModuleNotFoundError: No module named 'triton')")
     with runtime.strict(), pytest.raises(runtime.K3FuseFallbackError, match="decode_gemm.*cute.test_gemv"):
         ops.decode_gemm(x, w, None)
 
@@ -407,41 +408,47 @@ def test_declined_on_cuda_runs_the_stock_sequence_not_the_fp32_reference(monkeyp
     assert list(runtime.stats()["decode_gemm"]) == ["fallback:no kernel registered"]
 
 
-def test_lazy_gpu_import_registers_good_modules_and_records_bad_ones(tmp_path, monkeypatch,
-                                                                     registered_impls):
-    pkg = tmp_path / "k3fuse_fake_kernels"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "good.py").write_text(textwrap.dedent("""
-        from k3fuse.kernels.dispatch import Impl, register_impl
-        register_impl("decode_gemm", Impl("fake.good", lambda *a: "never", lambda *a: None, 5,
-                                          warmup=lambda shapes: WARMED.extend(shapes)))
-        WARMED = []
-    """))
-    (pkg / "bad.py").write_text("import not_a_real_module_k3fuse\n")
-    (pkg / "_helper.py").write_text("raise RuntimeError('private helpers are not imported')\n")
+def test_lazy_library_import_enables_kernels_whose_modules_import(tmp_path, monkeypatch, registered_impls):
+    """A kernel runs only once the library modules it needs imported on a usable toolchain; a module
+    that fails to import, or a toolchain that reports itself unavailable, is recorded instead."""
+    lib = tmp_path / "k3fuse_fake_lib"
+    for toolchain, missing in (("good_chain", "None"), ("gone_chain", "'no such compiler'")):
+        (lib / toolchain).mkdir(parents=True)
+        (lib / toolchain / "__init__.py").write_text(f"def unavailable():\n    return {missing}\n")
+    (lib / "__init__.py").write_text("")
+    (lib / "good_chain" / "good.py").write_text("IMPORTED = True\n")
+    (lib / "good_chain" / "bad.py").write_text("import not_a_real_module_k3fuse\n")
+    (lib / "gone_chain" / "any.py").write_text("raise RuntimeError('never imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(dispatch, "KERNEL_PACKAGES", ("k3fuse_fake_kernels",))
-    registered_impls.append(("decode_gemm", "fake.good"))
+    monkeypatch.setattr(dispatch, "LIBRARY", "k3fuse_fake_lib")
+    warmed: list = []
+    for name, needs in (("fake.good", ("good_chain.good",)), ("fake.bad", ("good_chain.bad",)),
+                        ("fake.gone", ("gone_chain.any",))):
+        registered_impls.append(("decode_gemm", name))
+        dispatch.register_impl("decode_gemm", Impl(name, lambda spec: "never", lambda *a: None, 5, needs=needs,
+                                                   warmup=warmed.extend))
     dispatch._reset_for_tests()
     try:
         dispatch.load_gpu_impls()
         dispatch.load_gpu_impls()  # once only
-        assert "fake.good" in [i.name for i in dispatch.implementations("decode_gemm")]
-        assert dispatch.import_errors() == {
-            "k3fuse_fake_kernels.bad": "ModuleNotFoundError: No module named 'not_a_real_module_k3fuse'"}
+        assert "fake.good" in [i.name for i in dispatch.cuda_kernels("decode_gemm")]
+        assert not {"fake.bad", "fake.gone"} & {i.name for i in dispatch.cuda_kernels("decode_gemm")}
+        errors = dispatch.import_errors()
+        assert errors["k3fuse_fake_lib.good_chain.bad"] == ("ModuleNotFoundError: No module named "
+                                                            "'not_a_real_module_k3fuse'")
+        assert errors["k3fuse_fake_lib.gone_chain"] == "no such compiler"
         shapes = [{"M": 1, "N": 7168, "K": 6144, "dtype": BF16}]
         status = dispatch.warmup("decode_gemm", shapes)
-        assert status == {"fake.good": None}
-        assert sys.modules["k3fuse_fake_kernels.good"].WARMED == shapes
+        assert status["fake.good"] is None and "fake.bad" not in status and warmed == shapes
     finally:
         dispatch._reset_for_tests()
-        sys.modules.pop("k3fuse_fake_kernels.good", None)
+        for m in [m for m in sys.modules if m.startswith("k3fuse_fake_lib")]:
+            sys.modules.pop(m)
 
 
 def test_import_of_kernels_stays_light():
     code = ("import sys, k3fuse.kernels; bad = [m for m in sys.modules if m.startswith("
-            "('k3fuse.kernels.cute', 'k3fuse.kernels.triton'))]; print(bad)")
+            "('k3fuse.kernels.lib.cute', 'k3fuse.kernels.lib.triton'))]; print(bad)")
     import subprocess
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -609,12 +616,12 @@ def test_gemm_ar_residual_keeps_an_hf_style_3d_residual_shape(impl):
 
 
 def test_implementations_register_only_against_declared_ops():
-    """An op is declared once (kernels/ops.py OpDecl); a kernel for an op nobody declared is a
+    """An op is declared once (its module under kernels/ops/, OpDecl); a kernel for an op nobody declared is a
     mistake (a typo would otherwise register an Impl that never runs)."""
     from k3fuse.kernels import dispatch, ops
 
     assert set(ops.OPS) == {d.name for d in ops.DECLARATIONS}
-    with pytest.raises(KeyError, match="'decode_gem' is not declared: declare it once in kernels/ops.py"):
+    with pytest.raises(KeyError, match="'decode_gem' is not declared: declare it once in its module under kernels/ops/"):
         dispatch.register_impl("decode_gem", dispatch.Impl("typo", lambda *a: None, lambda *a: None))
     with pytest.raises(KeyError, match="not declared"):
         dispatch.register_stock("decode_gem", lambda *a: None)

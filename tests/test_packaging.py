@@ -5,8 +5,20 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["k3fuse.model", "k3fuse.tools", "k3fuse.tools.bench", "k3fuse.patterns", "k3fuse.kernels",
-               "k3fuse.kernels.reference", "k3fuse.kernels.cute", "k3fuse.kernels.triton"]
+SUBPACKAGES = ["k3fuse.model", "k3fuse.tools", "k3fuse.tools.bench", "k3fuse.patterns", "k3fuse.kernels", "k3fuse.kernels.ops", "k3fuse.kernels.lib",
+               "k3fuse.kernels.lib.reference", "k3fuse.kernels.lib.cute", "k3fuse.kernels.lib.triton"]
+
+
+def test_every_kernels_and_patterns_folder_is_a_listed_package():
+    """A new subpackage under kernels/ or patterns/ must be in pyproject's package list (else the
+    wheel silently lacks it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    for src, pkg in (("kernels", "k3fuse.kernels"), ("patterns", "k3fuse.patterns")):
+        for init in (ROOT / src).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / src).parts
+            assert ".".join([pkg, *rel]) in listed, f"{init.parent} is not in pyproject's packages"
 
 
 def test_editable_install_maps_top_level_folders():

@@ -33,7 +33,7 @@ from torch import nn
 import k3fuse
 from k3fuse import runtime
 from k3fuse.dist import launch
-from k3fuse.kernels.reference import routing, stock
+from k3fuse.kernels.lib.reference import routing, stock
 from k3fuse.model.layers import route
 from stack_helpers import compiled_door, max_diff, strict_steps, tiny_stack
 
@@ -126,8 +126,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     assert os.environ["TRITON_INTERPRET"] == "1"
     import numpy as np
     import torch
-    from k3fuse.kernels.triton import route_topk as K
-    from k3fuse.kernels.reference import routing
+    from k3fuse.kernels.lib.triton import route_topk as K
+    from k3fuse.kernels.lib.reference import routing
     assert K.INTERPRET and K.HAVE_TRITON
 
     E, k, scale = 896, 16, 2.5
@@ -209,7 +209,7 @@ def test_triton_kernel_compiles_for_sm90():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import route_topk
+    from k3fuse.kernels.lib.triton import route_topk
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "idx_ptr": "*i64", "E": "i32",
            "l_st": "i32", "routed_scaling": "fp32", "eps": "fp32", "TOP_K": "constexpr", "BLOCK_E": "constexpr",
@@ -229,9 +229,11 @@ def test_kernel_covers_k3_shapes_and_names_its_limits():
     from k3fuse.guards import kernel_covers
     from k3fuse.kernels import dispatch
 
-    assert dispatch.coverage(OP, {"E": 896, "top_k": 16, "dtype": torch.float32}, range(1, 65)) == {}
+    from k3fuse.kernels.ops.route_topk import RouteTopkSpec
+
+    assert dispatch.coverage(RouteTopkSpec(E=896, top_k=16), range(1, 65)) == {}
     ctx = k3fuse.DecodeContext(device_capability=H100)
-    f = kernel_covers(ctx, OP, {"E": 4096, "top_k": 16, "dtype": torch.float32}, tokens=None)
+    f = kernel_covers(ctx, RouteTopkSpec(E=4096, top_k=16), tokens=None)
     assert f is not None and (f.guard, f.values["tokens"]) == ("kernel_shape", "1-64")
     assert any(lim.startswith("triton.route_topk: E=4096") for lim in f.values["limits"])
 

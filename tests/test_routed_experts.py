@@ -192,8 +192,8 @@ def fake_kernel(monkeypatch):
     from k3fuse.kernels import dispatch
 
     dispatch.load_gpu_impls()
-    impl = dispatch.Impl("test.routed_experts", supports=lambda *a, **k: None, run=lambda *a, **k: None,
-                         covers=lambda s: None if s["E"] <= 64 else f"E={s['E']} > 64 experts")
+    impl = dispatch.Impl("test.routed_experts", accepts=lambda s: None if s.E <= 64 else f"E={s.E} > 64 experts",
+                         run=lambda *a, **k: None)
     others = [i for i in dispatch.implementations(OP) if "cuda" not in i.device_types]
     monkeypatch.setattr(dispatch._entry(OP), "impls", [impl, *others])
     return impl
@@ -221,7 +221,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
-    from k3fuse.kernels.triton import routed_experts as K
+    from k3fuse.kernels.lib.triton import routed_experts as K
     from k3fuse.spelling import K3_SITU_BETA as B, K3_SITU_LINEAR_BETA as LB, routed_experts_gathered
     assert K.INTERPRET and K.HAVE_TRITON
     out = []
@@ -279,7 +279,7 @@ def test_triton_kernels_compile_for_sm90():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import routed_experts as K
+    from k3fuse.kernels.lib.triton import routed_experts as K
 
     def compile_ptx(fn, constexprs: dict, launch: dict) -> str:
         sig = {n: "constexpr" if n in constexprs else SM90_TYPES[n] for n in fn.arg_names}
@@ -309,7 +309,7 @@ def test_triton_kernels_compile_for_sm90():
 
 
 def test_pick_config_goes_pairwise_at_one_or_two_tokens_of_top16_and_overrides_win():
-    from k3fuse.kernels.triton import routed_experts as K
+    from k3fuse.kernels.lib.triton import routed_experts as K
 
     assert K.PAIRWISE_MAX_PAIRS == 32  # a first guess: bench/bench_routed_experts.py times both modes
     for T in (1, 2, 3, 4, 8, 64):
@@ -328,11 +328,12 @@ def test_kernel_covers_k3_shapes_and_names_its_limits():
     pytest.importorskip("triton")
     from k3fuse.kernels import dispatch
 
-    dispatch.load_gpu_impls()
+    from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
+
     for I in (64, 128, 1536):
-        shape = {"E": 896, "I": I, "L": 3584, "top_k": 16, "dtype": torch.bfloat16}
-        assert dispatch.coverage(OP, shape, range(1, 65)) == {}, I
-    limits = dispatch.coverage(OP, {"E": 896, "I": 128, "L": 3584, "top_k": 16, "dtype": torch.float32}, [1])
+        spec = RoutedExpertsSpec(E=896, I=I, L=3584, top_k=16, dtype=torch.bfloat16)
+        assert dispatch.coverage(spec, range(1, 65)) == {}, I
+    limits = dispatch.coverage(RoutedExpertsSpec(E=896, I=128, L=3584, top_k=16, dtype=torch.float32), [1])
     assert any("triton.routed_experts: dtype torch.float32" in str(v) for v in limits.values()), limits
 
 

@@ -211,11 +211,10 @@ def fake_kernel(monkeypatch):
 
     dispatch.load_gpu_impls()
 
-    def covers(s):
-        return f"format {s['format']}" if s["format"] != "mxfp4" else (None if s["E"] <= 64 else f"E={s['E']} > 64")
+    def accepts(s):
+        return f"format {s.format}" if s.format != "mxfp4" else (None if s.E <= 64 else f"E={s.E} > 64")
 
-    impl = dispatch.Impl("test.routed_experts_w4a16", supports=lambda *a, **k: None, run=lambda *a, **k: None,
-                         covers=covers)
+    impl = dispatch.Impl("test.routed_experts_w4a16", accepts=accepts, run=lambda *a, **k: None)
     others = [i for i in dispatch.implementations(OP) if "cuda" not in i.device_types]
     monkeypatch.setattr(dispatch._entry(OP), "impls", [impl, *others])
     return impl
@@ -237,13 +236,15 @@ def test_kernel_covers_k3_shapes_and_names_its_limits():
     pytest.importorskip("triton")
     from k3fuse.kernels import dispatch
 
+    from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec
+
     dispatch.load_gpu_impls()
     for fmt in FORMATS:
         for I in (3072, 1536, 384):
-            shape = {"E": 896, "I": I, "L": 3584, "top_k": 16, "dtype": torch.bfloat16, "format": fmt}
-            assert dispatch.coverage(OP, shape, range(1, 65)) == {}, (fmt, I)
-    odd = {"E": 896, "I": 100, "L": 3584, "top_k": 16, "dtype": torch.bfloat16, "format": "mxfp4"}
-    limits = dispatch.coverage(OP, odd, [1])
+            spec = RoutedExpertsW4A16Spec(E=896, I=I, L=3584, top_k=16, dtype=torch.bfloat16, format=fmt)
+            assert dispatch.coverage(spec, range(1, 65)) == {}, (fmt, I)
+    odd = RoutedExpertsW4A16Spec(E=896, I=100, L=3584, top_k=16, dtype=torch.bfloat16, format="mxfp4")
+    limits = dispatch.coverage(odd, [1])
     assert any("whole groups of 32" in str(v) for v in limits.values()), limits
 
 
@@ -280,7 +281,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
     from k3fuse import quant
-    from k3fuse.kernels.triton import routed_experts_w4a16 as K
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
     from k3fuse.spelling import K3_SITU_BETA as B, K3_SITU_LINEAR_BETA as LB, routed_experts_gathered
     assert K.HAVE_TRITON and K.bf16_kernel.INTERPRET
     out = []
@@ -349,7 +350,7 @@ def test_triton_kernels_compile_for_sm90(fmt):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import routed_experts_w4a16 as K
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
 
     types = dict(SM90_TYPES)
     if fmt == "int4":
@@ -379,7 +380,7 @@ def test_triton_kernels_compile_for_sm90(fmt):
 
 
 def test_pick_config_splits_k_when_the_grid_is_small():
-    from k3fuse.kernels.triton import routed_experts_w4a16 as K
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
 
     one = K.pick_config(1, 896, 384, 3584, 16)
     assert one["pairwise"] and one["gate_up"]["SPLIT_K"] > 1

@@ -20,8 +20,8 @@ import torch.utils._pytree as pytree
 import k3fuse
 from k3fuse import runtime
 from k3fuse.dist import launch
-from k3fuse.kernels.reference import kda_delta as ref_kda
-from k3fuse.kernels.reference import stock
+from k3fuse.kernels.lib.reference import kda_delta as ref_kda
+from k3fuse.kernels.lib.reference import stock
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.model.layers import delta_rule
 
@@ -250,7 +250,7 @@ def test_triton_kernel_compiles_for_sm90():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    from k3fuse.kernels.triton import kda_delta
+    from k3fuse.kernels.lib.triton import kda_delta
 
     ptrs = ("s_ptr", "g_ptr", "b_ptr", "k_ptr", "v_ptr", "q_ptr", "so_ptr", "o_ptr")
     ints = ("H", "DV", "s_st", "s_sh", "g_st", "g_sh", "b_st", "b_sh", "k_st", "k_sh", "v_st", "v_sh", "q_st",
@@ -278,15 +278,15 @@ def test_kernel_covers_k3_shapes_and_names_its_limits():
     from k3fuse.guards import kernel_covers
     from k3fuse.kernels import dispatch
 
+    from k3fuse.kernels.ops.kda_delta import KDADeltaSpec
+
     for heads in (96, 48, 12):  # K3 at TP 1, 2, 8
-        shape = {"heads": heads, "dk": 128, "dv": 128, "dtype": torch.float32}
-        assert dispatch.coverage(RULE, shape, range(1, 65)) == {}
+        assert dispatch.coverage(KDADeltaSpec(heads=heads, dk=128, dv=128), range(1, 65)) == {}
     ctx = k3fuse.DecodeContext(device_capability=H100)
-    f = kernel_covers(ctx, RULE, {"heads": 8, "dk": 24, "dv": 24, "dtype": torch.float32}, tokens=None)
+    f = kernel_covers(ctx, KDADeltaSpec(heads=8, dk=24, dv=24), tokens=None)
     assert f is not None and (f.level, f.guard, f.values["tokens"]) == ("site", "kernel_shape", "1-64")
     assert any(lim.startswith("triton.kda_delta: dk=24") for lim in f.values["limits"])
-    assert kernel_covers(k3fuse.DecodeContext(), RULE, {"heads": 8, "dk": 24, "dv": 24,
-                                                         "dtype": torch.float32}, tokens=3) is None
+    assert kernel_covers(k3fuse.DecodeContext(), KDADeltaSpec(heads=8, dk=24, dv=24), tokens=3) is None
 
 
 def test_rule_on_a_gpu_context_refuses_a_head_dim_no_kernel_serves():

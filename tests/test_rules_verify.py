@@ -15,7 +15,8 @@ import k3fuse
 from k3fuse import compat
 from k3fuse.matcher import decomposition_table
 from k3fuse.offline import mark_static_placeholders, static_placeholder_names
-from k3fuse.patterns import SharedExpertStream, WeightPrefetch, all_rules, default_rules
+from k3fuse.patterns import SharedExpertStream, WeightPrefetch, all_rules
+from k3fuse.pipeline import default_rules
 from k3fuse.pipeline import run_pipeline
 from k3fuse.rule import Match, Rule
 from k3fuse.ir import op_qualname

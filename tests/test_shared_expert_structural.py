@@ -353,10 +353,10 @@ def test_dense_mlp_residual_is_not_an_moe_join():
 
 def test_k3_situ_program_is_recognised_for_the_fused_activation_kernel():
     """The side stream runs K3's SiTU-GLU as one Triton kernel only when the program the rule copies
-    out of the model is exactly SiTU (kernels/triton/glu_act.py's template): pinned here, so a change
+    out of the model is exactly SiTU (kernels/lib/triton/glu_act.py's template): pinned here, so a change
     in the model's spelling or in the decompositions shows up as a failure, not as a silent slow path."""
     pytest.importorskip("triton")
-    from k3fuse.kernels.triton import glu_act
+    from k3fuse.kernels.lib.triton import glu_act
     from k3fuse.model import K3DecodeStack, get_config
 
     model = K3DecodeStack(get_config("tiny", n_layers=1, dtype="bfloat16"), seed=0)

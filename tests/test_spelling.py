@@ -11,24 +11,24 @@ from pathlib import Path
 import torch
 
 from k3fuse import spelling
-from k3fuse.kernels.reference import shared_expert, stock
+from k3fuse.kernels.lib.reference import shared_expert, stock
 from k3fuse.model import layers
 from k3fuse.model.config import get_config
-from k3fuse.patterns import _spelling
+from k3fuse.patterns import _pattern_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 SPELLING = ROOT / "k3fuse" / "spelling.py"
 MATH = {"rms_norm", "situ", "situ_glu", "delta_rule"}
 #: kernels computing the same function (not torch spellings of it), checked against it in their tests
-KERNELS = {"kernels/triton/glu_act.py": {"situ_glu"}}  # the one-launch Triton SiTU-GLU
+KERNELS = {"kernels/lib/triton/glu_act.py": {"situ_glu"}}  # the one-launch Triton SiTU-GLU
 
 
 def test_model_patterns_stock_and_references_share_the_functions():
-    assert layers.rms_norm is _spelling.rms_norm is stock.rms_norm is spelling.rms_norm
-    assert layers.situ_glu is _spelling.situ_glu is shared_expert.situ_glu is spelling.situ_glu
+    assert layers.rms_norm is _pattern_tools.rms_norm is stock.rms_norm is spelling.rms_norm
+    assert layers.situ_glu is _pattern_tools.situ_glu is shared_expert.situ_glu is spelling.situ_glu
     assert shared_expert.situ is spelling.situ
     assert layers.delta_rule is spelling.delta_rule  # the KDA rule traces layers.delta_rule
-    assert _spelling.linear is spelling.linear and _spelling.all_reduce_sum is spelling.all_reduce_sum
+    assert _pattern_tools.linear is spelling.linear and _pattern_tools.all_reduce_sum is spelling.all_reduce_sum
 
 
 def test_situ_constants_are_the_configs_defaults():

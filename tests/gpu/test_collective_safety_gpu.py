@@ -150,7 +150,7 @@ N_REPLAYS = int(os.environ.get("K3FUSE_TEST_REPLAYS", "10000"))
 def _chain_body(rank, world, dist):
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
-    from k3fuse.kernels import symm_workspace as sw
+    from k3fuse.kernels import collective as sw
 
     dev = torch.device("cuda", rank)
     H, K = 4096, 2048
@@ -242,8 +242,9 @@ WARMUP_TIMEOUT_S = 60
 
 def _failure_body(rank, world, dist):
     import k3fuse.kernels  # noqa: F401
-    from k3fuse.kernels import dispatch, symm_workspace as sw
-    from k3fuse.kernels.cute import compat, gemm_ar_residual as gar
+    from k3fuse.kernels import collective as sw
+    from k3fuse.kernels import dispatch
+    from k3fuse.kernels.lib.cute import compat
 
     mode = os.environ["K3FUSE_TEST_FAILURE"]
     dev = torch.device("cuda", rank)
@@ -299,7 +300,6 @@ def _failure_body(rank, world, dist):
     else:
         assert "injected" in first, first
     assert len(errors) == 3, errors               # every later call fails as well
-    del gar
 
 
 @pytest.mark.parametrize("mode", ["skip", "push_fails", "epilogue_fails"])
@@ -314,8 +314,9 @@ def test_peer_failure_raises(tmp_path, mode):
 def _subgroup_body(rank, world, dist):
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
-    from k3fuse.kernels import dispatch, symm_workspace as sw
-    from k3fuse.kernels.cute import compat
+    from k3fuse.kernels import collective as sw
+    from k3fuse.kernels import dispatch
+    from k3fuse.kernels.lib.cute import compat
 
     tp = dist.new_group([1, 2], backend="nccl")     # collective over WORLD: every rank calls it
     dist.barrier()

@@ -17,8 +17,10 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
-from k3fuse.kernels.cute import compat, decode_gemv  # noqa: E402
-from k3fuse.kernels.triton import splitk_gemm  # noqa: E402
+from k3fuse.kernels.lib.cute import compat  # noqa: E402
+from k3fuse.kernels.lib.cute import gemv as decode_gemv  # noqa: E402
+from k3fuse.kernels.ops import decode_gemm  # noqa: E402
+from k3fuse.kernels.lib.triton import splitk_gemm  # noqa: E402
 from k3fuse.model.shapes import DECODE_GEMM_BENCH_SITES, gemm_site, gemm_sites  # noqa: E402
 
 # (name, N, K, out dtype): K3 per-rank shapes at TP 1, 2, 8, 16 plus the replicated MoE front/tail,
@@ -53,11 +55,12 @@ def test_kernels_all_token_counts(name, N, K, out_dtype):
     for M in range(1, 65):
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
         ref = _ref(x, w, out_dtype)
-        if compat.available() and M <= 8 and decode_gemv.supports(x, w, None, out_dtype):
+        spec = decode_gemm.DecodeGemmSpec.from_call(x, w, None, out_dtype)
+        if decode_gemm.gemv_accepts(spec, crossover=False) is None:
             y = torch.full((M, N), float("nan"), device=DEV, dtype=out_dtype)
             decode_gemv.run(x, w, None, out_dtype, out=y)
             _check(y, ref, out_dtype, f"gemv {name} M={M}")
-        assert splitk_gemm.supports(x, w, None, out_dtype), f"split-K must support {name} M={M}"
+        assert decode_gemm.splitk_accepts(spec) is None, f"split-K must support {name} M={M}"
         y = torch.full((M, N), float("nan"), device=DEV, dtype=out_dtype)
         splitk_gemm.run(x, w, None, out_dtype, out=y)
         _check(y, ref, out_dtype, f"splitk {name} M={M}")

@@ -168,7 +168,7 @@ def _body(rank, world, dist, protocol):
 def _timeout_body(rank, world, dist):
     """Debug build: rank 1 never calls the op, rank 0's poll must give up and report it."""
     import k3fuse.kernels  # noqa: F401
-    from k3fuse.kernels.cute import gemm_ar_residual as g
+    from k3fuse.kernels import collective as g
 
     os.environ["K3FUSE_AR_TIMEOUT_MS"] = "200"
     dev = torch.device("cuda", rank)
@@ -176,7 +176,7 @@ def _timeout_body(rank, world, dist):
     w = torch.randn(H, P, device=dev, dtype=torch.bfloat16) / P ** 0.5
     x = torch.randn(2, P, device=dev, dtype=torch.bfloat16)
     res = torch.randn(2, H, device=dev, dtype=torch.bfloat16)
-    from k3fuse.kernels.symm_workspace import get_workspace
+    from k3fuse.kernels.collective import get_workspace
 
     get_workspace(group, world, MAX_T, H, dev)  # collective: both ranks
     dist.barrier()

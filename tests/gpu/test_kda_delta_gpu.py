@@ -21,8 +21,9 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
-from k3fuse.kernels.reference import stock  # noqa: E402
-from k3fuse.kernels.triton import kda_delta  # noqa: E402
+from k3fuse.kernels.lib.reference import stock  # noqa: E402
+from k3fuse.kernels.lib.triton import kda_delta  # noqa: E402
+from k3fuse.kernels.ops import kda_delta as kda_op  # noqa: E402
 
 DEV = "cuda"
 D = 128
@@ -73,7 +74,7 @@ def _poisoned_run(args):
 @pytest.mark.parametrize("T", TOKENS)
 def test_kernel_matches_float64_with_poisoned_outputs(T, h):
     args = _operands(T, h, seed=T * 1000 + h)
-    assert kda_delta.supports(*args) is None
+    assert kda_op.accepts(kda_op.KDADeltaSpec.from_call(*args)) is None
     S_new, o = _poisoned_run(args)
     assert not torch.isnan(S_new).any() and not torch.isnan(o).any()
     S_ref, o_ref = _ref64(*args)

@@ -144,7 +144,7 @@ def test_layer_error_is_explained(world):
 
 
 def test_fused_situ_activation_matches_the_models_spelling():
-    from k3fuse.kernels.triton import glu_act
+    from k3fuse.kernels.lib.triton import glu_act
 
     gen = torch.Generator(DEV).manual_seed(3)
     for T in (1, 7, 64):

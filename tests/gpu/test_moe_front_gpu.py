@@ -76,7 +76,7 @@ def _correctness(rank, world):
     import torch.distributed as dist
 
     from k3fuse import runtime
-    from k3fuse.kernels.symm_workspace import check_errors
+    from k3fuse.kernels.collective import check_errors
 
     dev, group, wr, wd = _setup(rank)
     op = torch.ops.k3fuse.moe_front_sharded
@@ -130,7 +130,7 @@ def test_moe_front_sharded_matches_float64(world):
 def _near_wrap(rank, world):
     import torch.distributed as dist
 
-    from k3fuse.kernels.symm_workspace import _workspaces
+    from k3fuse.kernels.collective import _workspaces
 
     dev, group, wr, wd = _setup(rank)
     for i in range(12):   # past 2^63 - 1: the epoch wraps, the buffer index keeps rotating
@@ -154,8 +154,8 @@ def _missing_peer(rank, world):
     raises CollectiveTimeoutError; the workspace stays failed and never spins again."""
     import time
 
-    from k3fuse.kernels.symm_workspace import CollectiveTimeoutError, get_workspace, timeout_ns
-    from k3fuse.kernels.triton import moe_front_sharded as K
+    from k3fuse.kernels.collective import CollectiveTimeoutError, get_workspace, timeout_ns
+    from k3fuse.kernels.lib.triton import moe_gather as K
 
     dev, group, wr, wd = _setup(rank)
     x = _inputs(dev, 2, 1)
@@ -188,7 +188,7 @@ def _skipping_rank(rank, world):
     """Rank 1 skips the op: rank 0 raises within the bound (it names rank 1), never hangs."""
     import torch.distributed as dist
 
-    from k3fuse.kernels.symm_workspace import CollectiveTimeoutError, check_errors
+    from k3fuse.kernels.collective import CollectiveTimeoutError, check_errors
 
     dev, group, wr, wd = _setup(rank)
     x = _inputs(dev, 4, 1)

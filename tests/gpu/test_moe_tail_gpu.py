@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, protocol: str) -> None:
 def _body(rank, world, dist, protocol):
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
-    from k3fuse.kernels.symm_workspace import check_errors
+    from k3fuse.kernels.collective import check_errors
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
@@ -140,8 +140,8 @@ def _no_push(rank, world):
     import torch.distributed as dist
 
     import k3fuse.kernels  # noqa: F401
-    from k3fuse.kernels.symm_workspace import CollectiveTimeoutError, check_errors
-    from k3fuse.kernels.triton import lamport_push
+    from k3fuse.kernels.collective import CollectiveTimeoutError, check_errors
+    from k3fuse.kernels.lib.triton import lamport_push
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name

@@ -22,8 +22,9 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
-from k3fuse.kernels.reference import routing, stock  # noqa: E402
-from k3fuse.kernels.triton import route_topk  # noqa: E402
+from k3fuse.kernels.lib.reference import routing, stock  # noqa: E402
+from k3fuse.kernels.lib.triton import route_topk  # noqa: E402
+from k3fuse.kernels.ops import route_topk as route_op  # noqa: E402
 
 DEV = "cuda"
 E, K, SCALE = 896, 16, 2.5
@@ -47,7 +48,7 @@ def _poisoned(T: int):
 def test_every_token_count_matches_the_reference_bit_for_bit(ties):
     for T in range(1, 65):
         logits, b = _inputs(T, seed=T, ties=ties)
-        assert route_topk.supports(logits, b, K, SCALE) is None
+        assert route_op.accepts(route_op.RouteTopkSpec.from_call(logits, b, K, SCALE)) is None
         w, idx = route_topk.run(logits, b, K, SCALE, out=_poisoned(T))
         w_ref, idx_ref = routing.route_topk(logits, b, K, SCALE)
         assert torch.equal(idx, idx_ref), (T, ties)

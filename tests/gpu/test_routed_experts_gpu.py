@@ -24,7 +24,8 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
-from k3fuse.kernels.triton import routed_experts as kernel  # noqa: E402
+from k3fuse.kernels.lib.triton import routed_experts as kernel  # noqa: E402
+from k3fuse.kernels.ops import routed_experts as experts_op  # noqa: E402
 from k3fuse.spelling import (K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_gathered,  # noqa: E402
                              routed_experts_grouped, situ)
 
@@ -85,7 +86,7 @@ def test_every_token_count_against_float64_and_the_stock_grouped_gemms(weights, 
     tokens = range(1, 65) if I <= 128 else (1, 2, 3, 8, 17, 33, 64)  # the published width is 30 GB of weights
     for T in tokens:
         a, experts = _tokens(T, seed=T)
-        assert kernel.supports(a, experts, *weights, K, *SITU) is None
+        assert experts_op.accepts(experts_op.RoutedExpertsSpec.from_call(a, experts, *weights, K, *SITU)) is None
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
         z = kernel.run(a, experts, *weights, K, *SITU, out=out, config=mode)
         assert z.data_ptr() == out.data_ptr() and not torch.isnan(z).any(), T

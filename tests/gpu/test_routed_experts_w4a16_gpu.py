@@ -31,7 +31,8 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import quant, runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
-from k3fuse.kernels.triton import routed_experts_w4a16 as kernel  # noqa: E402
+from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel  # noqa: E402
+from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, accepts  # noqa: E402
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, situ  # noqa: E402
 
 DEV = "cuda"
@@ -137,7 +138,7 @@ def experts(request):
 def test_every_token_count_against_float64_in_both_modes(experts):
     for T in range(1, 65):
         a, ids = _tokens(T, seed=T)
-        assert kernel.supports(*experts.args(a, ids)) is None
+        assert accepts(RoutedExpertsW4A16Spec.from_call(*experts.args(a, ids))) is None
         ref = experts.reference(a, ids)
         for mode in ({"pairwise": True, **CONFIG}, {"pairwise": False, **CONFIG}):
             out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
@@ -172,7 +173,7 @@ def test_a_wrong_table_is_refused(experts):
     a, ids = _tokens(2, seed=3)
     args = list(experts.args(a, ids))
     args[-1] = experts.table.flip(0).contiguous()
-    assert kernel.supports(*args) == "the table is not the E2M1 values the kernel decodes"
+    assert accepts(RoutedExpertsW4A16Spec.from_call(*args)) == "the table is not the E2M1 values the kernel decodes"
 
 
 @pytest.mark.parametrize("T", [1, 8, 64])

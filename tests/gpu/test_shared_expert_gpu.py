@@ -32,10 +32,11 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse  # noqa: E402
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import runtime  # noqa: E402
-from k3fuse.kernels import cuda_shared_expert, dispatch, streams  # noqa: E402
-from k3fuse.kernels.reference import shared_expert  # noqa: E402
+from k3fuse.kernels import dispatch, streams  # noqa: E402
+from k3fuse.kernels.ops import shared_expert as cuda_shared_expert  # noqa: E402
+from k3fuse.kernels.lib.reference import shared_expert  # noqa: E402
 from k3fuse.tools.bench.profile import concurrency, kernel_events  # noqa: E402
-from k3fuse.kernels.reference.shared_expert import situ_act  # noqa: E402
+from k3fuse.kernels.lib.reference.shared_expert import situ_act  # noqa: E402
 from k3fuse.model.shapes import gemm_site  # noqa: E402
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA  # noqa: E402
 

@@ -31,7 +31,7 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
     except Exception:
         cond["triton"] = None
     try:
-        from k3fuse.kernels.cute import compat
+        from k3fuse.kernels.lib.cute import compat
 
         cond["cutlass_dsl"] = compat.cute_version()
     except Exception:
