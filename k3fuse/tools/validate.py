@@ -170,7 +170,7 @@ def _inject(scale: float) -> None:
         def run(*a, _ref=ref, **k):
             out = _ref.run(*a, **k)
             return tuple(o * scale for o in out) if isinstance(out, tuple) else out * scale
-        dispatch.register_impl(op, dispatch.Impl("validate.injected", supports=ref.supports, run=run,
+        dispatch.register_impl(op, dispatch.Impl("validate.injected", accepts=ref.accepts, run=run,
                                                  priority=1_000_000, device_types=("cpu",)))
 
 
