@@ -1,4 +1,5 @@
-"""Routed-experts benchmark: the model's grouped GEMMs (stock) vs k3fuse.routed_experts (Triton).
+"""Routed-experts benchmark: the model's grouped GEMMs (stock) vs k3fuse.routed_experts (Triton), and
+with --formats the 4-bit experts: stock vs k3fuse.routed_experts_w4a16 vs the BF16 kernel vs humming.
 
 K3's routed experts on one GPU: latent a [T, 3584] bf16, 16 of 896 experts per token, w1/w3
 [896, I, 3584], w2 [896, 3584, I] with I = moe_inter / TP (128 and 64: the layer benchmark's
@@ -13,6 +14,18 @@ over the measured copy bandwidth (the expected number of distinct experts for T 
 of 896 each).
 
     python bench/bench_routed_experts.py [--inter 128,64] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+
+W4A16 (--formats mxfp4,int4; I = 3072, 1536, 384 per rank by default): the packed experts drawn as
+random codes and scales in k3fuse/quant.py's layouts (the bytes the checkpoint has). Arms, each in
+one CUDA graph of STEPS calls with new tokens and experts per replay: "stock" (the model's spelling
+`routed_experts_quantized_grouped` under torch.compile: the step's distinct experts gathered,
+dequantized, grouped GEMMs), "w4a16" (kernels/lib/triton/routed_experts_w4a16.py, pick_config's mode),
+"bf16" (today's BF16 kernel on the dequantized weights, 3.8x the bytes) and "humming" (humming's
+indexed W4A16 MoE GEMMs, gate/up and down only: bench/humming_moe.py; --humming-inter picks the
+widths it compiles for, its JIT takes seconds a shape). Each row reports the distinct experts the
+timed steps touched, their packed bytes (weights and scales) and the w4a16 arm's share of the copy
+bandwidth measured in the same run on a 256 MiB buffer; the JSON also has a copy over each whole
+packed table. The steps' experts are random over tables of several GB, far past the 60 MB L2.
 """
 from __future__ import annotations
 
@@ -33,12 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--sweep", action="store_true",
-                    help="time the Triton kernels' launch configurations instead (gate/up, then down)")
+                    help="time the Triton kernels' launch configurations instead (gate/up, then down); with "
+                         "--formats, first time the W4A16 configurations and use the fastest for the table")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--formats", default=None, help="4-bit expert formats (mxfp4,int4): the W4A16 table")
+    ap.add_argument("--humming-inter", default=None, help="widths to time humming at (default: every --inter)")
+    ap.add_argument("--arms", default="w4a16,bf16,humming,stock", help="W4A16 table: the arms to time")
+    ap.add_argument("--w4a16-config", default=None, help="W4A16: a GATE_UP/DOWN override (JSON) for both kernels")
+    ap.add_argument("--sweep-tokens", default="1,64", help="W4A16 --sweep: token counts")
+    ap.add_argument("--sweep-out", default=None, help="W4A16 --sweep: JSON of the sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="W4A16: the sweep alone")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.formats:
+        from w4a16_table import run_w4a16
+
+        return run_w4a16(args)
     from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph
     from k3fuse.kernels.lib.triton import routed_experts as kernel
     from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_grouped

@@ -7,13 +7,16 @@ evaluates SiTU with them (kernels/lib/reference/shared_expert.py). One definitio
 patterns and the fallbacks cannot drift apart: changing a function here changes what every rule
 matches, so change the rules with it.
 
-A leaf module: it imports torch only (no k3fuse module), so anything may import it.
+A leaf module: it imports torch and k3fuse.quant (itself a leaf: the checkpoint formats'
+dequantization) only, so anything may import it.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+
+from k3fuse.quant import dequantize
 
 #: K3's SiTU-GLU constants: beta (the gate's tanh bound) and linear_beta (the up projection's)
 K3_SITU_BETA = 4.0
@@ -114,6 +117,83 @@ def routed_experts(a: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3:
     return spelled(a, experts, w1, w3, w2, top_k, beta, linear_beta)
 
 
+def expert_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct experts a step uses, in static shapes: (slot_experts int64 [S], pair_slots int64 [P]).
+
+    P = experts.shape[0] (token, slot) pairs and S = min(P, n_experts) slots. Slot j holds the j-th
+    smallest distinct expert id; the slots past the distinct count hold expert 0 and no pair uses them
+    (a static shape cannot shrink to the distinct count). pair_slots[p] is pair p's slot, so the
+    experts' GEMMs can run over the S slot weights as if they were the whole expert table.
+    """
+    slots = torch.sym_min(experts.shape[0], n_experts)  # symbolic under a dynamic token count
+    order = torch.argsort(experts, stable=True)
+    sorted_experts = experts.index_select(0, order)
+    starts = F.pad(sorted_experts[1:] != sorted_experts[:-1], (1, 0), value=True)  # a new expert begins
+    sorted_slots = torch.cumsum(starts, 0) - 1
+    slot_experts = torch.zeros(slots, dtype=experts.dtype, device=experts.device).scatter(
+        0, sorted_slots, sorted_experts)  # repeated slots write the same id
+    pair_slots = torch.empty_like(sorted_slots).index_copy(0, order, sorted_slots)
+    return slot_experts, pair_slots
+
+
+def dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, slot_experts: torch.Tensor, fmt: str,
+                       dtype: torch.dtype, table: torch.Tensor | None) -> torch.Tensor:
+    """The selected experts' weights [S, out, in] in `dtype`: gather their packed weights and scales
+    (`packed` [E, out, in/2 or in/8], `scale` [E, out, in/32]), then k3fuse.quant's dequantization."""
+    return dequantize(packed.index_select(0, slot_experts), scale.index_select(0, slot_experts), fmt, dtype,
+                      table=table)
+
+
+def _quantized_slot_weights(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor, w1_scale: torch.Tensor,
+                            w3_packed: torch.Tensor, w3_scale: torch.Tensor, w2_packed: torch.Tensor,
+                            w2_scale: torch.Tensor, fmt: str, table: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    slot_experts, pair_slots = expert_slots(experts, w1_packed.shape[0])
+    w1 = dequantize_experts(w1_packed, w1_scale, slot_experts, fmt, a.dtype, table)  # [S, I, L]
+    w3 = dequantize_experts(w3_packed, w3_scale, slot_experts, fmt, a.dtype, table)
+    w2 = dequantize_experts(w2_packed, w2_scale, slot_experts, fmt, a.dtype, table)  # [S, L, I]
+    return pair_slots, w1, w3, w2
+
+
+def routed_experts_quantized_grouped(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor,
+                                     w1_scale: torch.Tensor, w3_packed: torch.Tensor, w3_scale: torch.Tensor,
+                                     w2_packed: torch.Tensor, w2_scale: torch.Tensor, top_k: int, beta: float,
+                                     linear_beta: float, fmt: str, table: torch.Tensor | None = None
+                                     ) -> torch.Tensor:
+    """`routed_experts_grouped` over quantized experts: z [T*k, L] in pair order.
+
+    The packed weights and scales are the checkpoint's (k3fuse/quant.py: `fmt` "mxfp4" with `table`
+    the fp32 `e2m1_table`, or "int4" with `table` None), stacked [E, out, ...]. The step's distinct
+    experts (`expert_slots`) are gathered and dequantized to a's dtype, then the grouped GEMMs run
+    over those slots exactly as `routed_experts_grouped` runs over the whole table.
+    """
+    pair_slots, w1, w3, w2 = _quantized_slot_weights(a, experts, w1_packed, w1_scale, w3_packed, w3_scale,
+                                                     w2_packed, w2_scale, fmt, table)
+    return routed_experts_grouped(a, pair_slots, w1, w3, w2, top_k, beta, linear_beta)
+
+
+def routed_experts_quantized_gathered(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor,
+                                      w1_scale: torch.Tensor, w3_packed: torch.Tensor, w3_scale: torch.Tensor,
+                                      w2_packed: torch.Tensor, w2_scale: torch.Tensor, top_k: int, beta: float,
+                                      linear_beta: float, fmt: str, table: torch.Tensor | None = None
+                                      ) -> torch.Tensor:
+    """`routed_experts_gathered` over quantized experts: the same slot selection and dequantization as
+    `routed_experts_quantized_grouped`, then one dequantized weight copy per pair and a bmm (CPU)."""
+    pair_slots, w1, w3, w2 = _quantized_slot_weights(a, experts, w1_packed, w1_scale, w3_packed, w3_scale,
+                                                     w2_packed, w2_scale, fmt, table)
+    return routed_experts_gathered(a, pair_slots, w1, w3, w2, top_k, beta, linear_beta)
+
+
+def routed_experts_quantized(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor,
+                             w1_scale: torch.Tensor, w3_packed: torch.Tensor, w3_scale: torch.Tensor,
+                             w2_packed: torch.Tensor, w2_scale: torch.Tensor, top_k: int, beta: float,
+                             linear_beta: float, fmt: str, table: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's quantized routed experts: the grouped form where `use_grouped_mm`, else the gathered one."""
+    spelled = routed_experts_quantized_grouped if use_grouped_mm(a) else routed_experts_quantized_gathered
+    return spelled(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, beta,
+                   linear_beta, fmt, table)
+
+
 #: the guard against an all-zero sum in the router's renormalisation
 ROUTE_EPS = 1e-20
 
@@ -134,4 +214,5 @@ def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling
 
 __all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
            "situ_glu", "delta_rule", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
-           "routed_experts_gathered"]
+           "routed_experts_gathered", "expert_slots", "dequantize_experts", "routed_experts_quantized",
+           "routed_experts_quantized_grouped", "routed_experts_quantized_gathered"]

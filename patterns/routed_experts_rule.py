@@ -1,5 +1,5 @@
 """The routed experts: gate/up projections, SiTU-GLU, down projection per (token, slot) pair ->
-k3fuse.routed_experts.
+k3fuse.routed_experts, or over 4-bit experts -> k3fuse.routed_experts_w4a16.
 
 Why: at decode the routed experts are the MoE's largest weight read, and the model's spellings
 either sort the pairs and launch three grouped GEMMs plus the sort, searchsorted, gathers and the
@@ -26,6 +26,17 @@ is still computed from the MoE input through the op, so it finds its join as bef
 
 Needs: a [T, L] (any trunk dtype), experts int64 [T*top_k], w1/w3 [E, I, L] and w2 [E, L, I] static
 in a's dtype, decode tokens; on a GPU, a kernel that covers (E, I, L, top_k, dtype) at those tokens.
+
+Quantized experts (K3's MXFP4, K2.x's int4; k3fuse/quant.py): `routed_experts_quantized_grouped` and
+`_gathered` (the step's distinct experts gathered into min(T*k, E) slots, dequantized, then the
+spellings above) -> k3fuse.routed_experts_w4a16, whose kernel reads the packed weights and scales
+and dequantizes in registers. One pattern per format (the dequantization differs) and form; the
+variant and the log name the format. top_k is read off the shapes there (a free size, not an int
+wildcard: see QUANT_TOP_K), and the trace bakes in the slot count min(T*k, E) besides the sizes
+above (free sizes, checked against the operands, whose shapes the guards check for groups of 32).
+E, I and L must be static; the token count may be symbolic (a recompile for a second batch size).
+Needs: packed weights and scales static in the format's layout and dtypes (mxfp4 uint8 / uint8, int4
+int32 / bf16, the pattern's), MXFP4's E2M1 table a static buffer (the kernel checks its values once).
 """
 from __future__ import annotations
 
@@ -38,9 +49,13 @@ from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, failures, kernel_covers, shape_of, site_tokens,
                            static_weight, token_count)
 from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
+from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec
 from k3fuse.matcher import compiled_patterns, int_sentinel, near_miss
 from k3fuse.rule import Match, PatternSpec, Rule, Variant
-from k3fuse.spelling import routed_experts_gathered, routed_experts_grouped
+from k3fuse.spelling import (routed_experts_gathered, routed_experts_grouped, routed_experts_quantized_gathered,
+                             routed_experts_quantized_grouped)
+
+from k3fuse import quant
 
 from ._pattern_tools import dtype_of, numeric_literals
 
@@ -51,6 +66,9 @@ aten = torch.ops.aten
 T, L, E, I = 1031, 1048, 1021, 1040
 TOP_K, BETA, LINEAR_BETA = 16, 4.0, 25.0
 GATHERED, GROUPED = "gathered", "grouped"
+#: the quantized patterns' example widths: whole groups of GROUP_SIZE, distinct from every other size
+QL, QI = 47 * quant.GROUP_SIZE, 41 * quant.GROUP_SIZE
+QUANT_FORMATS = ("mxfp4", "int4")
 
 
 def _top_k_sentinel() -> int:
@@ -69,6 +87,118 @@ def _example(dtype: torch.dtype) -> tuple:
 def _spec(form: str, fn: Any, dtype: torch.dtype, free_sizes: tuple[tuple[str, int], ...]) -> PatternSpec:
     key = Variant(form, dtype)
     return PatternSpec(str(key), fn, lambda: _example(dtype), key, free_sizes)
+
+
+# --- quantized experts: one traced function per format and form (the format is not a wildcard: it
+# picks the dequantization). top_k is no int wildcard here but a free size (read off the shapes):
+# torch's meta cumsum (expert_slots) builds a pairs x pairs mask, which an int wildcard's ~1e9
+# sentinel in the pair count would overflow ----------------------------------------------------------
+def _top_k_of(a: torch.Tensor, experts: torch.Tensor) -> int:
+    return experts.shape[0] // a.shape[0]
+
+
+def mxfp4_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta,
+                  table):
+    return routed_experts_quantized_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                            w2_scale, _top_k_of(a, experts), beta, linear_beta, "mxfp4", table)
+
+
+def mxfp4_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta,
+                   table):
+    return routed_experts_quantized_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                             w2_scale, _top_k_of(a, experts), beta, linear_beta, "mxfp4", table)
+
+
+def int4_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta):
+    return routed_experts_quantized_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                            w2_scale, _top_k_of(a, experts), beta, linear_beta, "int4", None)
+
+
+def int4_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta):
+    return routed_experts_quantized_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                             w2_scale, _top_k_of(a, experts), beta, linear_beta, "int4", None)
+
+
+QUANTIZED_SPELLINGS = {("mxfp4", GROUPED): mxfp4_grouped, ("mxfp4", GATHERED): mxfp4_gathered,
+                       ("int4", GROUPED): int4_grouped, ("int4", GATHERED): int4_gathered}
+#: the quantized examples' top_k (a free size: a value no other literal of the trace has)
+QUANT_TOP_K = 37
+#: the sizes each quantized form's trace bakes in besides top_k (the dequantization's own reshapes
+#: are folded away): the slot count min(T*k, E), L and the pair count; the gathered form's expand
+#: its token count too
+QUANT_FREE_SIZES = {GROUPED: ("slots", "latent", "pairs"), GATHERED: ("slots", "latent", "pairs", "tokens")}
+
+
+def _quantized_example(fmt: str, dtype: torch.dtype) -> tuple:
+    """Meta tensors in `fmt`'s checkpoint layout (int4 scales in bf16 whatever the trunk, as K2.x
+    checkpoints and the model store them)."""
+    meta = {"device": "meta"}
+    w13, w2 = quant.packed_shape(fmt, QI, QL), quant.packed_shape(fmt, QL, QI)
+    s13, s2 = quant.scale_shape(fmt, QI, QL), quant.scale_shape(fmt, QL, QI)
+    packed, scale = quant.packed_dtype(fmt), quant.scale_dtype(fmt)
+    weights = []
+    for shape, sshape in ((w13, s13), (w13, s13), (w2, s2)):
+        weights += [torch.empty(E, *shape, dtype=packed, **meta), torch.empty(E, *sshape, dtype=scale, **meta)]
+    table = (torch.empty(16, dtype=torch.float32, **meta),) if fmt == "mxfp4" else ()
+    return (torch.empty(T, QL, dtype=dtype, **meta), torch.empty(T * QUANT_TOP_K, dtype=torch.int64, **meta),
+            *weights, BETA, LINEAR_BETA, *table)
+
+
+def _quantized_spec(fmt: str, form: str, dtype: torch.dtype) -> PatternSpec:
+    key = Variant(f"{form}_{fmt}", dtype)
+    pairs = T * QUANT_TOP_K
+    size_of = {"slots": min(pairs, E), "latent": QL, "pairs": pairs, "tokens": T}
+    sizes = (("top_k", QUANT_TOP_K), *((n, size_of[n]) for n in QUANT_FREE_SIZES[form]))
+    return PatternSpec(str(key), QUANTIZED_SPELLINGS[(fmt, form)], lambda: _quantized_example(fmt, dtype), key, sizes)
+
+
+def _quantized_failure(match: Match, fmt: str) -> GuardFailure | None:
+    """a [T, L]; experts int64 [T*k]; the packed weights and scales in `fmt`'s layout for E experts of
+    I x L / L x I with groups of 32, in its dtypes; the captured sizes equal those (slots min(T*k, E))."""
+    names = ("a", "experts", "w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+    shapes = {n: shape_of(match[n]) for n in names}
+    top_k = match.scalars.get("top_k")
+    values: dict[str, Any] = {n: [str(d) for d in s] if s is not None else None for n, s in shapes.items()}
+    values.update(top_k=top_k, format=fmt)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        return GuardFailure("site", "top_k", "top_k is not a positive int literal", values)
+    a, experts, w1 = shapes["a"], shapes["experts"], shapes["w1_packed"]
+    if a is None or len(a) != 2 or experts is None or len(experts) != 1 or w1 is None or len(w1) != 3:
+        return GuardFailure("site", "shape", "operands are not a [T, L], experts [T*k] and stacked [E, ...] "
+                            "packed weights", values)
+    n_experts, inter, latent = w1[0], w1[1], a[1]
+    if not all(isinstance(d, int) for d in (n_experts, inter, latent)):
+        return GuardFailure("site", "shape", "E, I and L must be static (only the token count may be symbolic)",
+                            values)
+    if inter % quant.GROUP_SIZE or latent % quant.GROUP_SIZE:
+        return GuardFailure("site", "group_size", f"I and L must be whole groups of {quant.GROUP_SIZE}",
+                            {**values, "I": inter, "L": latent})
+    if str(experts[0]) != str(a[0] * top_k):
+        return GuardFailure("site", "shape", "expected experts [T*top_k] for a [T, L]", values)
+    want = {"w1_packed": (n_experts, *quant.packed_shape(fmt, inter, latent)),
+            "w1_scale": (n_experts, *quant.scale_shape(fmt, inter, latent)),
+            "w2_packed": (n_experts, *quant.packed_shape(fmt, latent, inter)),
+            "w2_scale": (n_experts, *quant.scale_shape(fmt, latent, inter))}
+    want["w3_packed"], want["w3_scale"] = want["w1_packed"], want["w1_scale"]
+    wrong = {n: tuple(shapes[n] or ()) for n in want if tuple(shapes[n] or ()) != want[n]}
+    if wrong:
+        return GuardFailure("site", "shape", f"operand shapes are not {fmt}'s layout with groups of "
+                            f"{quant.GROUP_SIZE}", {**values, "expected": {n: want[n] for n in wrong}})
+    packed = quant.packed_dtype(fmt)
+    dtypes = {n: dtype_of(match[n]) for n in names}
+    scale_ok = (lambda d: d == torch.uint8) if fmt == "mxfp4" else (lambda d: d is not None and d.is_floating_point)
+    if (dtypes["experts"] != torch.int64 or any(dtypes[n] != packed for n in ("w1_packed", "w3_packed", "w2_packed"))
+            or not all(scale_ok(dtypes[n]) for n in ("w1_scale", "w3_scale", "w2_scale"))):
+        return GuardFailure("site", "dtype", f"the packed weights or scales are not {fmt}'s dtypes, or the expert "
+                            "ids are not int64", {**values, **{f"{n}_dtype": str(d) for n, d in dtypes.items()}})
+    pairs = a[0] * top_k
+    slots = min(pairs, n_experts) if isinstance(pairs, int) else torch.sym_min(pairs, n_experts)
+    captured = {"tokens": a[0], "latent": latent, "pairs": pairs, "slots": slots}
+    for name, want_size in captured.items():
+        if name in match.scalars and str(match.scalars[name]) != str(want_size):
+            return GuardFailure("site", "shape", f"the traced size {name} is not the operands'",
+                                {**values, name: match.scalars[name], "expected": str(want_size)})
+    return numeric_literals(match.scalars, ("beta", "linear_beta"), values)
 
 
 def _operand_failure(match: Match) -> GuardFailure | None:
@@ -103,18 +233,31 @@ def _operand_failure(match: Match) -> GuardFailure | None:
     return numeric_literals(match.scalars, ("beta", "linear_beta"), values)
 
 
+def _format(match: Match) -> str | None:
+    """The quantized format a match's variant names (form "grouped_mxfp4" etc.), None for BF16."""
+    form = match.key.form if match.key is not None else match.variant
+    return next((fmt for fmt in QUANT_FORMATS if form.endswith("_" + fmt)), None)
+
+
 class RoutedExperts(Rule):
-    """sort/grouped GEMMs or gather/bmm over the (token, slot) pairs  ->  k3fuse.routed_experts."""
+    """sort/grouped GEMMs or gather/bmm over the (token, slot) pairs  ->  k3fuse.routed_experts; the same
+    after dequantizing 4-bit experts  ->  k3fuse.routed_experts_w4a16."""
 
     name = "routed_experts"
-    emits = ("routed_experts",)
+    emits = ("routed_experts", "routed_experts_w4a16")
     description = ("the routed experts (W1/W3 projections, SiTU-GLU, W2 per (token, slot) pair; grouped GEMMs or "
-                   "gathered bmm) -> k3fuse.routed_experts (one op: each selected expert's weights read once)")
+                   "gathered bmm; BF16 or dequantized MXFP4/int4) -> k3fuse.routed_experts / "
+                   "routed_experts_w4a16 (one op: each selected expert's weights read once, 4-bit ones "
+                   "dequantized in registers)")
     site_op = aten._grouped_mm.default
 
     def patterns(self) -> list[PatternSpec]:
         gathered_sizes = (("tokens", T), ("latent", L))
-        return [_spec(GROUPED, routed_experts_grouped, torch.bfloat16,
+        # quantized first: their dequantized slots feed the BF16 spellings, which must not claim them
+        quantized = [_quantized_spec(fmt, form, dtype) for fmt in QUANT_FORMATS
+                     for form, dtypes in ((GROUPED, (torch.bfloat16,)), (GATHERED, (torch.float32, torch.bfloat16)))
+                     for dtype in dtypes]
+        return quantized + [_spec(GROUPED, routed_experts_grouped, torch.bfloat16,
                       (("pairs", T * _top_k_sentinel()), ("latent", L), ("n_experts", E))),
                 _spec(GATHERED, routed_experts_gathered, torch.float32, gathered_sizes),
                 _spec(GATHERED, routed_experts_gathered, torch.bfloat16, gathered_sizes)]
@@ -126,10 +269,14 @@ class RoutedExperts(Rule):
         compiled = compiled_patterns(self)
         for site_op, form in ((aten._grouped_mm.default, GROUPED), (aten.bmm.default, GATHERED)):
             if site_op in present:
-                return near_miss(graph, [c for c in compiled if c.spec.key.form == form], site_op=site_op)
+                return near_miss(graph, [c for c in compiled if c.spec.key.form.split("_")[0] == form],
+                                 site_op=site_op)
         return "no aten._grouped_mm or aten.bmm in the graph (no routed experts)", {}
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
+        fmt = _format(match)
+        if fmt is not None:
+            return self._check_quantized(match, ctx, fmt)
         found = failures(_operand_failure(match),
                          *(static_weight(match[n], n) for n in ("w1", "w3", "w2")))
         if found:
@@ -141,7 +288,32 @@ class RoutedExperts(Rule):
         spec = RoutedExpertsSpec(E=w1[0], I=w1[1], L=w1[2], top_k=match["top_k"], dtype=dtype_of(match["a"]))
         return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
+    def _check_quantized(self, match: Match, ctx: DecodeContext, fmt: str) -> list[GuardFailure]:
+        weights = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+        found = failures(_quantized_failure(match, fmt), *(static_weight(match[n], n) for n in weights),
+                         static_weight(match["table"], "table") if fmt == "mxfp4" else None)
+        if found:
+            return found
+        found = failures(token_count(match["a"], ctx))
+        if found:
+            return found
+        w1, a = shape_of(match["w1_packed"]), shape_of(match["a"])
+        spec = RoutedExpertsW4A16Spec(E=w1[0], I=w1[1], L=a[1], top_k=match["top_k"], dtype=dtype_of(match["a"]),
+                                      format=fmt)
+        return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
+
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
+        fmt = _format(match)
+        if fmt is not None:
+            table = match["table"] if fmt == "mxfp4" else None
+            z = match.insert(torch.ops.k3fuse.routed_experts_w4a16.default,
+                             (match["a"], match["experts"], match["w1_packed"], match["w1_scale"], match["w3_packed"],
+                              match["w3_scale"], match["w2_packed"], match["w2_scale"], match["top_k"],
+                              float(match["beta"]), float(match["linear_beta"]), fmt, table, ctx.strict))
+            match.replace([z])
+            w1 = shape_of(match["w1_packed"])
+            match.note(format=fmt, top_k=match["top_k"], E=w1[0], I=w1[1], group_size=quant.GROUP_SIZE)
+            return [z]
         z = match.insert(torch.ops.k3fuse.routed_experts.default,
                          (match["a"], match["experts"], match["w1"], match["w3"], match["w2"], match["top_k"],
                           float(match["beta"]), float(match["linear_beta"]), ctx.strict))

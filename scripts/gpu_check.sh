@@ -14,7 +14,9 @@
 #                                                      collective guard's, test-guard alone: world 1 + 2)
 #   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
-#   test-moe: the routed-experts and route top-k kernels, bench-moe their benchmarks; test-front /
+#   test-moe: the routed-experts (BF16 and W4A16) and route top-k kernels, bench-moe their benchmarks
+#   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from
+#   .whl/humming_kernels-*.whl; W4A16_ARGS adds options, e.g. --humming-inter 1536); test-front /
 #   bench-front: the sharded MoE front, test-tail / bench-tail: the MoE tail (latent all-reduce +
 #   RMSNorm, W_up replicated vs sharded): 2 ranks on 2 GPUs, on one GPU their 1-rank tests and the
 #   benchmark of one rank's TP-N slice (bench-front: N in FRONT_AS_TP=2,4,8,16; bench-tail: N=2). Each step has a timeout, logs go to $OUT/<step>.log;
@@ -54,6 +56,15 @@ if ls .whl/nvidia_cutlass_dsl-*.whl >/dev/null 2>&1; then
   fi
   export PYTHONPATH=".cute_site:.cute_site/nvidia_cutlass_dsl/python_packages:${PYTHONPATH:-}"
 fi
+# humming-kernels (the W4A16 MoE peer in bench-moe) from a local wheel the same way; its own
+# dependencies are on the GPU machine already
+if ls .whl/humming_kernels-*.whl >/dev/null 2>&1; then
+  if [ ! -d .humming_site/humming ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target .humming_site .whl/humming_kernels-*.whl \
+      || echo "WARN: humming wheel install failed"
+  fi
+  export PYTHONPATH="$(pwd)/.humming_site:${PYTHONPATH:-}"
+fi
 # the repo itself: editable install offline, else PYTHONPATH
 if ! "$PY" -c "import k3fuse.kernels" >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
@@ -74,7 +85,7 @@ fi
 import importlib.metadata as md, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "gpus", torch.cuda.device_count())
-for p in ("triton", "nvidia-cutlass-dsl", "apache-tvm-ffi", "cuda-bindings"):
+for p in ("triton", "nvidia-cutlass-dsl", "apache-tvm-ffi", "cuda-bindings", "humming-kernels"):
     try: print(p, md.version(p))
     except Exception as e: print(p, "missing")
 from k3fuse.kernels.lib.cute import compat
@@ -114,9 +125,13 @@ for s in "${STEPS[@]}"; do
     sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" bench/sweep_decode_gemm.py \
                   --json "$OUT/sweep.json" --emit "$OUT/splitk_tuned.py" ;;
     test-moe)  step pytest_moe "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_routed_experts_gpu.py \
-                 tests/gpu/test_route_topk_gpu.py ;;
+                 tests/gpu/test_route_topk_gpu.py
+               step pytest_moe_w4a16 "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" tests/gpu/test_routed_experts_w4a16_gpu.py ;;
     bench-moe) step bench_routed_experts "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_routed_experts.py \
                  --json "$OUT/bench_routed_experts.json"
+               step bench_routed_experts_w4a16 "${BENCH_TIMEOUT:-600}" "$PY" bench/bench_routed_experts.py \
+                 --formats mxfp4,int4 --inter 3072,1536,384 --json "$OUT/bench_routed_experts_w4a16.json" \
+                 ${W4A16_ARGS:-}
                step bench_route_topk "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_route_topk.py \
                  --json "$OUT/bench_route_topk.json" ;;
     test-front) step pytest_front "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_moe_front_gpu.py ;;

@@ -148,3 +148,89 @@ def test_concurrency_needs_no_stream_ids():
         assert got == {"busy_us": 30.0, "wall_us": 22.0, "concurrent_us": 8.0}
     assert concurrency([KernelEvent("k", 1, 0.0, 4.0), KernelEvent("k", 1, 4.0, 4.0)])["concurrent_us"] == 0.0
     assert concurrency([])["concurrent_us"] == 0.0
+
+
+def test_routing_specs_parse_and_bad_ones_are_named():
+    from k3fuse.tools.bench.routing import Routing, parse_routing
+
+    assert parse_routing("uniform") == Routing("uniform")
+    assert parse_routing("zipf:1.1") == Routing("zipf", 1.1) and str(parse_routing("zipf:1.1")) == "zipf:1.1"
+    for bad in ("zipf", "zipf:-1", "zipf:x", "skewed", "zipf:inf"):
+        with pytest.raises(ValueError, match="unknown routing .* use one of"):
+            parse_routing(bad)
+
+
+def test_zipf_routing_concentrates_the_experts_a_step_touches():
+    """Measured on the bench's own inputs: uniform routing touches about the uniform expectation,
+    Zipf-shaped biases fewer experts the steeper they are, and one token always its top_k."""
+    import torch
+
+    from k3fuse.tools.bench import routing
+    from k3fuse.tools.bench.runner import BenchConfig, _inputs
+
+    cfg = get_config("tiny", n_layers=1, n_experts=64, top_k=8)
+    bench = BenchConfig(preset="tiny", steps=3)
+    touched = {}
+    for spec in ("uniform", "zipf:0.6", "zipf:1.1", "zipf:2"):
+        model = K3DecodeStack(cfg, seed=0)
+        routing.apply_routing(model, routing.parse_routing(spec), seed=0)
+        for T in (1, 32):
+            _, xs, state = _inputs(model, T, bench, torch.device("cpu"))
+            got = routing.distinct_experts(model, xs, state)
+            assert len(got["per_step_layer"]) == bench.steps  # one count per (step, layer)
+            touched[spec, T] = got["mean"]
+    assert all(touched[spec, 1] == cfg.top_k for spec in ("uniform", "zipf:0.6", "zipf:1.1", "zipf:2"))
+    uniform = routing.expected_uniform(64, 8, 32)
+    assert 0.85 * uniform < touched["uniform", 32] <= 64
+    assert touched["uniform", 32] > touched["zipf:0.6", 32] > touched["zipf:1.1", 32] > touched["zipf:2", 32]
+    model = K3DecodeStack(cfg, seed=0)
+    floor = weight_floor(model, 32, touched=touched["zipf:1.1", 32])
+    assert floor["experts_touched"] == touched["zipf:1.1", 32]
+    assert floor["experts_touched_uniform"] == pytest.approx(uniform)
+
+
+def test_bench_defaults_are_published_widths_and_set_repeats():
+    import argparse
+
+    from k3fuse.tools.bench.cli import CUDA_DEFAULTS, register_bench
+    from k3fuse.tools.bench.runner import BenchConfig
+
+    assert CUDA_DEFAULTS == {"preset": "k3", "set": "", "tp": 1}
+    cfg = BenchConfig().model_config()
+    assert (cfg.moe_inter, cfg.expert_format) == (3072, "mxfp4")
+    narrow = BenchConfig(preset="k3_moe_inter128").model_config()
+    assert (narrow.moe_inter, narrow.expert_format, narrow.latent) == (128, "bf16", 3584)
+    parser = argparse.ArgumentParser()
+    register_bench(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--set", "moe_inter=128", "--set", "expert_format=bf16,latent=512"])
+    assert args.overrides == {"moe_inter": 128, "expert_format": "bf16", "latent": 512}
+
+
+@pytest.mark.slow
+def test_bench_cli_mxfp4_experts_with_zipf_routing(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "k3fuse.tools.cli", "bench", "--device", "cpu", "--preset", "tiny", "--tp", "1",
+           "--set", "expert_format=mxfp4", "--routing", "zipf:1.1", "--compiler", "eager", "--tokens", "1,8",
+           "--steps", "2", "--replays", "2", "--arms", "stock,k3fuse", "--no-profile", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mxfp4 experts, zipf:1.1 routing" in proc.stdout and "distinct experts/step" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["model"]["expert_format"] == "mxfp4" and result["conditions"]["routing"] == "zipf:1.1"
+    assert result["distinct_experts"]["1"]["mean"] == 4  # one token: its top_k
+    assert 4 <= result["distinct_experts"]["8"]["min"] <= result["distinct_experts"]["8"]["max"] <= 16
+    assert result["weight_read_floor"]["8"]["experts_touched"] == result["distinct_experts"]["8"]["mean"]
+    assert all(r["rel_err_vs_stock"] < 1e-4 for r in result["arms"]["k3fuse"]["rows"])
+    assert result["arms"]["k3fuse"]["error"] is None and result["arms"]["k3fuse"]["fallbacks"] == {}
+
+
+def test_tables_print_when_every_arm_failed(capsys):
+    from k3fuse.tools.bench.report import print_tables
+
+    result = {"conditions": {"preset": "k3", "overrides": {}, "layers": 1, "residual": "plain", "tp": 1,
+                             "device": "cuda", "steps_per_graph": 10, "replays": 20, "routing": "uniform"},
+              "model": {"moe_inter": 3072, "expert_format": "mxfp4"}, "weight_read_floor": {},
+              "arms": {"k3fuse": {"rows": [], "error": "OutOfMemoryError: CUDA out of memory", "compile_s": 0.0}}}
+    print_tables(result)
+    out = capsys.readouterr().out
+    assert "mxfp4 experts" in out and "k3fuse (error)" in out

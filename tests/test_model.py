@@ -101,7 +101,15 @@ def test_k3_shapes_on_meta_device():
     kda, moe = model.layers[0].kda, model.layers[0].moe
     assert kda.w_q.shape == (12288, 7168) and kda.w_o.shape == (7168, 12288)
     assert kda.w_fa.shape == (128, 7168) and kda.w_fb.shape == (12288, 128)
-    assert moe.routed.w1.shape == (896, 3072, 3584) and moe.routed.w2.shape == (896, 3584, 3072)
+    # MXFP4 experts as the checkpoint stores them: uint8 nibbles [E, out, in/2], E8M0 scales [E, out, in/32]
+    routed = moe.routed
+    assert routed.expert_format == "mxfp4" and not hasattr(routed, "w1")
+    assert routed.w1_packed.shape == routed.w3_packed.shape == (896, 3072, 1792)
+    assert routed.w1_scale.shape == (896, 3072, 112) and routed.w2_scale.shape == (896, 3584, 96)
+    assert routed.w2_packed.shape == (896, 3584, 1536)
+    assert routed.w1_packed.dtype == routed.w1_scale.dtype == torch.uint8
+    bf16 = K3DecodeStack(get_config("k3", n_layers=1, expert_format="bf16"), device="meta").layers[0].moe.routed
+    assert bf16.w1.shape == (896, 3072, 3584) and bf16.w2.shape == (896, 3584, 3072)
     assert moe.shared.w_gate.shape == (6144, 7168) and moe.shared.w_down.shape == (7168, 6144)
     assert kda.w_q.dtype == torch.bfloat16 and kda.A_log.dtype == torch.float32
 

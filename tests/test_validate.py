@@ -85,3 +85,36 @@ def test_dead_peer_does_not_hang():
     with pytest.raises(RankFailedError, match="peer rank did not take part|ProcessDied"):
         launch(_dead_peer, 2, backend="gloo", timeout_s=120)
     assert time.monotonic() - t0 < 110
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_float64_copy_keeps_the_packed_experts_and_dequantizes_them_exactly(fmt):
+    cfg = v.ValidateConfig(tp=1, overrides=(("expert_format", fmt),), **FAST)
+    mcfg, model, ref = v._build(cfg, 1, 0, None, torch.device("cpu"))
+    assert mcfg.expert_format == fmt and ref.dtype == torch.float64
+    mine, theirs = model.layers[0].moe.routed, ref.layers[0].moe.routed
+    for name in ("w1_packed", "w1_scale", "w2_packed", "w2_scale"):
+        assert getattr(theirs, name).dtype == getattr(mine, name).dtype
+        assert torch.equal(getattr(theirs, name), getattr(mine, name)), name
+    for w64, w in zip(theirs.expert_weights(), mine.expert_weights(torch.float64)):
+        assert w64.dtype == torch.float64 and torch.equal(w64, w)
+
+
+def test_cli_validate_mxfp4_stack_tp2(tmp_path, capsys):
+    from k3fuse.tools.cli import main
+
+    out = tmp_path / "v.json"
+    rc = main(["validate", "--preset", "small", "--set", "expert_format=mxfp4", "--layers", "1", "--steps", "2",
+               "--tp", "2", "--stock", "eager", "--compiler", "eager", "--no-layer-outputs", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "validate: PASS" in text and "experts=mxfp4" in text
+    r0 = json.loads(out.read_text())["ranks"][0]
+    assert r0["model"]["expert_format"] == "mxfp4" and r0["model"]["moe_inter"] == 64
+    assert r0["output_err_k3fuse"][0] < 1e-4 and r0["output_err_stock"][0] < 1e-4  # fp32 vs float64 copy
+
+
+def test_quantized_width_tp_misfit_is_one_clear_error_before_any_rank_starts():
+    cfg = v.ValidateConfig(tp=2, overrides=(("expert_format", "mxfp4"),), **FAST)  # tiny: I/2 = 16
+    with pytest.raises(v.ValidateError, match="TP=2 leaves moe_inter/tp=16 .* mxfp4 group size 32"):
+        v.run_validate(cfg)

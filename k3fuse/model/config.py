@@ -3,7 +3,9 @@
 One frozen dataclass, a few presets and the divisibility checks tensor parallelism needs. The
 `k3` preset carries the published dimensions (for shape and byte arithmetic, or `device="meta"`);
 `tiny` and `small` keep the same structure at sizes a CPU test can run, with every sharded width
-divisible by TP 2, 4 and 8.
+divisible by TP 2, 4 and 8. `expert_format` is how the routed experts are stored: `bf16` (the model
+dtype), or packed as the checkpoint ships them (`mxfp4`, K3's format and the `k3` preset's; `int4`,
+K2.x's); see k3fuse/quant.py.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..quant import EXPERT_FORMATS, GROUP_SIZE
 from ..spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA
 
 RESIDUAL_KINDS = ("plain", "attnres")
@@ -52,6 +55,7 @@ class K3Config:
     residual: str = "plain"  # "plain" pre-norm residual or "attnres" (Block Attention Residuals)
     attn_res_block: int = 12  # layers per AttnRes block (a bank entry every this many layers)
     dtype: str = "float32"  # model (trunk) dtype name; KDA state, router and SiTU are fp32 anyway
+    expert_format: str = "bf16"  # routed experts: "bf16" (the trunk dtype), "mxfp4" or "int4" (packed)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -70,6 +74,13 @@ class K3Config:
             raise ValueError(f"K3Config.residual must be one of {RESIDUAL_KINDS}, got {self.residual!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"K3Config.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"K3Config.expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
+        if self.quantized_experts:
+            for field in ("latent", "moe_inter"):
+                if getattr(self, field) % GROUP_SIZE:
+                    raise ValueError(f"K3Config.{field}={getattr(self, field)} must be a multiple of the "
+                                     f"{self.expert_format} group size {GROUP_SIZE} (the experts' input widths)")
         if not self.gate_lower_bound < 0:
             raise ValueError(f"K3Config.gate_lower_bound must be negative (decay exp(g) < 1), "
                              f"got {self.gate_lower_bound}")
@@ -85,6 +96,11 @@ class K3Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def quantized_experts(self) -> bool:
+        """The routed experts are stored packed with group scales (`mxfp4` or `int4`)."""
+        return self.expert_format != "bf16"
 
     def sharded_dims(self) -> dict[str, int]:
         """The widths tensor parallelism splits (heads, expert/shared intermediate) or that the
@@ -104,13 +120,17 @@ class K3Config:
         for dim, value in self.sharded_dims().items():
             if value % tp:
                 raise ValueError(f"TP={tp} does not divide {dim}={value} of config {self.name!r}")
+        if self.quantized_experts and (self.moe_inter // tp) % GROUP_SIZE:
+            raise ValueError(f"TP={tp} leaves moe_inter/tp={self.moe_inter // tp} of config {self.name!r}, not a "
+                             f"multiple of the {self.expert_format} group size {GROUP_SIZE} (w2's input width "
+                             f"per rank)")
 
 
 PRESETS: dict[str, K3Config] = {
-    # Published Kimi K3 dimensions (AttnRes block 12, BF16 trunk).
+    # Published Kimi K3 dimensions (AttnRes block 12, BF16 trunk, MXFP4 routed experts as shipped).
     "k3": K3Config(hidden=7168, n_layers=93, kda_heads=96, head_dim=128, gate_rank=128,
                    n_experts=896, top_k=16, moe_inter=3072, latent=3584, shared_inter=6144,
-                   residual="attnres", attn_res_block=12, dtype="bfloat16", name="k3"),
+                   residual="attnres", attn_res_block=12, dtype="bfloat16", expert_format="mxfp4", name="k3"),
     # CPU test sizes: same structure, every sharded width divisible by 2, 4 and 8.
     "tiny": K3Config(hidden=128, n_layers=2, kda_heads=8, head_dim=16, gate_rank=16,
                      n_experts=16, top_k=4, moe_inter=32, latent=64, shared_inter=64,
@@ -119,6 +139,12 @@ PRESETS: dict[str, K3Config] = {
                       n_experts=32, top_k=4, moe_inter=64, latent=128, shared_inter=128,
                       attn_res_block=2, dtype="float32", name="small"),
 }
+
+
+# K3 with narrow bf16 routed experts (moe_inter=128, a twelfth of the published width): the layer figures
+# before MXFP4, kept under a name that says so.
+PRESETS["k3_moe_inter128"] = dataclasses.replace(PRESETS["k3"], moe_inter=128, expert_format="bf16",
+                                                 name="k3_moe_inter128")
 
 
 def get_config(name: str, **overrides: Any) -> K3Config:

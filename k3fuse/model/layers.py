@@ -8,7 +8,9 @@ compiler rules see, so change both together.
 Sharding follows the serving engines: KDA q/k/v/g/f_b/b column-parallel by heads, W_fa
 replicated, W_o row-parallel; router, W_down and W_up replicated; routed experts split along the
 intermediate width (latent partial sum reduced before the latent norm); shared experts
-column/row-parallel.
+column/row-parallel. Routed experts in `mxfp4` or `int4` are stored as the checkpoint stores them
+(k3fuse/quant.py: packed weights and group scales, each rank its slice of the intermediate width)
+and dequantized by the step's spelling.
 """
 from __future__ import annotations
 
@@ -22,8 +24,17 @@ from torch import nn
 
 # the K3 math, written once (rms_norm, situ_glu, delta_rule are this module's names too: the rules
 # and the tests import them from here)
-from ..spelling import all_reduce_sum, delta_rule, rms_norm, route, routed_experts, situ_glu
+from .. import quant
+from ..spelling import all_reduce_sum, delta_rule, rms_norm, route, routed_experts, routed_experts_quantized, situ_glu
 from .config import K3Config
+
+#: the spread of the drawn E8M0 exponents around their centre (-1, 0, +1) and of int4 scales (x0.5 to x1.5)
+_EXPONENT_SPREAD = 1
+_INT4_SCALE_SPREAD = 0.5
+#: RMS of a uniformly drawn code: E2M1 (mean square of the 16 values 8.5625) times the exponent spread
+#: (mean square of 2^-1, 1, 2: 1.75); int4 q in [-8, 7] (mean square 21.5) times the scale spread (13/12)
+_MXFP4_CODE_RMS = (8.5625 * 1.75) ** 0.5
+_INT4_CODE_RMS = (21.5 * 13 / 12) ** 0.5
 
 
 # --- weights ------------------------------------------------------------------------------------
@@ -60,6 +71,62 @@ class WeightSource:
         t = torch.rand(shape, generator=self._generator(layer, name), dtype=torch.float32,
                        device=self.draw_device)
         return low + (high - low) * t
+
+    def experts_normal(self, layer: int, name: str, n_experts: int, shape: tuple[int, int], std: float,
+                       shard_dim: int, tp_size: int, rank: int) -> nn.Parameter:
+        """Experts [E, *shape] in the model dtype, sharded along `shard_dim` of each expert's shape.
+
+        Drawn one expert at a time from the tensor's generator (fp32 temporaries of one expert, never
+        of the whole table), so every rank sees the same full experts and keeps its slice.
+        """
+        local = list(shape)
+        local[shard_dim] //= tp_size
+        out = torch.empty((n_experts, *local), dtype=self.dtype, device=self.device)
+        if self.device.type != "meta":
+            g = self._generator(layer, name)
+            for e in range(n_experts):
+                full = torch.randn(shape, generator=g, dtype=torch.float32, device=self.draw_device)
+                out[e].copy_(shard(full * std, shard_dim, tp_size, rank))
+        return nn.Parameter(out, requires_grad=False)
+
+    def experts_quantized(self, layer: int, name: str, fmt: str, n_experts: int, shape: tuple[int, int],
+                          std: float, shard_dim: int, tp_size: int, rank: int
+                          ) -> tuple[nn.Parameter, nn.Parameter]:
+        """(weight_packed, weight_scale) of E experts of `shape` [out, in] in `fmt`, the layout of
+        k3fuse/quant.py, each sharded along `shard_dim` (0: rows; 1: the input width, in whole groups).
+
+        Drawn directly in the packed layout, one expert at a time: uniform codes (random bytes or
+        int32 words) and scales around the power of two (MXFP4) or the value (int4) that gives the
+        dequantized weights an RMS near `std`. No float temporary of the weights is ever built.
+        """
+        rows, cols = shape
+        p_shape, s_shape = quant.packed_shape(fmt, rows, cols), quant.scale_shape(fmt, rows, cols)
+        p_dtype, s_dtype = quant.packed_dtype(fmt), quant.scale_dtype(fmt)
+
+        def local(full: tuple[int, int]) -> tuple[int, ...]:
+            dims = list(full)
+            dims[shard_dim] //= tp_size
+            return (n_experts, *dims)
+
+        packed = torch.empty(local(p_shape), dtype=p_dtype, device=self.device)
+        scale = torch.empty(local(s_shape), dtype=s_dtype, device=self.device)
+        if self.device.type != "meta":
+            g_packed = self._generator(layer, f"{name}.weight_packed")
+            g_scale = self._generator(layer, f"{name}.weight_scale")
+            draw = {"dtype": p_dtype, "device": self.draw_device, "generator": g_packed}
+            for e in range(n_experts):
+                if fmt == "mxfp4":
+                    codes = torch.randint(0, 256, p_shape, **draw)
+                    centre = quant.E8M0_BIAS + round(math.log2(std / _MXFP4_CODE_RMS))
+                    s = torch.randint(centre - _EXPONENT_SPREAD, centre + _EXPONENT_SPREAD + 1, s_shape,
+                                      generator=g_scale, dtype=torch.int32, device=self.draw_device).to(s_dtype)
+                else:
+                    codes = torch.randint(-2 ** 31, 2 ** 31, p_shape, **draw)
+                    u = torch.rand(s_shape, generator=g_scale, dtype=torch.float32, device=self.draw_device)
+                    s = (std / _INT4_CODE_RMS * (1 + _INT4_SCALE_SPREAD * (2 * u - 1))).to(s_dtype)
+                packed[e].copy_(shard(codes, shard_dim, tp_size, rank))
+                scale[e].copy_(shard(s, shard_dim, tp_size, rank))
+        return nn.Parameter(packed, requires_grad=False), nn.Parameter(scale, requires_grad=False)
 
     def param(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Parameter:
         """A frozen parameter in `dtype` (the model dtype unless told, e.g. fp32 vectors)."""
@@ -203,7 +270,9 @@ class LatentMoE(nn.Module):
     The experts are `routed_experts` of k3fuse/spelling.py over the T*top_k (token, slot) pairs:
     grouped GEMMs on CUDA (bf16/fp16, torch._grouped_mm available), a gathered bmm elsewhere; both
     with static shapes (no data-dependent control flow, which torch.compile(fullgraph) and
-    torch.export need).
+    torch.export need). Quantized experts (`expert_format` mxfp4 / int4) are `w1_packed`/`w1_scale`
+    etc. in k3fuse/quant.py's layout and run `routed_experts_quantized`: the step's experts are
+    gathered, dequantized, and the same grouped or gathered GEMMs follow.
     """
 
     def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
@@ -214,11 +283,39 @@ class LatentMoE(nn.Module):
         n, r = tp.tp_size, tp.rank
         self.router = Router(cfg, layer, src)
         self.w_down = src.param(src.normal(layer, "moe.w_down", (L, H), H ** -0.5))  # replicated
-        self.w1 = src.param(shard(src.normal(layer, "moe.w1", (E, I, L), L ** -0.5), 1, n, r))
-        self.w3 = src.param(shard(src.normal(layer, "moe.w3", (E, I, L), L ** -0.5), 1, n, r))
-        self.w2 = src.param(shard(src.normal(layer, "moe.w2", (E, L, I), I ** -0.5), 2, n, r))
+        self.expert_format = cfg.expert_format
+        # w1/w3 [E, I, L] split by rows (I), w2 [E, L, I] by its input width (I)
+        experts = {"w1": ((I, L), L ** -0.5, 0), "w3": ((I, L), L ** -0.5, 0), "w2": ((L, I), I ** -0.5, 1)}
+        if cfg.quantized_experts:
+            for proj, (shape, std, dim) in experts.items():
+                packed, scale = src.experts_quantized(layer, f"moe.{proj}", cfg.expert_format, E, shape, std,
+                                                      dim, n, r)
+                setattr(self, f"{proj}_packed", packed)
+                setattr(self, f"{proj}_scale", scale)
+            # MXFP4's nibble -> value table, an input of the spelling (not a checkpoint tensor)
+            table = quant.e2m1_table(src.device) if cfg.expert_format == "mxfp4" else None
+            self.register_buffer("e2m1_table", table, persistent=False)
+        else:
+            for proj, (shape, std, dim) in experts.items():
+                setattr(self, proj, src.experts_normal(layer, f"moe.{proj}", E, shape, std, dim, n, r))
         self.latent_norm = make_norm(cfg, src, layer, "moe.latent_norm", L)
         self.w_up = src.param(src.normal(layer, "moe.w_up", (H, L), L ** -0.5))  # replicated
+
+    def quantized_weight(self, proj: str) -> quant.QuantizedWeight:
+        """Expert projection `proj` ("w1", "w3", "w2") as stored, [E, out, ...] packed with its scales."""
+        if not self.cfg.quantized_experts:
+            raise ValueError(f"the routed experts are stored in {self.expert_format}, not quantized")
+        packed, scale = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale")
+        columns = packed.shape[-1] * (quant.FP4_PER_BYTE if self.expert_format == "mxfp4" else quant.INT4_PER_WORD)
+        return quant.QuantizedWeight(packed, scale, self.expert_format, columns)
+
+    def expert_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) of every expert, [E, I/tp, L] and [E, L, I/tp], in `dtype` (the model's unless
+        told): the stored bf16 tensors, or the quantized ones dequantized (exact in fp32 and float64)."""
+        if not self.cfg.quantized_experts:
+            return tuple(getattr(self, p).to(dtype or self.w1.dtype) for p in ("w1", "w3", "w2"))  # type: ignore
+        dtype = dtype or self.w_down.dtype
+        return tuple(self.quantized_weight(p).dequantize(dtype) for p in ("w1", "w3", "w2"))  # type: ignore
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -226,7 +323,12 @@ class LatentMoE(nn.Module):
         weights, idx = self.router(x)
         a = F.linear(x, self.w_down)  # [T, L]
         experts = idx.reshape(-1)  # [T*k], pair p = (token p // k, slot p % k)
-        z = routed_experts(a, experts, self.w1, self.w3, self.w2, k, cfg.situ_beta, cfg.situ_linear_beta)
+        if cfg.quantized_experts:
+            z = routed_experts_quantized(a, experts, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
+                                         self.w2_packed, self.w2_scale, k, cfg.situ_beta, cfg.situ_linear_beta,
+                                         self.expert_format, self.e2m1_table)
+        else:
+            z = routed_experts(a, experts, self.w1, self.w3, self.w2, k, cfg.situ_beta, cfg.situ_linear_beta)
         partial = (z.float().view(T, k, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
         r = self.tp.all_reduce(partial)
         r = self.latent_norm(r)

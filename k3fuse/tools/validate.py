@@ -2,7 +2,9 @@
 
 Runs N decode steps of the reference model (k3fuse.model) on TP ranks (gloo on CPU, NCCL on GPUs,
 through k3fuse.dist.launch) three ways with the same weights and inputs:
-  ref     a float64 copy of the model (the model's parameters upcast), eager;
+  ref     a float64 copy of the model (the model's parameters upcast), eager; quantized routed experts
+          (`expert_format` mxfp4 / int4, the k3 preset's mxfp4) keep their packed bytes and scales and
+          are dequantized exactly into float64, so ref is float64 on the dequantized weights;
   stock   the model in its own dtype, `torch.compile` with Inductor (`--stock eager`: eager);
   k3fuse  the model through `torch.compile(backend="k3fuse")`, strict mode by default, so any
           fallback raises, and `k3fuse.stats()` says which implementation of each fused op ran.
@@ -65,6 +67,7 @@ class LayerReport:
 class RankReport:
     rank: int
     config: dict
+    model: dict = field(default_factory=dict)  # the K3Config that ran (expert_format, moe_inter, ...)
     output_err_k3fuse: list[float] = field(default_factory=list)
     output_err_stock: list[float] = field(default_factory=list)
     token_agree_k3fuse: float = 1.0
@@ -109,22 +112,35 @@ def _check_group(cfg: ValidateConfig):
     return group
 
 
-def _build(cfg: ValidateConfig, n_layers: int, rank: int, group, device):
-    from ..model import K3DecodeStack, get_config
+def model_config(cfg: ValidateConfig, n_layers: int | None = None) -> Any:
+    """The K3Config validate builds (preset, --set, layers, residual, dtype), checked for cfg.tp."""
+    from ..model import get_config
 
-    over = {**dict(cfg.overrides), "n_layers": n_layers, "residual": cfg.residual}
+    over = {**dict(cfg.overrides), "n_layers": n_layers or cfg.layers, "residual": cfg.residual}
     if cfg.dtype:
         over["dtype"] = cfg.dtype
     mcfg = get_config(cfg.preset, **over)
-    model = K3DecodeStack(mcfg, tp_size=cfg.tp, rank=rank, group=group, seed=cfg.seed, device=device)
+    mcfg.validate_for_tp(cfg.tp)
+    return mcfg
+
+
+def _build(cfg: ValidateConfig, n_layers: int, rank: int, group, device):
+    from ..model import K3DecodeStack
+
+    mcfg = model_config(cfg, n_layers)
+    on_device = device.type == "cuda"  # K3 widths: seconds on the GPU instead of minutes on the host
+    model = K3DecodeStack(mcfg, tp_size=cfg.tp, rank=rank, group=group, seed=cfg.seed, device=device,
+                          init_on_device=on_device)
     if cfg.skew:
         with torch.no_grad():
             for layer in model.layers:
                 b = layer.moe.routed.router.b_corr
                 b.add_(cfg.skew * torch.linspace(1.0, -1.0, b.numel(), device=b.device, dtype=b.dtype))
     ref = K3DecodeStack(mcfg, tp_size=cfg.tp, rank=rank, group=group, seed=cfg.seed,
-                        dtype=torch.float64, device=device)
-    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+                        dtype=torch.float64, device=device, init_on_device=on_device)
+    # load_state_dict casts into ref's float64 parameters; packed experts and their scales keep their
+    # dtypes (the float64 model dequantizes them exactly)
+    ref.load_state_dict(model.state_dict())
     return mcfg, model.eval(), ref.eval()
 
 
@@ -289,7 +305,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig) -> dict[str, 
 
     k3fuse.reset_stats()
     out, states, routes, rlog = _run_paths(cfg, model, ref, device, xs, ctx)
-    rep = RankReport(rank=rank, config=asdict(cfg))
+    rep = RankReport(rank=rank, config=asdict(cfg), model=asdict(mcfg))
     rep.runtime_stats = k3fuse.stats()
     rep.fallbacks = k3fuse.runtime.fallbacks() if hasattr(k3fuse, "runtime") else {}
     rep.active_rules = rlog.active_rules()
@@ -367,6 +383,10 @@ def run_validate(cfg: ValidateConfig) -> list[dict[str, Any]]:
     """Validate on cfg.tp ranks (gloo on CPU, NCCL on GPUs); one report per rank."""
     from ..dist import launch
 
+    try:
+        model_config(cfg)  # a bad preset, --set or TP is one clear error here, not one per rank
+    except ValueError as exc:
+        raise ValidateError(f"validate: {exc}") from None
     if cfg.tp == 1:
         return [validate_rank(0, 1, cfg)]
     backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -384,7 +404,10 @@ def print_validate(cfg: ValidateConfig, reports: list[dict[str, Any]]) -> None:
 
     console = wide_console()
     r0 = reports[0]
-    console.print(f"[bold]k3fuse validate[/bold]: preset={cfg.preset} layers={cfg.layers} "
+    model_cfg = r0["model"] if "model" in r0 else {}
+    console.print(f"[bold]k3fuse validate[/bold]: preset={cfg.preset} {dict(cfg.overrides)} "
+                  f"experts={model_cfg.get('expert_format', '?')} moe_inter={model_cfg.get('moe_inter', '?')} "
+                  f"layers={cfg.layers} "
                   f"residual={cfg.residual} TP={cfg.tp} tokens={cfg.tokens} steps={cfg.steps} "
                   f"device={cfg.device} stock={cfg.stock} compiler={cfg.compiler} skew={cfg.skew} "
                   f"temperature={cfg.temperature} strict={cfg.strict} torch={torch.__version__}")

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..usage import UsageError
-from .bench.cli import parse_overrides
+from .bench.cli import MergeOverrides, parse_overrides
 from .flags import (BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, check_moved_tokens, non_negative_float,
                     positive_float, positive_int, use_rules)
 from .validate_config import ValidateConfig
@@ -17,8 +17,9 @@ def register_validate(sub: Any) -> None:
     p = sub.add_parser("validate", help="decode N steps through stock and k3fuse and explain every difference "
                                         "against a float64 copy of the model")
     p.add_argument("--preset", default=d.preset, help="model preset (tiny, small, k3)")
-    p.add_argument("--set", dest="overrides", type=parse_overrides, default={},
-                   help="K3Config fields, e.g. moe_inter=128 (the preset k3 with small routed experts)")
+    p.add_argument("--set", dest="overrides", type=parse_overrides, action=MergeOverrides, default={},
+                   help="K3Config fields (repeatable), e.g. expert_format=mxfp4 (MXFP4 routed experts; the k3 "
+                        "preset's), or --set moe_inter=128 --set expert_format=bf16 (narrow bf16 experts)")
     p.add_argument("--layers", type=positive_int, default=d.layers)
     p.add_argument("--residual", choices=("plain", "attnres"), default=d.residual)
     p.add_argument("--tp", type=positive_int, default=d.tp, help="tensor-parallel ranks")

@@ -3,7 +3,10 @@
 - l2_prefetch's CUDA kernel runs in strict mode and under CUDA-graph replay;
 - the routed experts' grouped-GEMM spelling computes what the gathered reference does;
 - the compiled K3-width layer at TP 1 (one GPU) and TP 2 runs in strict mode at every token count
-  1..64 (every default rule that applies fired, no fallback anywhere) and matches stock eager bf16.
+  1..64 (every default rule that applies fired, no fallback anywhere) and matches stock eager bf16
+  (the narrow bf16 experts of `k3_moe_inter128`);
+- the MXFP4 experts at published widths: initialised on one GPU, the quantized grouped spelling
+  against float64 on the dequantized weights.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ def test_l2_prefetch_kernel_strict_and_graph_replay():
 
 
 def test_grouped_experts_match_gathered_reference():
-    cfg = get_config("k3", n_layers=1, moe_inter=128)
+    cfg = get_config("k3_moe_inter128", n_layers=1)
     moe = layers.LatentMoE(cfg, 0, layers.WeightSource(0, torch.bfloat16, DEV, on_device=True),
                            layers.TensorParallel(1, 0, None))
     gen = torch.Generator(DEV).manual_seed(0)
@@ -60,7 +63,7 @@ def test_grouped_experts_match_gathered_reference():
 
 
 def _layer_rank(rank: int, world: int) -> dict:
-    cfg = get_config("k3", n_layers=1, residual="plain", moe_inter=128)
+    cfg = get_config("k3_moe_inter128", n_layers=1, residual="plain")
     model = K3DecodeStack(cfg, tp_size=world, rank=rank, group=torch.distributed.group.WORLD,
                           device=f"cuda:{rank}", init_on_device=True)
     ctx = k3fuse.DecodeContext.from_process_group(strict=True)
@@ -126,8 +129,8 @@ def test_layer_error_is_explained(world):
         pytest.skip(f"needs {world} GPUs")
     from k3fuse.tools import validate as v
 
-    cfg = v.ValidateConfig(preset="k3", layers=1, tp=world, tokens=5, steps=3, device="cuda",
-                           overrides=(("moe_inter", 128),), layer_outputs=False, timeout_s=900)
+    cfg = v.ValidateConfig(preset="k3_moe_inter128", layers=1, tp=world, tokens=5, steps=3, device="cuda",
+                           layer_outputs=False, timeout_s=900)
     with pytest.MonkeyPatch.context() as mp:
         for key, value in {**MULTICAST_OFF, "K3FUSE_AR_TIMEOUT_S": "60"}.items():
             mp.setenv(key, value)
@@ -153,3 +156,54 @@ def test_fused_situ_activation_matches_the_models_spelling():
         ulp = (want.float().abs() * 2 ** -7).clamp_min(1e-30)  # one bf16 ulp
         assert ((got.float() - want.float()).abs() <= ulp).all(), T
         assert (got == want).float().mean() > 0.99, T  # fp32 tanh vs libdevice tanh: rare 1-ulp ties
+
+
+def test_k3_mxfp4_experts_initialise_on_one_gpu_and_grouped_spelling_matches_float64():
+    """The published widths (I = 3072, 896 experts, ~15.7 GB of MXFP4 experts) fit one GPU at
+    initialisation, and the quantized grouped spelling (slots, dequantization, torch._grouped_mm)
+    computes what float64 does on the dequantized weights of the experts the pairs pick."""
+    cfg = get_config("k3", n_layers=1)
+    torch.cuda.reset_peak_memory_stats()
+    moe = layers.LatentMoE(cfg, 0, layers.WeightSource(0, torch.bfloat16, DEV, on_device=True),
+                           layers.TensorParallel(1, 0, None))
+    packed_bytes = sum(getattr(moe, f"{p}_{part}").numel() for p in ("w1", "w3", "w2") for part in ("packed", "scale"))
+    assert packed_bytes == 3 * 896 * 3072 * 3584 * (0.5 + 1 / 32)
+    # initialisation draws one expert at a time: the peak is the tables plus a few experts
+    assert torch.cuda.max_memory_allocated() < packed_bytes + 2 ** 30
+    gen = torch.Generator(DEV).manual_seed(0)
+    args = (moe.w1_packed, moe.w1_scale, moe.w3_packed, moe.w3_scale, moe.w2_packed, moe.w2_scale, cfg.top_k,
+            cfg.situ_beta, cfg.situ_linear_beta, "mxfp4", moe.e2m1_table)
+    for T in (1, 3, 8):
+        a = torch.randn(T, cfg.latent, device=DEV, dtype=torch.bfloat16, generator=gen)
+        experts = torch.randint(0, cfg.n_experts, (T * cfg.top_k,), device=DEV, generator=gen)
+        experts[:5] = 7  # a crowded group next to empty ones
+        assert spelling.use_grouped_mm(a)
+        got = spelling.routed_experts_quantized_grouped(a, experts, *args)
+        assert not torch.isnan(got).any()
+        # float64 on the dequantized weights of each pair's expert
+        ref = torch.empty(T * cfg.top_k, cfg.latent, dtype=torch.float64, device=DEV)
+        for p in range(T * cfg.top_k):
+            e = experts[p:p + 1]
+            w1, w3, w2 = (spelling.dequantize_experts(getattr(moe, f"{n}_packed"), getattr(moe, f"{n}_scale"), e,
+                                                      "mxfp4", torch.float64, moe.e2m1_table)[0]
+                          for n in ("w1", "w3", "w2"))
+            x = a[p // cfg.top_k].double()
+            act = spelling.situ(w1 @ x, w3 @ x, cfg.situ_beta, cfg.situ_linear_beta)
+            ref[p] = w2 @ act
+        rel = ((got.double() - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, f"T={T}: quantized grouped vs float64 rel err {rel:.2e}"
+
+
+def test_mxfp4_layer_at_published_widths_error_is_explained():
+    """`k3fuse validate` on the k3 preset as shipped (MXFP4 experts, I = 3072) at TP 1, 5 tokens, 3
+    steps: stock and k3fuse against float64 on the dequantized weights, strict mode, no fallback."""
+    from k3fuse.tools import validate as v
+
+    cfg = v.ValidateConfig(preset="k3", layers=1, tp=1, tokens=5, steps=3, device="cuda", layer_outputs=False,
+                           timeout_s=900)
+    reports = v.run_validate(cfg)
+    for r in reports:
+        print(r["output_err_k3fuse"], r["output_err_stock"], r["runtime_stats"])
+        assert r["model"]["expert_format"] == "mxfp4" and r["model"]["moe_inter"] == 3072
+        assert not r["fallbacks"], r["fallbacks"]
+    assert v.passed(reports), [r["unexplained"] for r in reports]

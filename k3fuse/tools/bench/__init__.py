@@ -6,7 +6,9 @@ the reference stack at K3 widths under CUDA-graph replay and reports, per arm an
 slower rank's µs per step, the ratio to stock, kernels per step, per-kernel device time, compile
 time (and the passes' share), the rewrite counts and the runtime counters of strict mode.
 
-    k3fuse bench                                  # K3 widths, 1 layer, TP 2 on 2 GPUs (CPU: a smoke run)
+    k3fuse bench                                  # K3 published widths, MXFP4 experts, 1 layer, TP 1 (CPU: a smoke run)
+    k3fuse bench --routing zipf:1.1               # skewed expert choice (the distinct experts per step are reported)
+    k3fuse bench --preset k3_moe_inter128 --tp 2  # the narrow bf16 experts (moe_inter=128) of earlier figures
     k3fuse bench --residual attnres --layers 2 --arms stock,k3fuse,rules --rule-arm-batch 1,8
     k3fuse bench --device cpu --preset small      # the same code on gloo ranks (CI smoke test)
 """

@@ -6,7 +6,9 @@ from typing import Any
 
 from ...usage import UsageError
 
-CUDA_DEFAULTS = {"preset": "k3", "set": "moe_inter=128", "tp": 2}
+#: on GPUs: K3 at published widths with MXFP4 experts, one GPU (`--preset k3_moe_inter128`, or
+#: `--set moe_inter=128 --set expert_format=bf16`, is the narrow bf16 variant earlier figures used)
+CUDA_DEFAULTS = {"preset": "k3", "set": "", "tp": 1}
 CPU_DEFAULTS = {"preset": "small", "set": "", "tp": 2}
 
 
@@ -38,21 +40,31 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return out
 
 
+class MergeOverrides(argparse.Action):
+    """`--set` may repeat: `--set moe_inter=128 --set expert_format=bf16` sets both."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), **values})
+
+
 def register_bench(sub: Any) -> None:
     from ..flags import add_moved_tokens_flag, add_rules_flag, batches, positive_int
 
     p = sub.add_parser("bench", help="the compiled K3 layer: stock torch.compile vs k3fuse, same run",
                        description="Layer benchmark: CUDA-graph replays of multi-step graphs, the slower "
                                    "rank, strict mode, kernels per step, compile time, JSON and plots. "
-                                   "Defaults: K3 widths (moe_inter=128) at TP 2 on GPUs; the small preset "
-                                   "on gloo ranks on CPU (a smoke run).")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when 2 GPUs are visible")
-    p.add_argument("--preset", default=None, help="model preset (k3, small, tiny)")
-    p.add_argument("--set", dest="overrides", type=parse_overrides, default=None,
-                   help="K3Config fields, e.g. moe_inter=128 (default on cuda) or latent=3584")
+                                   "Defaults: K3 at published widths with MXFP4 experts at TP 1 on a GPU; "
+                                   "the small preset on gloo ranks on CPU (a smoke run).")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when a GPU is visible")
+    p.add_argument("--preset", default=None, help="model preset (k3, k3_moe_inter128, small, tiny)")
+    p.add_argument("--set", dest="overrides", type=parse_overrides, action=MergeOverrides, default=None,
+                   help="K3Config fields (repeatable), e.g. --set moe_inter=128 --set expert_format=bf16")
+    p.add_argument("--routing", default="uniform",
+                   help="expert choice: uniform (the router as drawn) or zipf:<s>, a Zipf-shaped router "
+                        "bias (e.g. zipf:1.1)")
     p.add_argument("--layers", type=positive_int, default=1)
     p.add_argument("--residual", choices=("plain", "attnres"), default="plain")
-    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel ranks (default 2)")
+    p.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel ranks (default: 1 on a GPU, 2 gloo ranks on CPU)")
     p.add_argument("--batch", type=batches, default=(1, 2, 4, 8, 16, 32, 64),
                    help="tokens decoded per step (one per sequence) to measure, e.g. 1,8,64")
     add_moved_tokens_flag(p, "--batch 1,8,64 (the token counts per step to measure)")
@@ -93,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if args.log is not None:
         check_append_file(args.log, option="--log")
     default_rules = rule_selection(args.rules) if args.rules is not None else None
-    device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but this torch sees no CUDA GPU", "use --device cpu")
     defaults = CUDA_DEFAULTS if device == "cuda" else CPU_DEFAULTS
@@ -102,13 +114,17 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise UsageError(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible", "lower --tp")
     overrides = args.overrides if args.overrides is not None else parse_overrides(defaults["set"])
     try:
+        from .routing import parse_routing
+
+        parse_routing(args.routing)
         parse_arms(args.arms.split(","), default_rules=default_rules)
         cfg = BenchConfig(preset=args.preset or defaults["preset"], overrides=overrides, layers=args.layers,
                           residual=args.residual, tp=tp, tokens=tuple(args.batch),
                           arms=tuple(args.arms.split(",")), rule_arm_tokens=args.rule_arm_batch,
                           steps=args.steps, replays=args.replays, compiler=args.compiler, device=device,
                           profile=args.profile, compile_only=args.compile_only, seed=args.seed,
-                          rules=tuple(default_rules) if default_rules is not None else None, log=args.log)
+                          rules=tuple(default_rules) if default_rules is not None else None, log=args.log,
+                          routing=args.routing)
         cfg.model_config().validate_for_tp(tp)
     except ValueError as exc:
         raise UsageError(str(exc), "see k3fuse bench --help") from None

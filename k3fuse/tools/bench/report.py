@@ -23,7 +23,8 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
                             "device": cfg.device, "tp": cfg.tp, "preset": cfg.preset,
                             "overrides": cfg.overrides, "layers": cfg.layers, "residual": cfg.residual,
                             "steps_per_graph": cfg.steps, "replays": cfg.replays, "compiler": cfg.compiler,
-                            "compile_only": cfg.compile_only, "rules": cfg.rules}
+                            "compile_only": cfg.compile_only, "rules": cfg.rules,
+                            "routing": cfg.routing}
     try:
         import triton
 
@@ -81,9 +82,14 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
         total = f["dense_bytes"] + f["expert_bytes_touched"]
         state = f.get("state_bytes_read_write", 0)
         floor[int(T)] = {"bytes": total, "experts_touched": f["experts_touched"],
+                         "experts_touched_uniform": f.get("experts_touched_uniform"),
                          "us": total / bandwidth * 1e6 if bandwidth else None, "state_bytes": state,
                          "us_with_state": (total + state) / bandwidth * 1e6 if bandwidth else None}
+    distinct = {int(T): {k: v for k, v in d.items() if k != "per_step_layer"}
+                for T, d in r0.get("distinct_experts", {}).items()}
     return {"conditions": conditions(cfg, reports), "arms": arms, "weight_read_floor": floor,
+            "distinct_experts": distinct, "distinct_experts_per_step_layer":
+                {int(T): d["per_step_layer"] for T, d in r0.get("distinct_experts", {}).items()},
             "model": r0["model"]}
 
 
@@ -107,10 +113,12 @@ def print_tables(result: dict[str, Any]) -> None:
     console = wide_console()
     c = result["conditions"]
     overrides = ",".join(f"{k}={v}" for k, v in (c.get("overrides") or {}).items())
+    m = result.get("model", {})
     console.print(f"[bold]k3fuse bench[/]: preset {c['preset']}" + (f" ({overrides})" if overrides else "")
-                  + f" x{c['layers']} layer(s), {c['residual']}, TP {c['tp']}, {c['device']} "
-                  f"({c.get('gpu', 'cpu')}), {c['steps_per_graph']} steps/graph, median of {c['replays']} replays, "
-                  "slower rank", highlight=False)
+                  + f" (moe_inter={m.get('moe_inter')}, {m.get('expert_format', 'bf16')} experts, "
+                  f"{c.get('routing', 'uniform')} routing) x{c['layers']} layer(s), {c['residual']}, TP {c['tp']}, "
+                  f"{c['device']} ({c.get('gpu', 'cpu')}), {c['steps_per_graph']} steps/graph, median of "
+                  f"{c['replays']} replays, slower rank", highlight=False)
     arms = result["arms"]
     tokens = sorted({row["tokens"] for a in arms.values() for row in a["rows"]})
     table = Table(title="µs per decode step (x = speed-up vs stock, same run); below: rank 0's p10-p90 over "
@@ -134,6 +142,12 @@ def print_tables(result: dict[str, Any]) -> None:
     floor = result["weight_read_floor"]
     table.add_row("weight-read floor", *[_fmt(floor.get(T, {}).get("us")) for T in tokens])
     table.add_row("  + KDA state r/w", *[_fmt(floor.get(T, {}).get("us_with_state")) for T in tokens])
+    distinct = result.get("distinct_experts", {})
+    table.add_row("distinct experts/step", *[
+        "-" if T not in distinct else f"{distinct[T]['mean']:.0f} ({distinct[T]['min']}-{distinct[T]['max']})"
+        for T in tokens])
+    table.add_row("  uniform expectation", *[_fmt(floor.get(T, {}).get("experts_touched_uniform"), ".0f")
+                                             for T in tokens])
     console.print(table)
 
     kt = Table(title=f"at T={tokens[0]}: kernels per step, kernel time run concurrently; compile time")

@@ -5,7 +5,9 @@ then for each token count a CUDA graph of `steps` decode steps (the KDA state th
 step, fresh random inputs per replay) timed over `replays` replays, one replay profiled (kernels
 per step, device time per kernel, the timeline of one step), and the runtime counters read back, so
 every figure says which implementation ran. Compile time is the first calls' wall time; the passes'
-share is the time the rewrite log recorded for the rules.
+share is the time the rewrite log recorded for the rules. Before the arms, an eager probe runs each
+token count's decode steps on the same inputs and counts the distinct experts every step touches
+(routing.py), which the weight-read floor uses.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import profile, timing
+from . import profile, routing, timing
 from .arms import Arm, parse_arms
 
 
@@ -25,11 +27,11 @@ from .arms import Arm, parse_arms
 class BenchConfig:
     """What `k3fuse bench` runs (see `k3fuse bench --help` for each field)."""
 
-    preset: str = "k3"
-    overrides: dict[str, Any] = field(default_factory=lambda: {"moe_inter": 128})
+    preset: str = "k3"  # published widths, MXFP4 experts (`k3_moe_inter128`: the narrow bf16 variant)
+    overrides: dict[str, Any] = field(default_factory=dict)
     layers: int = 1
     residual: str = "plain"
-    tp: int = 2
+    tp: int = 1
     tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     arms: tuple[str, ...] = ("stock", "k3fuse")
     rule_arm_tokens: tuple[int, ...] | None = None  # per-rule arms only at these counts (None: all)
@@ -42,6 +44,7 @@ class BenchConfig:
     seed: int = 0
     rules: tuple[str, ...] | None = None  # the `k3fuse` arm's rules (--rules; None: the default rules)
     log: str | None = None                # append the k3fuse arms' rewrite log here (--log)
+    routing: str = "uniform"  # or "zipf:<s>" (routing.py)
 
     def arm_list(self) -> list[Arm]:
         return parse_arms(self.arms, default_rules=self.rules)
@@ -70,10 +73,11 @@ def _random_state(model: Any, T: int, gen: torch.Generator) -> Any:
                        conv=tuple(rnd(c, 1.0) for c in state.conv))
 
 
-def weight_floor(model: Any, T: int) -> dict[str, float]:
+def weight_floor(model: Any, T: int, touched: float | None = None) -> dict[str, float]:
     """Per-rank bytes a decode step must read at T tokens: every parameter once, the routed experts
-    only for the experts T tokens touch (expected distinct experts under uniform routing). The KDA
-    state, read and written once per step, is given apart (it grows with T: 400 MB at 64 tokens)."""
+    (packed weights and scales when quantized) only for the experts T tokens touch: `touched`, the
+    measured distinct experts per step, or the expectation under uniform routing. The KDA state, read
+    and written once per step, is given apart (it grows with T: 400 MB at 64 tokens)."""
     cfg = model.config
     expert_bytes = dense_bytes = 0
     for name, p in model.named_parameters():
@@ -82,12 +86,14 @@ def weight_floor(model: Any, T: int) -> dict[str, float]:
             expert_bytes += nbytes
         else:
             dense_bytes += nbytes
-    touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** T)
+    uniform = routing.expected_uniform(cfg.n_experts, cfg.top_k, T)
+    touched = uniform if touched is None else touched
     state = model.init_state(1) if model.device.type != "meta" else None
     state_bytes = 0 if state is None else T * sum(t.numel() * t.element_size()
                                                    for t in state.recurrent + state.conv)
     return {"dense_bytes": dense_bytes, "expert_bytes_touched": expert_bytes * touched / cfg.n_experts,
-            "experts_touched": touched, "state_bytes_read_write": 2 * state_bytes}
+            "experts_touched": touched, "experts_touched_uniform": uniform,
+            "state_bytes_read_write": 2 * state_bytes}
 
 
 def _compile(model: Any, arm: Arm, cfg: BenchConfig, rank: int) -> tuple[Any, Any]:
@@ -105,14 +111,21 @@ def _compile(model: Any, arm: Arm, cfg: BenchConfig, rank: int) -> tuple[Any, An
     return torch.compile(model, backend="k3fuse", options=options), rlog
 
 
-def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: torch.device
-                 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """Time T tokens; returns the row and the first call's output (every arm sees the same inputs
-    at a given T: the generator is seeded by T, so the arms' outputs can be compared)."""
+def _inputs(model: Any, T: int, cfg: BenchConfig, device: torch.device
+            ) -> tuple[torch.Generator, list[torch.Tensor], Any]:
+    """The decode steps' inputs and starting state at T tokens (seeded by T: every arm, and the
+    expert probe, sees the same), and the generator that refills them between replays."""
     gen = torch.Generator(device).manual_seed(cfg.seed * 1009 + T)
     H, dtype = model.config.hidden, model.dtype
     xs = [torch.randn(T, H, generator=gen, device=device).to(dtype) for _ in range(cfg.steps)]
-    state0 = _random_state(model, T, gen)
+    return gen, xs, _random_state(model, T, gen)
+
+
+def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: torch.device
+                 ) -> tuple[dict[str, Any], torch.Tensor]:
+    """Time T tokens; returns the row and the first call's output (every arm sees the same inputs
+    at a given T, so the arms' outputs can be compared)."""
+    gen, xs, state0 = _inputs(model, T, cfg, device)
 
     def steps() -> torch.Tensor:
         state, y = state0, xs[0]
@@ -161,8 +174,17 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
     model_cfg = cfg.model_config()
     model = K3DecodeStack(model_cfg, tp_size=world_size, rank=rank, group=group, seed=cfg.seed,
                           device=device, init_on_device=device.type == "cuda")
-    report: dict[str, Any] = {"rank": rank, "arms": {}, "model": asdict(model_cfg),
-                              "floor": {T: weight_floor(model, T) for T in cfg.tokens}}
+    routing.apply_routing(model, routing.parse_routing(cfg.routing), cfg.seed)
+    experts: dict[int, dict[str, Any]] = {}
+    for T in cfg.tokens:  # the same inputs the arms run: the distinct experts every step touches
+        _, xs, state0 = _inputs(model, T, cfg, device)
+        experts[T] = routing.distinct_experts(model, xs, state0)
+        del xs, state0
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report: dict[str, Any] = {"rank": rank, "arms": {}, "model": asdict(model_cfg), "routing": cfg.routing,
+                              "distinct_experts": experts,
+                              "floor": {T: weight_floor(model, T, experts[T]["mean"]) for T in cfg.tokens}}
     if device.type == "cuda":
         report["copy_bandwidth_Bps"] = timing.copy_bandwidth(device)
         ctx = k3fuse.DecodeContext.from_process_group() if world_size > 1 else k3fuse.DecodeContext()

@@ -1,0 +1,283 @@
+"""bench_routed_experts.py --formats: the 4-bit routed experts' table (see that script's docstring).
+
+Per width I: the BF16 kernel's arm on a bf16 table (the MXFP4 codes dequantized), then per format
+the packed table, the w4a16 kernel, humming, and stock (whose dequantization of the step's slots
+needs the most memory, so it runs last). Prints a row per (I, format, tokens) and writes JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from k3fuse import quant
+from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph
+from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
+from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
+from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
+
+E, K, L = 896, 16, 3584
+STEPS = 8
+SITU = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
+COPY_BUFFER = 256 << 20  # bytes: the copy bandwidth the targets are stated against
+MXFP4_CODE_RMS = math.sqrt(sum(v * v for v in quant.E2M1_MAGNITUDES) / 8)
+INT4_CODE_RMS = math.sqrt(sum((q - 8) ** 2 for q in range(16)) / 16)
+
+
+def random_packed(fmt: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """E experts [rows, cols] in `fmt`'s layout: uniform codes, scales for an RMS near cols^-0.5."""
+    std = cols ** -0.5
+    shape, sshape = (E, *quant.packed_shape(fmt, rows, cols)), (E, *quant.scale_shape(fmt, rows, cols))
+    if fmt == "mxfp4":
+        packed = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=gen)
+        centre = quant.E8M0_BIAS + round(math.log2(std / MXFP4_CODE_RMS))
+        scale = torch.randint(centre - 1, centre + 2, sshape, device="cuda", dtype=torch.int32, generator=gen)
+        return packed, scale.to(torch.uint8)
+    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, shape, device="cuda", dtype=torch.int32, generator=gen)
+    scale = std / INT4_CODE_RMS * (0.75 + 0.5 * torch.rand(sshape, device="cuda", generator=gen))
+    return packed, scale.to(torch.bfloat16)
+
+
+def packed_table(fmt: str, I: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for rows, cols in ((I, L), (I, L), (L, I)):
+        out += list(random_packed(fmt, rows, cols, gen))
+    return out
+
+
+def dequantized(fmt: str, packed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """w1, w3, w2 in bf16, 64 experts at a time (the dequantization's fp32 temporaries stay small)."""
+    table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
+    out = []
+    for p, s in zip(packed[0::2], packed[1::2]):
+        out.append(torch.cat([quant.dequantize(p[i:i + 64], s[i:i + 64], fmt, torch.bfloat16, table=table)
+                              for i in range(0, E, 64)]))
+    return out
+
+
+def table_copy_bandwidth(tensors: list[torch.Tensor], reps: int = 3) -> float:
+    """Bytes/s (read + write) of copying each whole packed tensor once, under the same timing."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    best = []
+    for t in tensors:
+        dst = torch.empty_like(t)
+        dst.copy_(t)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            dst.copy_(t)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        best.append(statistics.median(times))
+        del dst
+    return 2 * total / sum(best)
+
+
+class Routing:
+    """STEPS steps of T tokens: a [STEPS, T, L] bf16 and distinct experts per token, refilled per replay."""
+
+    def __init__(self, T: int):
+        self.T = T
+        self.a = torch.randn(STEPS, T, L, device="cuda", dtype=torch.bfloat16)
+        self.experts = torch.empty(STEPS, T * K, device="cuda", dtype=torch.int64)
+        self.touched: list[int] = []
+        self.refill()
+
+    def refill(self) -> None:
+        self.a.normal_()
+        self.experts.copy_(torch.rand(STEPS, self.T, E, device="cuda").argsort(-1)[..., :K].reshape(STEPS, -1))
+        self.touched += [int(self.experts[i].unique().numel()) for i in range(STEPS)]
+
+
+def timed(steps, refill, replays: int) -> float:
+    graph = capture(steps, warmup=2)
+    us = statistics.median(time_graph(graph, STEPS, replays, refill=refill))
+    del graph
+    return us
+
+
+#: the launch configurations --sweep times (kernels/lib/triton/routed_experts_w4a16.py GATE_UP / DOWN)
+SWEEP = {"mma_bn256_w4_s3": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": False},
+         "mma_bn256_w4_s5": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 5, "WGMMA": False},
+         "wgmma_bn256_w4_s3": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": True}}
+
+
+def sweep(args, copy_bw: float) -> dict:
+    """The w4a16 kernel under each SWEEP configuration (gate/up and down alike) at the first width,
+    each format, the given tokens: {name: {fmt: {T: µs}}}, and the fastest by geometric mean."""
+    I, out = int(args.inter.split(",")[0]), {}
+    for fmt in [f for f in args.formats.split(",") if f]:
+        packed = packed_table(fmt, I, seed=I + 1)
+        table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
+        for name, cfg in SWEEP.items():
+            for T in [int(t) for t in args.sweep_tokens.split(",")]:
+                r = Routing(T)
+                o = torch.empty(STEPS, T * K, L, device="cuda", dtype=torch.bfloat16)
+                over = {"gate_up": dict(cfg), "down": dict(cfg)}
+                us = timed(lambda: [kernel.run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=o[i],
+                                               config=over) for i in range(STEPS)], r.refill, args.replays)
+                out.setdefault(name, {}).setdefault(fmt, {})[T] = us
+                touched = statistics.mean(r.touched) * kernel.packed_bytes(fmt, 1, I, L)
+                print(f"sweep I={I} {fmt} {name:20} T={T:>3} {us:8.1f} µs "
+                      f"{100 * touched / (us * 1e-6) / copy_bw:5.1f}% of copy", flush=True)
+        del packed
+        torch.cuda.empty_cache()
+    score = {n: math.exp(statistics.mean(math.log(v) for f in d.values() for v in f.values())) for n, d in out.items()}
+    best = min(score, key=score.get)
+    print(f"sweep best (geometric mean): {best} {SWEEP[best]}", flush=True)
+    return {"inter": I, "times_us": out, "geomean_us": score, "best": best, "best_config": SWEEP[best]}
+
+
+def run_w4a16(args) -> int:
+    formats = [f for f in args.formats.split(",") if f]
+    arms = set(args.arms.split(","))
+    inters = [int(i) for i in (args.inter if args.inter != "128,64" else "3072,1536,384").split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    humming_inters = inters if args.humming_inter is None else [int(i) for i in args.humming_inter.split(",") if i]
+    copy_bw = copy_bandwidth(torch.device("cuda"), nbytes=2 * COPY_BUFFER)
+    print(f"copy bandwidth, {COPY_BUFFER >> 20} MiB buffer: {copy_bw / 1e12:.2f} TB/s", flush=True)
+    swept = sweep(args, copy_bw) if args.sweep else None
+    config = None
+    if swept is not None and args.sweep_out:
+        with open(args.sweep_out, "w") as f:
+            json.dump({**swept, "copy_bandwidth_TBps": copy_bw / 1e12}, f, indent=2)
+    if args.sweep_only:
+        return 0
+    if args.w4a16_config:
+        config = {"gate_up": dict(json.loads(args.w4a16_config)), "down": dict(json.loads(args.w4a16_config))}
+    elif swept is not None:
+        config = {"gate_up": dict(swept["best_config"]), "down": dict(swept["best_config"])}
+    stock = torch.compile(routed_experts_quantized_grouped, fullgraph=True, dynamic=True)
+    rows, tables, humming_errors = [], [], {}
+    for I in inters:
+        bf16_us = {}
+        if "bf16" in arms:
+            w = dequantized("mxfp4", packed_table("mxfp4", I, seed=I))  # the BF16 kernel on the same values
+            for T in tokens:
+                r = Routing(T)
+                out = torch.empty(STEPS, T * K, L, device="cuda", dtype=torch.bfloat16)
+                bf16_us[T] = timed(lambda: [bf16_kernel.run(r.a[i], r.experts[i], *w, K, *SITU, out=out[i])
+                                            for i in range(STEPS)], r.refill, args.replays)
+            del w
+            torch.cuda.empty_cache()
+        for fmt in formats:
+            packed = packed_table(fmt, I, seed=I + 1)
+            table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
+            per_expert = kernel.packed_bytes(fmt, 1, I, L)
+            tables.append({"inter": I, "format": fmt, "table_bytes": per_expert * E,
+                           "table_copy_TBps": table_copy_bandwidth(packed) / 1e12})
+            results = {T: {} for T in tokens}
+            for T in tokens:
+                r = Routing(T)
+                out = torch.empty(STEPS, T * K, L, device="cuda", dtype=torch.bfloat16)
+                results[T]["w4a16"] = timed(lambda: [kernel.run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table,
+                                                                out=out[i], config=config) for i in range(STEPS)],
+                                            r.refill, args.replays)
+                results[T]["touched"] = statistics.mean(r.touched)
+                results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"
+            if I in humming_inters and "humming" in arms:
+                _humming_arm(fmt, I, packed, tokens, results, humming_errors, args.replays)
+            stock_error = None if "stock" in arms else "not run (--arms)"
+            for T in tokens:
+                r = Routing(T)
+                if stock_error is None:
+                    try:
+                        results[T]["stock"] = timed(lambda: [stock(r.a[i], r.experts[i], *packed, K, *SITU, fmt,
+                                                                   table) for i in range(STEPS)],
+                                                    r.refill, max(5, args.replays // 3))
+                    except Exception as exc:  # e.g. out of memory for the dequantized slots: not retried
+                        stock_error = f"T={T}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                        print(f"stock {fmt} I={I} failed at {stock_error}", file=sys.stderr, flush=True)
+                if "stock" not in results[T]:
+                    results[T]["stock"], results[T]["stock_error"] = None, stock_error
+                torch.cuda.empty_cache()
+            for T in tokens:
+                res = results[T]
+                touched_bytes = res["touched"] * per_expert
+                row = {"inter": I, "format": fmt, "tokens": T, "w4a16_mode": res["mode"],
+                       "experts_touched": res["touched"],
+                       "experts_touched_expected": E * (1 - (1 - K / E) ** T),
+                       "packed_bytes_touched": touched_bytes, "w4a16": res["w4a16"], "bf16": bf16_us.get(T),
+                       "stock": res.get("stock"), "humming": res.get("humming"),
+                       "w4a16_pct_copy_bw": 100 * touched_bytes / (res["w4a16"] * 1e-6) / copy_bw,
+                       "floor_us": touched_bytes / copy_bw * 1e6,
+                       "vs_bf16": bf16_us[T] / res["w4a16"] if T in bf16_us else None,
+                       "vs_stock": res["stock"] / res["w4a16"] if res.get("stock") else None,
+                       "vs_humming": res["humming"] / res["w4a16"] if res.get("humming") else None}
+                for extra in ("stock_error", "humming_rel_vs_w4a16"):
+                    if extra in res:
+                        row[extra] = res[extra]
+                rows.append(row)
+                print(f"I={I:>5} {fmt:5} T={T:>3} touched {row['experts_touched']:6.1f} "
+                      f"{touched_bytes / 1e6:8.1f} MB  w4a16 {row['w4a16']:8.1f} µs [{res['mode']:8}] "
+                      f"{row['w4a16_pct_copy_bw']:5.1f}% of copy  bf16 {_fmt(row['bf16'])} "
+                      f"stock {_fmt(row['stock'])}  humming {_fmt(row['humming'])}", flush=True)
+            del packed
+            torch.cuda.empty_cache()
+            _write(args.json, copy_bw, tables, humming_errors, rows, config, swept)  # a cut-short run keeps it
+    print(json.dumps({"tables": tables, "humming_errors": humming_errors}), flush=True)
+    return 0
+
+
+def _write(path: str | None, copy_bw: float, tables: list, humming_errors: dict, rows: list, config, swept) -> None:
+    if not path:
+        return
+    summary = {"E": E, "top_k": K, "latent": L, "steps_per_graph": STEPS, "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "copy_buffer_bytes": COPY_BUFFER, "copy_bandwidth_TBps": copy_bw / 1e12,
+               "w4a16_config": config or {"gate_up": kernel.GATE_UP, "down": kernel.DOWN}, "sweep": swept,
+               "tables": tables, "humming_errors": humming_errors, "rows": rows}
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def _fmt(us: float | None) -> str:
+    return "     n/a" if us is None else f"{us:8.1f}"
+
+
+def _humming_arm(fmt: str, I: int, packed, tokens, results, errors: dict, replays: int) -> None:
+    """humming's two indexed GEMMs per token count (one layer pair per T: its tile follows T*k)."""
+    try:
+        from humming_moe import HummingMoE
+    except Exception as exc:
+        errors[f"{fmt}/{I}"] = f"import: {type(exc).__name__}: {exc}"
+        return
+    for T in tokens:
+        t0 = time.time()
+        try:
+            moe = HummingMoE(fmt, *packed, tokens=T, top_k=K, slots=STEPS)
+            r = Routing(T)
+            # cross-check on step 0 against the w4a16 kernel (humming computes the same function)
+            moe.align(r.experts[0])
+            z_h = moe.forward(r.a[0], lambda g, u: situ_glu(g, u, *SITU))
+            table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
+            z_k = kernel.run(r.a[0], r.experts[0], *packed, K, *SITU, fmt, table)
+            results[T]["humming_rel_vs_w4a16"] = float((z_h.float() - z_k.float()).norm() / z_k.float().norm())
+
+            def refill() -> None:  # new routing, aligned into each call's buffers outside the timing
+                r.refill()
+                for i in range(STEPS):
+                    moe.align(r.experts[i], i)
+
+            refill()
+            results[T]["humming"] = timed(lambda: [moe.step(r.a[i], i) for i in range(STEPS)], refill, replays)
+            del moe
+        except Exception as exc:  # reported, and the width's other token counts skipped (the same cause)
+            errors[f"{fmt}/{I}/T{T}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            print(f"humming {fmt} I={I} T={T} failed: {errors[f'{fmt}/{I}/T{T}']}", file=sys.stderr, flush=True)
+            import traceback
+            traceback.print_exc()
+            torch.cuda.empty_cache()
+            return
+        torch.cuda.empty_cache()
+        print(f"  humming {fmt} I={I} T={T}: {time.time() - t0:.1f} s (compile + time)", flush=True)
+
+
+__all__ = ["run_w4a16"]

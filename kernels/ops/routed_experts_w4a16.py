@@ -1,0 +1,186 @@
+"""routed_experts_w4a16: the routed experts over 4-bit experts in the checkpoint's layouts, one op.
+
+`routed_experts` (kernels/ops/routed_experts.py) on the dequantized weights of k3fuse/quant.py's
+formats: `format` "mxfp4" (w uint8 [E, out, in/2] E2M1 nibbles, scales uint8 E8M0 [E, out, in/32];
+`table` the spelling's 16 E2M1 values, or None) or "int4" (w int32 [E, out, in/8] of q + 8
+nibbles, scales a float dtype [E, out, in/32]; no table). z[p] = w2[e_p] @ situ_glu(w1[e_p] @
+a[p // k], w3[e_p] @ a[p // k]), rounded to a's dtype after each projection. Stock: the model's
+`routed_experts_quantized` (the step's experts gathered, dequantized, grouped GEMMs on CUDA);
+reference: the same dequantization, then the gathered bmm (any device); CUDA:
+lib/triton/routed_experts_w4a16.py (the packed words and scales read once, dequantized in registers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from k3fuse.spelling import routed_experts_quantized, routed_experts_quantized_gathered
+
+from ..declare import OpDecl, declare
+from ..dispatch import Impl, register_impl
+from ..spec import Spec, call_only
+
+OP = "routed_experts_w4a16"
+#: the formats and the packed elements per stored item: uint8 bytes of two E2M1 nibbles, int32 words of eight
+FORMATS = {"mxfp4": 2, "int4": 8}
+GROUP = 32  # elements per scale, both formats
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedExpertsW4A16Spec(Spec):
+    """a [tokens, L]; E experts of I x L (w1, w3) and L x I (w2) in `format`; experts [tokens * top_k]."""
+
+    op: ClassVar[str] = OP
+    E: int
+    I: int  # noqa: E741 (the model's name for the expert intermediate size)
+    L: int
+    top_k: int
+    dtype: torch.dtype
+    format: str
+    fits: str | None = call_only(None)  # why a call's operands are not the kernel's (devices, layouts, table)
+
+    @classmethod
+    def from_call(cls, a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
+                  situ_linear_beta, format, table=None, **_: Any) -> RoutedExpertsW4A16Spec:
+        fits = _operands_misfit(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k,
+                                situ_beta, situ_linear_beta, format, table)
+        if fits is not None:
+            return cls(tokens=0, E=0, I=0, L=0, top_k=int(top_k), dtype=torch.float32, format=str(format), fits=fits)
+        return cls(tokens=int(a.shape[0]), E=int(w1_packed.shape[0]), I=int(w1_packed.shape[1]), L=int(a.shape[1]),
+                   top_k=int(top_k), dtype=a.dtype, format=str(format))
+
+
+def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt,
+                     table) -> str | None:
+    """Why a call's operands are not what the kernel reads (devices, layouts, dtypes, the table)."""
+    tensors = {"a": a, "experts": experts, "w1": w1, "s1": s1, "w3": w3, "s3": s3, "w2": w2, "s2": s2}
+    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        return "a, experts, the packed weights and the scales must be tensors"
+    if not all(t.is_cuda for t in tensors.values()) or len({t.device for t in tensors.values()}) != 1:
+        return "not CUDA tensors on one device"  # (the library module is loaded for CUDA calls only)
+    if not all(t.is_contiguous() for t in tensors.values()):
+        return "a, experts, the packed weights and the scales must be contiguous"
+    if fmt not in FORMATS:
+        return f"format {fmt!r} (mxfp4/int4 only)"
+    if a.dim() != 2 or w1.dim() != 3:
+        return f"a {tuple(a.shape)} / w1 {tuple(w1.shape)} are not [T, L] / [E, I, L/{FORMATS[fmt]}]"
+    from ..lib.triton import routed_experts_w4a16 as kernel
+
+    E, I, L = w1.shape[0], w1.shape[1], a.shape[1]
+    want = kernel.packed_shapes(fmt, E, I, L)
+    got = {n: tuple(tensors[n].shape) for n in want}
+    if got != want:
+        return f"{fmt} shapes {got} are not {want} (group size {GROUP})"
+    packed = torch.uint8 if fmt == "mxfp4" else torch.int32
+    for name in ("w1", "w3", "w2"):
+        if tensors[name].dtype != packed:
+            return f"{name} is {tensors[name].dtype}, {fmt} packs {packed}"
+    for name in ("s1", "s3", "s2"):
+        dt = tensors[name].dtype
+        if (fmt == "mxfp4" and dt != torch.uint8) or (fmt == "int4" and dt not in kernel.INT4_SCALE_DTYPES):
+            return f"{name} is {dt}, {fmt} scales are {'uint8' if fmt == 'mxfp4' else 'bf16/fp16/fp32'}"
+    if experts.dtype != torch.int64 or experts.dim() != 1 or experts.shape[0] != a.shape[0] * top_k:
+        return f"experts {experts.dtype} {tuple(experts.shape)} is not int64 [T*top_k]"
+    if abs(float(situ_beta) * float(situ_linear_beta)) * 2.0 ** kernel.X_SHIFT * 2 > kernel.FP16_MAX:
+        return f"situ_beta * situ_linear_beta = {situ_beta * situ_linear_beta} (the activation must fit fp16)"
+    if table is not None:
+        if fmt != "mxfp4":
+            return f"a value table with format {fmt!r} (only mxfp4 has one)"
+        if not isinstance(table, torch.Tensor) or table.device != a.device:
+            return "the E2M1 table is not a tensor on a's device"
+        if not kernel.table_decodes(table):
+            return "the table is not the E2M1 values the kernel decodes"
+    return None
+
+
+def accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
+    from ..lib.triton import routed_experts_w4a16 as kernel
+
+    if (missing := kernel.missing_features()) is not None:
+        return missing
+    if spec.fits is not None:
+        return spec.fits
+    T, fmt = spec.tokens, spec.format
+    if fmt not in FORMATS:
+        return f"format {fmt!r} (mxfp4/int4 only)"
+    if spec.dtype not in kernel.DTYPES:
+        return f"dtype {spec.dtype} (bf16/fp16 only)"
+    if not 1 <= T <= kernel.MAX_TOKENS:
+        return f"T={T} (needs 1 <= T <= {kernel.MAX_TOKENS})"
+    if not 1 <= spec.E <= kernel.MAX_EXPERTS:
+        return f"E={spec.E} (needs 1 <= E <= {kernel.MAX_EXPERTS})"
+    if not 1 <= T * spec.top_k <= kernel.MAX_PAIRS:
+        return f"T*top_k={T * spec.top_k} (needs <= {kernel.MAX_PAIRS})"
+    if spec.I % GROUP or spec.L % GROUP or spec.I < GROUP or spec.L < GROUP:
+        return f"I={spec.I}, L={spec.L} (both need whole groups of {GROUP})"
+    return None
+
+
+def run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
+        situ_linear_beta, format, table=None, **_):
+    from ..lib.triton import routed_experts_w4a16 as kernel
+
+    return kernel.run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
+                      situ_linear_beta, format, table)
+
+
+def warmup(shapes) -> None:
+    """Compile ahead of capture: one launch per {"M", "E", "I", "L", "top_k", "dtype", "format"}, on a
+    table of a few experts (E is no compile-time constant; only its divisibility by 16 is)."""
+    from ..lib.triton import routed_experts_w4a16 as kernel
+
+    for s in shapes:
+        dev, dtype, fmt = s.get("device", "cuda"), s.get("dtype", torch.bfloat16), s["format"]
+        T, E, I, L, k = s["M"], s["E"], s["I"], s["L"], s["top_k"]
+        few = 16 if E % 16 == 0 else E
+        a = torch.zeros((T, L), dtype=dtype, device=dev)
+        experts = torch.arange(T * k, device=dev, dtype=torch.int64) % few
+        packed = torch.uint8 if fmt == "mxfp4" else torch.int32
+        scale = torch.uint8 if fmt == "mxfp4" else s.get("scale_dtype", dtype)
+        t = {n: torch.zeros(sh, dtype=packed if n.startswith("w") else scale, device=dev)
+             for n, sh in kernel.packed_shapes(fmt, few, I, L).items()}
+        args = (a, experts, t["w1"], t["s1"], t["w3"], t["s3"], t["w2"], t["s2"], k, 1.0, 1.0, fmt)
+        if accepts(RoutedExpertsW4A16Spec.from_call(*args)) is None:
+            kernel.run(*args)
+
+
+def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
+          situ_linear_beta, format, table=None, strict=False):
+    name = "k3fuse.routed_experts_w4a16"
+    torch._check(format in FORMATS, lambda: f"{name}: format {format!r} is not one of {sorted(FORMATS)}")
+    per = FORMATS[format]
+    torch._check(a.dim() == 2, lambda: f"{name}: a must be the latent [T, L], got {tuple(a.shape)}")
+    torch._check(experts.dim() == 1 and experts.dtype == torch.int64,
+                 lambda: f"{name}: experts must be int64 [T*top_k], got {experts.dtype} {tuple(experts.shape)}")
+    torch._check(experts.shape[0] == a.shape[0] * top_k,
+                 lambda: f"{name}: {experts.shape[0]} expert ids for {a.shape[0]} tokens x top_k={top_k}")
+    L = a.shape[1]
+    torch._check(w1_packed.dim() == 3 and w1_packed.shape == w3_packed.shape and w1_packed.shape[2] * per == L,
+                 lambda: f"{name}: {format} w1/w3 must be [E, I, L/{per}] with L={L}, got "
+                         f"{tuple(w1_packed.shape)} / {tuple(w3_packed.shape)}")
+    E, I = w1_packed.shape[0], w1_packed.shape[1]
+    torch._check(tuple(w2_packed.shape) == (E, L, I // per) and I % per == 0,
+                 lambda: f"{name}: {format} w2 must be [E, L, I/{per}] = {(E, L, I // per)}, got "
+                         f"{tuple(w2_packed.shape)}")
+    torch._check(table is None or (format == "mxfp4" and tuple(table.shape) == (16,)),
+                 lambda: f"{name}: the table is MXFP4's 16 E2M1 values (int4 has none), got "
+                         f"{tuple(table.shape)} for {format}")
+    for what, scale, rows, cols in (("w1_scale", w1_scale, I, L), ("w3_scale", w3_scale, I, L),
+                                    ("w2_scale", w2_scale, L, I)):
+        torch._check(tuple(scale.shape) == (E, rows, cols // GROUP),
+                     lambda what=what, scale=scale, rows=rows, cols=cols:
+                     f"{name}: {what} must be [E, {rows}, {cols}/32] = {(E, rows, cols // GROUP)} (group size "
+                     f"{GROUP}), got {tuple(scale.shape)}")
+    return a.new_empty((experts.shape[0], L))
+
+
+DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "
+                  "Tensor w2_packed, Tensor w2_scale, int top_k, float situ_beta, float situ_linear_beta, str format, "
+                  "Tensor? table=None, bool strict=False) -> Tensor",
+              _fake, routed_experts_quantized, routed_experts_quantized_gathered, spec=RoutedExpertsW4A16Spec)
+DECLS = (DECL,)
+declare(DECL)
+register_impl(OP, Impl("triton.routed_experts_w4a16", accepts, run, priority=50, warmup=warmup,
+                       needs=("triton.routed_experts_w4a16",)))

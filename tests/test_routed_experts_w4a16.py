@@ -1,0 +1,391 @@
+"""routed_experts_w4a16 on CPU: the op, its fake impl, the routed_experts rule on the quantized
+spellings, and the Triton kernel in Triton's interpreter.
+
+* the op's reference is `routed_experts_quantized_gathered` bit for bit and its stock is the model's
+  spelling; the fake impl names bad formats, shapes and tables;
+* the rule matches `routed_experts_quantized_grouped` (bf16: this CPU torch exports and runs
+  torch._grouped_mm) and `routed_experts_quantized_gathered` (fp32, bf16) for MXFP4 and int4 through
+  the export door, strict mode and the counters: the rewritten program computes what the original
+  did, the log names the format; wrong layouts and group sizes are refused with the reason; a GPU
+  context refuses what no kernel covers;
+* the K3 reference stack with MXFP4 and int4 experts through both doors: the rule fires per layer;
+* the kernel (both modes, both formats, both dot orientations) through TRITON_INTERPRET=1 against
+  float64 on the dequantized weights, NaN-poisoned outputs; its sm_90 compile (no spills, cp.async).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import k3fuse
+from k3fuse import quant, runtime, spelling
+
+RULE = "routed_experts"
+OP = "routed_experts_w4a16"
+H100 = (9, 0)
+BETA, LINEAR_BETA = spelling.K3_SITU_BETA, spelling.K3_SITU_LINEAR_BETA
+FORMATS = ("mxfp4", "int4")
+
+
+def _quantized(fmt: str, E: int = 8, I: int = 64, L: int = 96, seed: int = 0):
+    """(w1, w3, w2) as QuantizedWeight in `fmt` (int4 scales in bf16, as the model stores them)."""
+    g = torch.Generator().manual_seed(seed)
+    w1, w3 = (torch.randn(E, I, L, generator=g) * L ** -0.5 for _ in range(2))
+    w2 = torch.randn(E, L, I, generator=g) * I ** -0.5
+    return [quant.quantize(w, fmt, torch.bfloat16) for w in (w1, w3, w2)]
+
+
+def _op_args(fmt: str, T: int = 3, E: int = 8, I: int = 64, L: int = 96, k: int = 4, dtype=torch.float32,
+             seed: int = 0):
+    g = torch.Generator().manual_seed(seed + 1)
+    a = torch.randn(T, L, generator=g).to(dtype)
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
+    weights = []
+    for q in _quantized(fmt, E, I, L, seed):
+        weights += [q.packed, q.scale]
+    table = quant.e2m1_table() if fmt == "mxfp4" else None
+    return (a, experts, *weights, k, BETA, LINEAR_BETA, fmt, table)
+
+
+# --- the op ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_on_cpu_is_the_quantized_reference_and_disable_runs_stock(fmt, dtype):
+    args = _op_args(fmt, dtype=dtype)
+    runtime.reset_stats()
+    with runtime.strict():
+        z = torch.ops.k3fuse.routed_experts_w4a16(*args)
+    assert runtime.stats() == {OP: {"reference": 1}}
+    assert z.shape == (12, 96) and z.dtype == dtype
+    assert torch.equal(z, spelling.routed_experts_quantized_gathered(*args))
+    runtime.reset_stats()
+    with k3fuse.disable():
+        z0 = torch.ops.k3fuse.routed_experts_w4a16(*args)
+    assert runtime.stats() == {OP: {"fallback:disabled": 1}}
+    assert torch.equal(z0, spelling.routed_experts_quantized(*args))
+
+
+def test_fake_impl_shapes_and_messages():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.k3fuse.routed_experts_w4a16
+    real = {fmt: _op_args(fmt, T=5) for fmt in FORMATS}
+    mode = FakeTensorMode()
+    fake = {fmt: tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args)
+            for fmt, args in real.items()}
+    with mode:
+        a, experts, w1, s1, w3, s3, w2, s2, k, b, lb, fmt, table = fake["mxfp4"]
+        assert op(a, experts, w1, s1, w3, s3, w2, s2, k, b, lb, fmt, table).shape == (20, 96)
+        bad = (((a, experts, w1, s1, w3, s3, w2, s2, k, b, lb, "nvfp4", None), "format 'nvfp4' is not one of"),
+               ((a, experts[:-1], w1, s1, w3, s3, w2, s2, k, b, lb, fmt, table), "19 expert ids for 5 tokens"),
+               ((a, experts, w1[:, :, :8], s1, w3, s3, w2, s2, k, b, lb, fmt, table), r"w1/w3 must be \[E, I, L/2\]"),
+               ((a, experts, w1, s1, w3, s3, w2[:, :-1], s2, k, b, lb, fmt, table), r"w2 must be \[E, L, I/2\]"),
+               ((a, experts, w1, s1[:, :, :2], w3, s3, w2, s2, k, b, lb, fmt, table), "w1_scale must be .*group size 32"),
+               ((a, experts, w1, s1, w3, s3, w2, s2, k, b, lb, fmt, table[:8]), "16 E2M1 values"))
+        for args, message in bad:
+            with pytest.raises(Exception, match=message):
+                op(*args)
+        a, experts, w1, s1, w3, s3, w2, s2, k, b, lb, fmt, _ = fake["int4"]
+        assert op(a, experts, w1, s1, w3, s3, w2, s2, k, b, lb, fmt, None).shape == (20, 96)
+        with pytest.raises(Exception, match=r"w1/w3 must be \[E, I, L/8\]"):
+            op(a, experts, w1[:, :, :4], s1, w3, s3, w2, s2, k, b, lb, fmt, None)
+
+
+# --- the rule on standalone modules ------------------------------------------------------------------
+class QuantizedExperts(nn.Module):
+    """The routed experts over quantized weights, in one of the model's spellings (static buffers)."""
+
+    def __init__(self, fmt: str, spelled=spelling.routed_experts_quantized_gathered, E: int = 8, I: int = 64,
+                 L: int = 96, k: int = 4, dtype=torch.float32):
+        super().__init__()
+        for name, q in zip(("w1", "w3", "w2"), _quantized(fmt, E, I, L, seed=7)):
+            self.register_buffer(f"{name}_packed", q.packed)
+            self.register_buffer(f"{name}_scale", q.scale)
+        self.register_buffer("table", quant.e2m1_table() if fmt == "mxfp4" else None)
+        self.fmt, self.spelled, self.k, self.dtype = fmt, spelled, k, dtype
+
+    def forward(self, a, idx):
+        return self.spelled(a, idx.reshape(-1), self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
+                            self.w2_packed, self.w2_scale, self.k, BETA, LINEAR_BETA, self.fmt, self.table)
+
+
+def _inputs(module: QuantizedExperts, T: int = 3, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    L, E = module.w2_packed.shape[1], module.w1_packed.shape[0]
+    a = torch.randn(T, L, generator=g).to(module.dtype)
+    return a, torch.stack([torch.randperm(E, generator=g)[:module.k] for _ in range(T)])
+
+
+SPELLINGS = [(spelling.routed_experts_quantized_gathered, torch.float32, "gathered"),
+             (spelling.routed_experts_quantized_gathered, torch.bfloat16, "gathered"),
+             (spelling.routed_experts_quantized_grouped, torch.bfloat16, "grouped")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("spelled,dtype,form", SPELLINGS)
+def test_rule_rewrites_each_quantized_spelling_and_computes_what_it_did(fmt, spelled, dtype, form):
+    module = QuantizedExperts(fmt, spelled, dtype=dtype)
+    args = _inputs(module)
+    ep = torch.export.export(module, args)
+    new_ep, log = k3fuse.apply(ep, k3fuse.DecodeContext(strict=True))
+    (e,) = [e for e in log.events if e.rule == RULE and e.decision == "applied"]
+    suffix = "" if dtype == torch.float32 else "[bfloat16]"
+    assert e.variant == f"{form}_{fmt}{suffix}", e.variant
+    assert (e.values["format"], e.values["top_k"], e.values["E"], e.values["I"], e.values["group_size"]) == \
+        (fmt, 4, 8, 64, 32)
+    left = {n.target for n in new_ep.graph.nodes}
+    assert torch.ops.k3fuse.routed_experts_w4a16.default in left
+    assert not left & {torch.ops.aten._grouped_mm.default, torch.ops.aten.bmm.default,
+                       torch.ops.k3fuse.routed_experts.default}
+    runtime.reset_stats()
+    with runtime.strict():
+        z = new_ep.module()(*args)
+    assert runtime.stats() == {OP: {"reference": 1}} and runtime.fallbacks() == {}
+    z0 = module(*args)
+    if form == "gathered":
+        assert torch.equal(z, z0)  # the reference is this very spelling
+    else:  # grouped GEMMs accumulate in another order than the bmm; both round to bf16 per projection
+        torch.testing.assert_close(z.float(), z0.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rule_captures_other_sizes_and_top_k(fmt):
+    module = QuantizedExperts(fmt, E=16, I=32, L=160, k=2)
+    args = _inputs(module, T=7)
+    new_ep, log = k3fuse.apply(torch.export.export(module, args), k3fuse.DecodeContext())
+    (e,) = [e for e in log.events if e.rule == RULE and e.decision == "applied"]
+    assert (e.values["format"], e.values["top_k"], e.values["E"], e.values["I"]) == (fmt, 2, 16, 32)
+    assert torch.equal(new_ep.module()(*args), module(*args))
+
+
+@pytest.mark.parametrize("fmt,spelled,dtype", [("mxfp4", spelling.routed_experts_quantized_gathered, torch.float32),
+                                              ("int4", spelling.routed_experts_quantized_grouped, torch.bfloat16)])
+def test_rule_matches_a_dynamic_token_count(fmt, spelled, dtype):
+    """torch.compile with the token dim dynamic (as a recompile for a second batch size makes it): one
+    rewritten graph, the slot count min(T*k, E) a symbolic size, serves every token count."""
+    torch._dynamo.reset()
+    experts = QuantizedExperts(fmt, spelled, dtype=dtype)
+    router = torch.randn(experts.w1_packed.shape[0], experts.w2_packed.shape[1])
+
+    class Routed(nn.Module):  # the expert ids come from the tokens, as in the model (one symbolic T)
+        def forward(self, a):
+            return experts(a, torch.topk(a.float() @ router.T, experts.k, dim=-1).indices)
+
+    module = Routed()
+    log = k3fuse.RewriteLog()
+    fn = torch.compile(module, backend="k3fuse", options={"context": k3fuse.DecodeContext(strict=True), "log": log})
+    runtime.reset_stats()
+    with torch.no_grad(), runtime.strict():
+        for T in (3, 5, 9):
+            a, _ = _inputs(experts, T=T)
+            torch._dynamo.mark_dynamic(a, 0)
+            torch.testing.assert_close(fn(a).float(), module(a).float(), rtol=2e-2, atol=2e-2)
+    assert log.applied(RULE) == 1
+    assert runtime.stats()[OP] == {"reference": 3} and runtime.fallbacks() == {}
+
+
+def test_rule_refuses_a_table_that_is_not_a_static_buffer():
+    class TableInput(QuantizedExperts):
+        def forward(self, a, idx, table):
+            return self.spelled(a, idx.reshape(-1), self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
+                                self.w2_packed, self.w2_scale, self.k, BETA, LINEAR_BETA, self.fmt, table)
+
+    module = TableInput("mxfp4")
+    args = (*_inputs(module), quant.e2m1_table())
+    _, log = k3fuse.apply(torch.export.export(module, args), k3fuse.DecodeContext())
+    (e,) = log.rejected(RULE)
+    assert log.applied(RULE) == 0 and e.guard == "static_weight" and e.values["table"] == "table"
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """A stand-in CUDA kernel of routed_experts_w4a16 covering mxfp4 only, E <= 64."""
+    from k3fuse.kernels import dispatch
+
+    dispatch.load_gpu_impls()
+
+    def accepts(s):
+        return f"format {s.format}" if s.format != "mxfp4" else (None if s.E <= 64 else f"E={s.E} > 64")
+
+    impl = dispatch.Impl("test.routed_experts_w4a16", accepts=accepts, run=lambda *a, **k: None)
+    others = [i for i in dispatch.implementations(OP) if "cuda" not in i.device_types]
+    monkeypatch.setattr(dispatch._entry(OP), "impls", [impl, *others])
+    return impl
+
+
+def test_gpu_context_refuses_what_no_kernel_covers_and_names_the_format(fake_kernel):
+    gpu = k3fuse.DecodeContext(device_capability=H100)
+    for fmt, n_experts, limit in (("mxfp4", 64, None), ("mxfp4", 128, "E=128 > 64"), ("int4", 64, "format int4")):
+        module = QuantizedExperts(fmt, E=n_experts)
+        _, log = k3fuse.apply(torch.export.export(module, _inputs(module, T=4)), gpu)
+        assert log.applied(RULE) == (limit is None), (fmt, n_experts)
+        if limit is not None:
+            (e,) = log.rejected(RULE)
+            assert e.guard == "kernel_shape" and e.values["format"] == fmt and e.values["tokens"] == "4"
+            assert e.values["limits"] == [f"test.routed_experts_w4a16: {limit}"]
+
+
+def test_kernel_covers_k3_shapes_and_names_its_limits():
+    pytest.importorskip("triton")
+    from k3fuse.kernels import dispatch
+
+    from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec
+
+    dispatch.load_gpu_impls()
+    for fmt in FORMATS:
+        for I in (3072, 1536, 384):
+            spec = RoutedExpertsW4A16Spec(E=896, I=I, L=3584, top_k=16, dtype=torch.bfloat16, format=fmt)
+            assert dispatch.coverage(spec, range(1, 65)) == {}, (fmt, I)
+    odd = RoutedExpertsW4A16Spec(E=896, I=100, L=3584, top_k=16, dtype=torch.bfloat16, format="mxfp4")
+    limits = dispatch.coverage(odd, [1])
+    assert any("whole groups of 32" in str(v) for v in limits.values()), limits
+
+
+# --- the K3 stack with quantized experts ------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k3_stack_with_quantized_experts_both_doors(fmt):
+    from stack_helpers import compiled_door, strict_steps
+
+    from k3fuse.model import K3DecodeStack, get_config
+
+    ctx = k3fuse.DecodeContext(strict=True)
+    for dtype in ("float32", "bfloat16"):
+        model = K3DecodeStack(get_config("tiny", n_layers=2, dtype=dtype, expert_format=fmt), seed=5)
+        gen = torch.Generator().manual_seed(11)
+        xs = [torch.randn(3, model.config.hidden, generator=gen).to(getattr(torch, dtype)) for _ in range(3)]
+        new_ep, log = k3fuse.apply(torch.export.export(model, (xs[0], model.init_state(3))), ctx)
+        res = strict_steps(new_ep.module(), model, xs)
+        s = log.summary()
+        form = "gathered_" + fmt + ("" if dtype == "float32" else "[bfloat16]")
+        assert s[RULE]["applied"] == 2 and s[RULE]["variants"] == {form: 2}, s[RULE]
+        assert res["fallbacks"] == {} and res["stats"][OP] == {"reference": 6}, res
+        assert res["err"] < (2e-5 if dtype == "float32" else 0.25), res["err"]
+        if dtype == "float32":
+            out = compiled_door(model, xs, ctx)
+            assert out["summary"][RULE]["variants"] == {form: 2} and out["fallbacks"] == {}, out
+
+
+# --- the Triton kernel through Triton's interpreter (a subprocess: TRITON_INTERPRET must be set
+# before triton is imported). fp16 trunk: the interpreter (Triton 3.6, numpy) mis-reads bf16 loads;
+# the GPU test covers bf16. Every case runs pairwise and grouped, both formats ---------------------
+CASES = ["one_token", "k3_like", "crowded", "bad_ids"]
+INTERPRETER_SCRIPT = textwrap.dedent("""
+    import json, os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import torch
+    from k3fuse import quant
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
+    from k3fuse.spelling import K3_SITU_BETA as B, K3_SITU_LINEAR_BETA as LB, routed_experts_gathered
+    assert K.HAVE_TRITON and K.bf16_kernel.INTERPRET
+    out = []
+    for fmt in ("mxfp4", "int4"):
+        for name, T, E, I, L, k in (("one_token", 1, 8, 64, 96, 2), ("k3_like", 3, 24, 32, 64, 4),
+                                    ("crowded", 20, 8, 32, 64, 4), ("bad_ids", 3, 8, 32, 64, 2)):
+            g = torch.Generator().manual_seed(T)
+            a = torch.randn(T, L, generator=g).half()
+            w = [torch.randn(E, I, L, generator=g) * L ** -0.5, torch.randn(E, I, L, generator=g) * L ** -0.5,
+                 torch.randn(E, L, I, generator=g) * I ** -0.5]
+            q = [quant.quantize(x, fmt, torch.float16) for x in w]
+            deq = [x.dequantize(torch.float64) for x in q]
+            if name == "crowded":  # every token picks experts 0..k-1: groups of T > 16 rows (two row blocks)
+                experts = torch.arange(k).repeat(T)
+            else:
+                experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
+            ref = routed_experts_gathered(a.double(), experts, *deq, k, B, LB)
+            half = routed_experts_gathered(a, experts, *[x.dequantize(torch.float16) for x in q], k, B, LB)
+            kept = torch.ones(T * k, dtype=torch.bool)
+            if name == "bad_ids":
+                kept[[1, 4]] = False
+                experts = experts.clone()
+                experts[1], experts[4] = -1, E
+            args = [t for x in q for t in (x.packed, x.scale)]
+            table = quant.e2m1_table() if fmt == "mxfp4" else None
+            # both modes; the k3_like case also with the other dot orientation (mma.sync / wgmma)
+            orientations = (True, False) if name == "k3_like" else (K.GATE_UP["WGMMA"],)
+            for pairwise in (True, False):
+                for wgmma in orientations:
+                    z = torch.full((T * k, L), float("nan"), dtype=torch.float16)
+                    launch = {"gate_up": {"WGMMA": wgmma}, "down": {"WGMMA": wgmma}}
+                    K.run(a, experts, *args, k, B, LB, fmt, table, out=z, config={"pairwise": pairwise, **launch})
+                    err = lambda x: float((x[kept].double() - ref[kept]).norm() / ref[kept].norm())
+                    out.append({"fmt": fmt, "case": name, "pairwise": pairwise, "wgmma": wgmma,
+                                "written": not bool(torch.isnan(z[kept]).any()), "rel": err(z),
+                                "rel_fp16": err(half)})
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_triton_kernel_in_the_interpreter_against_float64():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert sorted({(r["fmt"], r["case"], r["pairwise"]) for r in results}) == \
+        sorted((f, c, p) for f in FORMATS for c in CASES for p in (True, False))
+    assert {r["wgmma"] for r in results if r["case"] == "k3_like"} == {True, False}
+    for r in results:
+        assert r["written"], r  # every (kept) row of the NaN-poisoned output was written
+        assert r["rel"] < 3e-3 and r["rel"] < 2 * r["rel_fp16"] + 1e-4, r  # fp16 rounding, as the spelling's
+
+
+SM90_TYPES = {"a_ptr": "*bf16", "act_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "w2_ptr": "*i32",
+              "s1_ptr": "*u8", "s3_ptr": "*u8", "s2_ptr": "*u8", "gu_ptr": "*fp32", "z_ptr": "*bf16",
+              "experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "P": "i32", "E": "i32",
+              "x_scale": "fp32"}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_kernels_compile_for_sm90(fmt):
+    """Gate/up and down compile for sm_90 at K3's shapes in both modes: no spills, no atomics, the
+    packed loads software-pipelined (cp.async)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
+
+    types = dict(SM90_TYPES)
+    if fmt == "int4":
+        types.update({n: "*bf16" for n in ("s1_ptr", "s3_ptr", "s2_ptr")})
+
+    def compile_kernel(fn, constexprs: dict, launch: dict):
+        sig = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
+
+    for T, I, pairwise in ((1, 1536, True), (8, 384, False), (64, 3072, False)):
+        cfg = K.pick_config(T, 896, I, 3584, 16, {"pairwise": pairwise})
+        gu, dn = cfg["gate_up"], cfg["down"]
+        mode = {"PAIRWISE": pairwise, **({"rows_ptr": None, "groups_ptr": None} if pairwise else {})}
+        shape = {"I": I, "L": 3584, "BLOCK_M": K.BLOCK_M, "MXFP4": fmt == "mxfp4", **mode}
+        for name, fn, constexprs, launch in (
+                ("gate_up", K._gate_up_kernel, {**shape, "TOP_K": 16, "BLOCK_N": gu["BLOCK_N"],
+                                                "SPLIT_K": gu["SPLIT_K"], "STAGES": gu["STAGES"],
+                                                "WGMMA": gu["WGMMA"]}, gu),
+                ("down", K._down_kernel, {**shape, "N_TILES": dn["N_TILES"], "BLOCK_N": dn["BLOCK_N"],
+                                          "STAGES": dn["STAGES"], "WGMMA": dn["WGMMA"]}, dn)):
+            ck = compile_kernel(fn, constexprs, {"num_warps": launch["num_warps"]})
+            ptx, where = ck.asm["ptx"], (name, T, I, pairwise)
+            assert ".entry" in ptx and "atom." not in ptx and "cp.async" in ptx, where
+            assert ".local" not in ptx, where  # no spills to local memory
+
+
+def test_pick_config_splits_k_when_the_grid_is_small():
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
+
+    one = K.pick_config(1, 896, 384, 3584, 16)
+    assert one["pairwise"] and one["gate_up"]["SPLIT_K"] > 1
+    assert 3584 % (one["gate_up"]["SPLIT_K"] * K.GROUP) == 0
+    many = K.pick_config(64, 896, 3072, 3584, 16)
+    assert not many["pairwise"] and many["gate_up"]["SPLIT_K"] == 1
+    forced = K.pick_config(1, 896, 384, 3584, 16, {"pairwise": False, "gate_up": {"SPLIT_K": 1}})
+    assert not forced["pairwise"] and forced["gate_up"]["SPLIT_K"] == 1
