@@ -210,7 +210,7 @@ def test_bench_defaults_are_published_widths_and_set_repeats():
 def test_bench_cli_mxfp4_experts_with_zipf_routing(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "k3fuse.tools.cli", "bench", "--device", "cpu", "--preset", "tiny", "--tp", "1",
-           "--set", "expert_format=mxfp4", "--routing", "zipf:1.1", "--compiler", "eager", "--tokens", "1,8",
+           "--set", "expert_format=mxfp4", "--routing", "zipf:1.1", "--compiler", "eager", "--batch", "1,8",
            "--steps", "2", "--replays", "2", "--arms", "stock,k3fuse", "--no-profile", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

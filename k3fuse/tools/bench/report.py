@@ -150,7 +150,8 @@ def print_tables(result: dict[str, Any]) -> None:
                                              for T in tokens])
     console.print(table)
 
-    kt = Table(title=f"at T={tokens[0]}: kernels per step, kernel time run concurrently; compile time")
+    first_t = f"T={tokens[0]}" if tokens else "no measured batch"
+    kt = Table(title=f"at {first_t}: kernels per step, kernel time run concurrently; compile time")
     kt.add_column("arm", no_wrap=True)
     for col in ("kernels per step", "device µs/step", "concurrent µs/step", "max rel err vs stock", "compile s",
                 "passes ms", "fallbacks"):
