@@ -16,7 +16,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from .ir import COLLECTIVE_NAMESPACE  # noqa: E402
+from .graph_facts import COLLECTIVE_NAMESPACE  # noqa: E402
 
 MIN_TORCH = (2, 11)
 MAX_TORCH_EXCLUSIVE = (2, 14)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import settings
 from .token_range import DECODE_TOKENS
-from .usage import UsageError
+from .usage_error import UsageError
 
 MulticastPolicy = Literal["auto", "off", "require"]
 _POLICIES = ("auto", "off", "require")

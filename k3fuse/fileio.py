@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .usage import UsageError
+from .usage_error import UsageError
 
 #: prefix of temporary files; a process killed by a signal (SIGKILL, SIGABRT) can leave one behind
 TEMP_PREFIX = ".k3fuse-tmp-"

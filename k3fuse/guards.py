@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 import torch
 import torch.fx as fx
 
-from .ir import is_static_placeholder as is_static
-from .ir import leading_tokens, node_value
+from .graph_facts import is_static_placeholder as is_static
+from .graph_facts import leading_tokens, node_value
 
 if TYPE_CHECKING:
     from .context import DecodeContext

@@ -30,7 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import runtime, settings
 from .context import ContextError, DecodeContext
 from .engines import GROUP_SOURCES, EngineError, GroupSource, find_tp_group
-from .ir import mark_static
+from .graph_facts import mark_static
 from .log import RewriteLog
 from .pipeline import RuleRegistry, run_pipeline
 from .rule import Rule

@@ -36,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import normalize
 from .guards import GuardFailure
-from .ir import node_order
+from .graph_facts import node_order
 from .rewrite_site import Match, PatternSpec
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .ir import node_value
+from .graph_facts import node_value
 
 aten = torch.ops.aten
 prims = torch.ops.prims

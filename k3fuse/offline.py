@@ -18,13 +18,13 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
 
-from . import ir
+from . import graph_facts
 from .context import DecodeContext
-from .ir import is_collective
+from .graph_facts import is_collective
 from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
-from .usage import UsageError
+from .usage_error import UsageError
 from .rule import Rule
 from .plugins import install_plugins
 
@@ -62,11 +62,11 @@ def static_placeholder_names(ep: ExportedProgram) -> set[str]:
 
 
 def mark_static_placeholders(graph: fx.Graph, static_names: set[str]) -> int:
-    """Set the static marker (ir.mark_static) on the named placeholders (False on the others); returns count."""
+    """Set the static marker (graph_facts.mark_static) on the named placeholders (False on the others); returns count."""
     count = 0
     for node in graph.nodes:
         if node.op == "placeholder":
-            ir.mark_static(node, node.name in static_names)
+            graph_facts.mark_static(node, node.name in static_names)
             count += node.name in static_names
     return count
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from .guards import GuardFailure
-from .ir import node_order
+from .graph_facts import node_order
 from .normalize import fake_call, is_metadata_check
 
 

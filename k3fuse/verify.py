@@ -4,11 +4,11 @@ Rewrites may load static weights early (fusing, prefetching) but must never make
 non-static tensor (activation, peer-written buffer, decode state) happen earlier relative to a
 synchronisation point than it did before. Terms, precisely:
 
-* *static value*: a placeholder the door marked static (``ir.mark_static``) (parameters,
+* *static value*: a placeholder the door marked static (``graph_facts.mark_static``) (parameters,
   buffers and constants the graph never mutates) or a ``get_attr`` constant. Every other value
   is non-static.
 * *sync node*: an op after which data written elsewhere becomes valid: ``wait_tensor`` and every
-  op declared with ``OpTraits(sync=True)`` (k3fuse's join and fused collectives; `k3fuse.ir`).
+  op declared with ``OpTraits(sync=True)`` (k3fuse's join and fused collectives; `k3fuse.graph_facts`).
 * *collective handle*: the output of a ``_c10d_functional`` collective before its ``wait_tensor``.
 * *reader* of a value: a node that takes it as a direct input; "before" means earlier in graph
   order (the order the code runs in).
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .ir import is_handle, is_static_value, is_sync, is_wait, node_order, op_traits
+from .graph_facts import is_handle, is_static_value, is_sync, is_wait, node_order, op_traits
 
 
 class ReorderingError(RuntimeError):

@@ -5,7 +5,7 @@ ops"): its schema; its fake impl (output shapes/dtypes only, so FakeTensor traci
 and torch.export never run a kernel or a collective); its stock sequence (the unfused torch ops it
 replaced: the kill switch and the call guard run it); its plain-torch reference (the CPU path and
 the numerical oracle); whether it is a collective (no per-rank fallback); its ordering traits for
-the verifier (`k3fuse.ir.OpTraits`: sync point, anchor, ordering-only arguments); and its `Spec`
+the verifier (`k3fuse.graph_facts.OpTraits`: sync point, anchor, ordering-only arguments); and its `Spec`
 type (kernels/spec.py), which the implementations' predicates read. `declare` defines the
 torch.library op, whose one CompositeExplicitAutograd impl (every device) hands the arguments,
 minus `strict`, to `kernels.dispatch.dispatch`, which picks and counts the implementation.
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from k3fuse.ir import OpTraits, declare_op_traits
+from k3fuse.graph_facts import OpTraits, declare_op_traits
 
 from . import collective_guard  # noqa: F401  (installs the guard every collective op's dispatch runs)
 from . import dispatch as _dispatch

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from k3fuse.ir import leading_tokens
+from k3fuse.graph_facts import leading_tokens
 
 
 def call_only(default: Any) -> Any:
@@ -39,7 +39,7 @@ class Spec:
 
 
 def token_count(x: Any) -> int:
-    """Tokens of a decode activation tensor [..., features] (k3fuse.ir.leading_tokens)."""
+    """Tokens of a decode activation tensor [..., features] (k3fuse.graph_facts.leading_tokens)."""
     return leading_tokens([int(d) for d in x.shape])
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from k3fuse.guards import GuardFailure
-from k3fuse.ir import node_order
+from k3fuse.graph_facts import node_order
 from k3fuse.normalize import is_metadata_check
 from k3fuse.rule import PatternSpec, Variant
 from k3fuse.spelling import all_reduce_sum, linear, rms_norm, situ_glu

@@ -19,7 +19,7 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, failures, is_static, kernel_covers, site_tokens,
                            static_weight, token_count)
-from k3fuse.ir import node_order
+from k3fuse.graph_facts import node_order
 from k3fuse.kernels.ops.decode_gemm import DecodeGemmSpec
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.normalize import value_root

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, failures, kernel_covers, shape_of, token_count
-from k3fuse.ir import node_order, tensor_value
+from k3fuse.graph_facts import node_order, tensor_value
 from k3fuse.kernels.ops.kda_delta import KDADeltaSpec
 from k3fuse.matcher import compiled_patterns, find_matches
 from k3fuse.rule import Match, PatternSpec, Rule

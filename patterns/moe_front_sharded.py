@@ -37,7 +37,7 @@ from torch import Tensor
 from k3fuse.context import DecodeContext
 from k3fuse.guards import (GuardFailure, divisible, failures, kernel_covers, shape_of,
                            site_tokens, static_weight, token_count, tp_at_least)
-from k3fuse.ir import node_order
+from k3fuse.graph_facts import node_order
 from k3fuse.kernels.ops.moe_front import MoEFrontSpec
 from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forward_users, op_name
 from k3fuse.normalize import skip_transparent, value_root

@@ -71,7 +71,7 @@ class MoETailAllReduceNorm(Rule):
     description = ("MoE tail: the latent partial's all_reduce -> latent RMSNorm -> k3fuse.allreduce_rmsnorm "
                    "(one-shot push + epilogue, the out-projection op's protocol)")
     default_on = False
-    default_off_reason = "no H200 measurement yet (issue 9)"
+    default_off_reason = "no H200 measurement yet"
     # same NVLink exchange as oproj_allreduce_residual (unicast one-shot): policy "require" rejects it
     # where multicast is unavailable
     uses_multicast = True

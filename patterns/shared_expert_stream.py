@@ -43,7 +43,7 @@ from torch._ops import OpOverload
 from k3fuse import compat
 from k3fuse.context import DecodeContext
 from k3fuse.guards import GuardFailure, failures, is_static, static_weight, token_count
-from k3fuse.ir import node_order, node_value, op_qualname
+from k3fuse.graph_facts import node_order, node_value, op_qualname
 from k3fuse.normalize import CAST_OPS, VIEW_LIKE, canonical, cast_dtype, is_metadata_check, skip_transparent
 from k3fuse.rule import Match, Rule
 

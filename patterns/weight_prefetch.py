@@ -23,7 +23,7 @@ import torch.fx as fx
 from k3fuse import compat
 from k3fuse.context import ContextError, DecodeContext
 from k3fuse.guards import GuardFailure, failures, is_static, token_count
-from k3fuse.ir import is_collective, is_sync, op_qualname
+from k3fuse.graph_facts import is_collective, is_sync, op_qualname
 from k3fuse.normalize import canonical, is_transparent
 from k3fuse.rule import Match, PatternSpec, Rule
 

@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh [all | x2-tests | x2-safety | x2-layer | x2-bench | STEP...]
 #   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety test-guard tests sweep test-layer bench-layer
 #          bench-attnres test-moe bench-moe test-front bench-front test-tail bench-tail
+#          tests/gpu/<file>.py[::test][,...]  (those tests, one step)
 #   all      = test-gemm bench-gemm test-ar bench-ar test-front bench-front test-tail bench-tail test-moe
 #              bench-moe test-layer bench-layer
 #   what needs 2 GPUs (NVLink), grouped to fit a device call of 10 minutes each (rough times on
@@ -146,6 +147,9 @@ for s in "${STEPS[@]}"; do
                   --json "$OUT/bench_moe_tail.json" ;;
     bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_fused_ar.py --json "$OUT/bench_fused_ar.json" ;;
     versions)  ;;
+    tests/*)   # test files or node ids, comma-separated: one step, logged as pytest_<first file>.log
+               IFS=, read -ra IDS <<< "$s"; first=$(basename "${IDS[0]%%::*}" .py)
+               step "pytest_${first#test_}" "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" ${PYTEST_ARGS:-} "${IDS[@]}" ;;
     *) echo "unknown step $s"; rc=1 ;;
   esac
 done

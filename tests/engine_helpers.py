@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from k3fuse.guards import failures, static_weight
 from k3fuse.rule import Match, PatternSpec, Rule
-from k3fuse.ir import op_qualname
+from k3fuse.graph_facts import op_qualname
 
 _lib = torch.library.Library("k3fuse_test", "DEF")
 _lib.define("linear_residual(Tensor x, Tensor w, Tensor residual, Tensor? bias=None) -> Tensor")

@@ -14,7 +14,7 @@ import torch
 from cli_helpers import digest, k3fuse, one_line_error, save_programs
 
 from k3fuse.tools.cli import decide_tp
-from k3fuse.usage import UsageError
+from k3fuse.usage_error import UsageError
 
 pytestmark = pytest.mark.slow
 

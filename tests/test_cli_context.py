@@ -7,7 +7,7 @@ import torch
 
 import k3fuse
 from k3fuse.context import ContextError, DecodeContext
-from k3fuse.usage import UsageError
+from k3fuse.usage_error import UsageError
 
 
 @pytest.mark.parametrize("kwargs,fragment", [

@@ -44,7 +44,7 @@ def _spelling_checks() -> dict:
 
     from k3fuse.engines import EngineError
     from k3fuse.inductor import context_for_group
-    from k3fuse.ir import mark_static
+    from k3fuse.graph_facts import mark_static
     from k3fuse.log import RewriteLog
     from k3fuse.patterns.oproj_allreduce_residual import OProjAllReduceResidual
     from k3fuse.pipeline import run_pipeline

@@ -210,7 +210,7 @@ def test_rule_fires_on_the_k3_stack_at_tp2_both_doors(tp2):
                 "applied"]
             assert r["native_all_reduces_without"] - r["native_all_reduces_with"] == N_LAYERS
             assert [d for d, _, _ in r["off"]] == ["rejected"] and r["off"][0][1] == "rule_disabled"
-            assert "no H200 measurement yet (issue 9)" in r["off"][0][2]
+            assert "no H200 measurement yet" in r["off"][0][2]
 
 
 def test_near_miss_without_the_site_names_the_diverging_node(tp2):

@@ -156,7 +156,7 @@ def _run_steps(fn, model, xs) -> tuple[float, float]:
 
 
 def _k3_ops(graph) -> Counter:
-    from k3fuse.ir import op_qualname
+    from k3fuse.graph_facts import op_qualname
 
     return Counter(q.split("::")[1] for q in (op_qualname(n) for n in graph.nodes) if q and q.startswith("k3fuse::"))
 

@@ -19,7 +19,7 @@ from k3fuse.patterns import SharedExpertStream, WeightPrefetch, all_rules
 from k3fuse.pipeline import default_rules
 from k3fuse.pipeline import run_pipeline
 from k3fuse.rule import Match, Rule
-from k3fuse.ir import op_qualname
+from k3fuse.graph_facts import op_qualname
 from k3fuse.verify import ReorderingError
 
 

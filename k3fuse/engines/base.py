@@ -6,7 +6,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from ..usage import UsageError
+from ..usage_error import UsageError
 
 
 class EngineError(UsageError, RuntimeError):

@@ -3,7 +3,7 @@
 
 Each verb is a `register_<verb>(subparsers)` function that sets `func` on its parser; a new verb
 plugs in by adding one function to `SUBCOMMANDS`. A verb reports a user mistake by raising
-`k3fuse.usage.UsageError` (problem and fix): `main` prints it as one line and exits with status 2
+`k3fuse.usage_error.UsageError` (problem and fix): `main` prints it as one line and exits with status 2
 (argparse mistakes too); `--debug` shows the traceback. Verbs import torch inside their handler,
 so `k3fuse --help` answers without it.
 """
@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from ..usage import UsageError
+from ..usage_error import UsageError
 from .console import print_reasons, print_rewrite_summary, print_runs
 from .flags import add_rules_flag, non_negative_int, parse_tokens, positive_int, use_rules
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..usage import UsageError
+from ..usage_error import UsageError
 
 if TYPE_CHECKING:
     import torch

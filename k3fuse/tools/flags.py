@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..usage import UsageError
+from ..usage_error import UsageError
 
 #: the K3FUSE_RULES grammar, as `--help` states it
 RULES_HELP = ('which rules run, as K3FUSE_RULES: "a,b" only these, "-a" all but a, '

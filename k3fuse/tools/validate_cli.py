@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from ..usage import UsageError
+from ..usage_error import UsageError
 from .bench.cli import MergeOverrides, parse_overrides
 from .flags import (BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, check_moved_tokens, non_negative_float,
                     positive_float, positive_int, use_rules)

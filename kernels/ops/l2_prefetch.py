@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from k3fuse.ir import OpTraits
+from k3fuse.graph_facts import OpTraits
 
 from ..declare import OpDecl, declare
 from ..dispatch import Impl, register_impl

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from k3fuse import runtime
-from k3fuse.ir import OpTraits
+from k3fuse.graph_facts import OpTraits
 
 from .. import dispatch, streams
 from ..declare import OpDecl, check_gemm, declare, rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ...usage import UsageError
+from ...usage_error import UsageError
 
 #: on GPUs: K3 at published widths with MXFP4 experts, one GPU (`--preset k3_moe_inter128`, or
 #: `--set moe_inter=128 --set expert_format=bf16`, is the narrow bf16 variant earlier figures used)

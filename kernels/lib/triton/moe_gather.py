@@ -34,27 +34,27 @@ if HAVE_TRITON:
     import triton.language as tl
 
 from . import splitk_gemm
-from ...collective import OP_KINDS
+from ...collective import MAX_WORLD, NBUF, OP_KINDS
 
 ERR_KIND = OP_KINDS["moe_front_sharded"]  # err[2] of a timeout in this op (collective.ArWorkspace.describe)
-MAX_WORLD = 8
 
 if HAVE_TRITON:
     from triton.language.extra.cuda import gdc_wait, globaltimer
 
     SENTINEL = tl.constexpr(-2**31)     # 0x80000000, the bits of -0.0: "not written yet"
+    N_BUFFERS = tl.constexpr(NBUF)
 
     @triton.jit
     def _gather_kernel(data_ptr, gen_ptr, err_ptr, logits_ptr, latent_ptr, n_rows, timeout_ns,
                        WORLD: tl.constexpr, MAXT: tl.constexpr, NB: tl.constexpr, E1: tl.constexpr,
                        L1: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr):
-        # data: the local workspace [3, WORLD, MAXT, NB] as int32 words; program (t, src) owns
+        # data: the local workspace [NBUF, WORLD, MAXT, NB] as int32 words; program (t, src) owns
         # slot [b, src, t, :] of this call and rows t, t + n_rows, ... of slot [bc, src] to reset
         t = tl.program_id(0)
         src = tl.program_id(1)
         b = tl.load(gen_ptr + 3)
         bc = b + 2                                   # the buffer of two calls ago, never a remainder
-        bc = tl.where(bc >= 3, bc - 3, bc)
+        bc = tl.where(bc >= N_BUFFERS, bc - N_BUFFERS, bc)
         t_prev = tl.load(gen_ptr + 2).to(tl.int32)
         g = tl.load(gen_ptr)
         cols = tl.arange(0, BLOCK)
@@ -106,7 +106,7 @@ if HAVE_TRITON:
             tl.store(gen_ptr + 2, g * 0 + n_rows)
             tl.store(gen_ptr, g + 1)
             nb = b + 1
-            tl.store(gen_ptr + 3, tl.where(nb >= 3, nb - 3, nb))
+            tl.store(gen_ptr + 3, tl.where(nb >= N_BUFFERS, nb - N_BUFFERS, nb))
 
 
 #: programmatic dependent launch: the gather launches while the push GEMM streams its weights and
@@ -114,16 +114,17 @@ if HAVE_TRITON:
 USE_PDL = True
 
 #: push-GEMM configs measured fastest on H200 (bench/bench_moe_front.py --sweep), keyed by
-#: (router rows per rank, latent rows per rank, K, BLOCK_M bucket); other shapes use the heuristic
+#: (router rows per rank, latent rows per rank, K, BLOCK_M bucket); other shapes use the heuristic;
+#: the sweep's timings are in docs/perf.md
 TUNED: dict[tuple[int, int, int, int], dict] = {
-    # K3 at TP 2 (896 / 2 router rows, 3584 / 2 latent rows, H 7168); H200, 2026-12-01
-    (448, 1792, 7168, 16): dict(BLOCK_N=64, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),  # 14.0 us (T 1, 8)
-    (448, 1792, 7168, 64): dict(BLOCK_N=64, SPLIT_K=2, BLOCK_K=128, num_warps=4, num_stages=5),  # 18.1 us (T 64)
+    # K3 at TP 2 (896 / 2 router rows, 3584 / 2 latent rows, H 7168)
+    (448, 1792, 7168, 16): dict(BLOCK_N=64, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),
+    (448, 1792, 7168, 64): dict(BLOCK_N=64, SPLIT_K=2, BLOCK_K=128, num_warps=4, num_stages=5),
     # TP 4 and TP 8 (one rank's slice on one H200, --sweep --as-tp 4 / 8; op time, gather included)
-    (224, 896, 7168, 16): dict(BLOCK_N=32, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=5),   # 9.15 us (T 1, 8)
-    (224, 896, 7168, 64): dict(BLOCK_N=32, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),   # 13.9 us (T 64)
-    (112, 448, 7168, 16): dict(BLOCK_N=16, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=5),   # 8.01 us (T 1, 8)
-    (112, 448, 7168, 64): dict(BLOCK_N=16, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),   # 11.2 us (T 64)
+    (224, 896, 7168, 16): dict(BLOCK_N=32, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=5),
+    (224, 896, 7168, 64): dict(BLOCK_N=32, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),
+    (112, 448, 7168, 16): dict(BLOCK_N=16, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=5),
+    (112, 448, 7168, 64): dict(BLOCK_N=16, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),
 }
 
 
