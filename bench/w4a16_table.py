@@ -15,7 +15,7 @@ import time
 import torch
 
 from k3fuse import quant
-from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph
+from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
@@ -63,22 +63,7 @@ def dequantized(fmt: str, packed: list[torch.Tensor]) -> list[torch.Tensor]:
 def table_copy_bandwidth(tensors: list[torch.Tensor], reps: int = 3) -> float:
     """Bytes/s (read + write) of copying each whole packed tensor once, under the same timing."""
     total = sum(t.numel() * t.element_size() for t in tensors)
-    best = []
-    for t in tensors:
-        dst = torch.empty_like(t)
-        dst.copy_(t)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            dst.copy_(t)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        best.append(statistics.median(times))
-        del dst
-    return 2 * total / sum(best)
+    return 2 * total / sum(copy_seconds(t, torch.empty_like(t), reps) for t in tensors)
 
 
 class Routing:

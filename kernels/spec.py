@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from k3fuse.graph_facts import leading_tokens
 
 
@@ -43,9 +45,23 @@ def token_count(x: Any) -> int:
     return leading_tokens([int(d) for d in x.shape])
 
 
+def operands_misfit(operands: dict[str, Any], contiguous: bool = True) -> str | None:
+    """Why named operands are not CUDA tensors on one device (and contiguous): the first check of
+    every `from_call`; None when they are."""
+    names = ", ".join(operands)
+    tensors = list(operands.values())
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return f"{names} must be tensors"
+    if not all(t.is_cuda for t in tensors) or len({t.device for t in tensors}) != 1:
+        return f"{names} are not CUDA tensors on one device"
+    if contiguous and not all(t.is_contiguous() for t in tensors):
+        return f"{names} must be contiguous"
+    return None
+
+
 def aligned(t: Any) -> bool:
     """Contiguous and 16-byte aligned (what the vectorised kernels load)."""
     return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
-__all__ = ["Spec", "call_only", "token_count", "aligned"]
+__all__ = ["Spec", "call_only", "token_count", "operands_misfit", "aligned"]

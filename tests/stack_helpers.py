@@ -49,3 +49,28 @@ def compiled_door(model, xs, ctx: k3fuse.DecodeContext) -> dict:
                              options={"compiler": "eager", "context": ctx, "log": rlog})
     res = strict_steps(compiled, model, xs)  # compiles (and rewrites) on the first call
     return {"summary": rlog.summary(), **res}
+
+
+def assert_one_graph_serves_dynamic_tokens(experts: torch.nn.Module, router: torch.Tensor, inputs, rule: str,
+                                           op: str) -> None:
+    """torch.compile(backend="k3fuse"), strict, with the token dim marked dynamic (as a recompile for
+    a second batch size makes it) over a module whose expert ids come from its tokens (one symbolic
+    T): the rule rewrites one graph, and that graph serves 3, 5 and 9 tokens on the op's reference.
+    `inputs(experts, T)` returns (a, anything)."""
+    torch._dynamo.reset()
+
+    class Routed(torch.nn.Module):
+        def forward(self, a):
+            return experts(a, torch.topk(a.float() @ router.T, experts.k, dim=-1).indices)
+
+    module = Routed()
+    log = k3fuse.RewriteLog()
+    fn = torch.compile(module, backend="k3fuse", options={"context": k3fuse.DecodeContext(strict=True), "log": log})
+    runtime.reset_stats()
+    with torch.no_grad(), runtime.strict():
+        for T in (3, 5, 9):
+            a, _ = inputs(experts, T=T)
+            torch._dynamo.mark_dynamic(a, 0)
+            torch.testing.assert_close(fn(a).float(), module(a).float(), rtol=2e-2, atol=2e-2)
+    assert log.applied(rule) == 1  # one graph, symbolic in T, serves all three token counts
+    assert runtime.stats()[op] == {"reference": 3} and runtime.fallbacks() == {}

@@ -27,7 +27,7 @@ from torch import nn
 import k3fuse
 from k3fuse import runtime, spelling
 from k3fuse.dist import launch
-from stack_helpers import compiled_door, strict_steps, tiny_stack
+from stack_helpers import assert_one_graph_serves_dynamic_tokens, compiled_door, strict_steps, tiny_stack
 
 RULE = OP = "routed_experts"
 N_LAYERS = 2
@@ -147,25 +147,9 @@ def test_rule_matches_a_dynamic_token_count(spelled, dtype):
     """torch.compile with a symbolic token count (the token dim marked dynamic, as a recompile after a
     second batch size makes it): the sizes the trace baked in (the expand's [T, k, L], the scatter
     buffer's [T*k, L]) are SymInt nodes in the graph, and the free sizes bind them."""
-    torch._dynamo.reset()
     experts = Experts(spelled, dtype=dtype)
     router = torch.randn(experts.w1.shape[0], experts.w1.shape[2])
-
-    class Routed(nn.Module):  # the expert ids come from the tokens, as in the model (one symbolic T)
-        def forward(self, a):
-            return experts(a, torch.topk(a.float() @ router.T, experts.k, dim=-1).indices)
-
-    module = Routed()
-    log = k3fuse.RewriteLog()
-    fn = torch.compile(module, backend="k3fuse", options={"context": k3fuse.DecodeContext(strict=True), "log": log})
-    runtime.reset_stats()
-    with torch.no_grad(), runtime.strict():
-        for T in (3, 5, 9):
-            a, _ = _inputs(experts, T=T)
-            torch._dynamo.mark_dynamic(a, 0)
-            torch.testing.assert_close(fn(a).float(), module(a).float(), rtol=2e-2, atol=2e-2)
-    assert log.applied(RULE) == 1  # one graph, symbolic in T, serves all three token counts
-    assert runtime.stats()[OP] == {"reference": 3} and runtime.fallbacks() == {}
+    assert_one_graph_serves_dynamic_tokens(experts, router, _inputs, RULE, OP)
 
 
 def test_rule_runs_by_default_and_the_environment_turns_it_off(monkeypatch):

@@ -26,6 +26,7 @@ from torch import nn
 
 import k3fuse
 from k3fuse import quant, runtime, spelling
+from stack_helpers import assert_one_graph_serves_dynamic_tokens
 
 RULE = "routed_experts"
 OP = "routed_experts_w4a16"
@@ -170,25 +171,9 @@ def test_rule_captures_other_sizes_and_top_k(fmt):
 def test_rule_matches_a_dynamic_token_count(fmt, spelled, dtype):
     """torch.compile with the token dim dynamic (as a recompile for a second batch size makes it): one
     rewritten graph, the slot count min(T*k, E) a symbolic size, serves every token count."""
-    torch._dynamo.reset()
     experts = QuantizedExperts(fmt, spelled, dtype=dtype)
     router = torch.randn(experts.w1_packed.shape[0], experts.w2_packed.shape[1])
-
-    class Routed(nn.Module):  # the expert ids come from the tokens, as in the model (one symbolic T)
-        def forward(self, a):
-            return experts(a, torch.topk(a.float() @ router.T, experts.k, dim=-1).indices)
-
-    module = Routed()
-    log = k3fuse.RewriteLog()
-    fn = torch.compile(module, backend="k3fuse", options={"context": k3fuse.DecodeContext(strict=True), "log": log})
-    runtime.reset_stats()
-    with torch.no_grad(), runtime.strict():
-        for T in (3, 5, 9):
-            a, _ = _inputs(experts, T=T)
-            torch._dynamo.mark_dynamic(a, 0)
-            torch.testing.assert_close(fn(a).float(), module(a).float(), rtol=2e-2, atol=2e-2)
-    assert log.applied(RULE) == 1
-    assert runtime.stats()[OP] == {"reference": 3} and runtime.fallbacks() == {}
+    assert_one_graph_serves_dynamic_tokens(experts, router, _inputs, RULE, OP)
 
 
 def test_rule_refuses_a_table_that_is_not_a_static_buffer():

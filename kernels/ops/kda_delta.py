@@ -16,7 +16,7 @@ import torch
 from ..declare import OpDecl, declare
 from ..dispatch import Impl, register_impl
 from ..lib.reference import kda_delta, stock
-from ..spec import Spec, call_only
+from ..spec import Spec, call_only, operands_misfit
 
 OP = "kda_delta_rule"
 
@@ -35,8 +35,9 @@ class KDADeltaSpec(Spec):
     @classmethod
     def from_call(cls, recurrent, g, beta, k, v, q, **_: Any) -> KDADeltaSpec:
         tensors = (recurrent, g, beta, k, v, q)
-        if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-            return cls(tokens=0, heads=0, dk=0, dv=0, fits="not all operands are CUDA tensors")
+        misfit = operands_misfit(dict(recurrent=recurrent, g=g, beta=beta, k=k, v=v, q=q), contiguous=False)
+        if misfit is not None:
+            return cls(tokens=0, heads=0, dk=0, dv=0, fits=misfit)
         if recurrent.dim() != 4:
             return cls(tokens=0, heads=0, dk=0, dv=0, fits=f"recurrent is {tuple(recurrent.shape)}, not [T, h, dk, dv]")
         T, H, dk, dv = recurrent.shape

@@ -16,7 +16,7 @@ import torch
 from ..declare import OpDecl, declare
 from ..dispatch import Impl, register_impl
 from ..lib.reference import routing, stock
-from ..spec import Spec, call_only
+from ..spec import Spec, call_only, operands_misfit
 
 OP = "route_topk"
 
@@ -33,20 +33,21 @@ class RouteTopkSpec(Spec):
 
     @classmethod
     def from_call(cls, logits, b_corr, top_k, routed_scaling, eps=1e-20, **_: Any) -> RouteTopkSpec:
-        fits = None
-        if not (isinstance(logits, torch.Tensor) and isinstance(b_corr, torch.Tensor)):
-            fits = "logits and b_corr must be tensors"
-        elif not (logits.is_cuda and b_corr.is_cuda):
-            fits = "not CUDA tensors"
-        elif logits.dim() != 2 or b_corr.dim() != 1 or b_corr.shape[0] != logits.shape[1]:
-            fits = f"logits {tuple(logits.shape)} / b_corr {tuple(b_corr.shape)} are not [T, E] / [E]"
-        elif b_corr.dtype != torch.float32:
-            fits = f"b_corr dtype {b_corr.dtype} (fp32 only)"
-        elif logits.stride(1) != 1 or b_corr.stride(0) != 1:
-            fits = "logits and b_corr need a unit inner stride"
+        fits = operands_misfit(dict(logits=logits, b_corr=b_corr), contiguous=False) or _layout_misfit(logits, b_corr)
         if fits is not None:
             return cls(tokens=0, E=0, top_k=int(top_k), fits=fits)
         return cls(tokens=int(logits.shape[0]), E=int(logits.shape[1]), top_k=int(top_k), dtype=logits.dtype)
+
+
+def _layout_misfit(logits, b_corr) -> str | None:
+    """Why tensor operands are not [T, E] logits and an fp32 [E] bias with unit inner strides."""
+    if logits.dim() != 2 or b_corr.dim() != 1 or b_corr.shape[0] != logits.shape[1]:
+        return f"logits {tuple(logits.shape)} / b_corr {tuple(b_corr.shape)} are not [T, E] / [E]"
+    if b_corr.dtype != torch.float32:
+        return f"b_corr dtype {b_corr.dtype} (fp32 only)"
+    if logits.stride(1) != 1 or b_corr.stride(0) != 1:
+        return "logits and b_corr need a unit inner stride"
+    return None
 
 
 def accepts(spec: RouteTopkSpec) -> str | None:

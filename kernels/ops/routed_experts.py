@@ -17,7 +17,7 @@ from k3fuse.spelling import routed_experts, routed_experts_gathered
 
 from ..declare import OpDecl, declare
 from ..dispatch import Impl, register_impl
-from ..spec import Spec, call_only
+from ..spec import Spec, call_only, operands_misfit
 
 OP = "routed_experts"
 
@@ -36,27 +36,26 @@ class RoutedExpertsSpec(Spec):
 
     @classmethod
     def from_call(cls, a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, **_: Any) -> RoutedExpertsSpec:
-        tensors = (a, experts, w1, w3, w2)
-        fits = None
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            fits = "a, experts and the weights must be tensors"
-        elif not all(t.is_cuda for t in tensors) or len({t.device for t in tensors}) != 1:
-            fits = "not CUDA tensors on one device"
-        elif not all(t.is_contiguous() for t in tensors):
-            fits = "a, experts and the weights must be contiguous"
-        elif a.dim() != 2 or w1.dim() != 3 or w1.shape != w3.shape or w2.dim() != 3:
-            fits = (f"a {tuple(a.shape)} / w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} / w2 {tuple(w2.shape)} "
-                    "are not [T, L] / [E, I, L] / [E, I, L] / [E, L, I]")
-        elif a.shape[1] != w1.shape[2] or tuple(w2.shape) != (w1.shape[0], w1.shape[2], w1.shape[1]):
-            fits = f"a {tuple(a.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} do not agree on E, I, L"
-        elif experts.dtype != torch.int64 or experts.dim() != 1 or experts.shape[0] != a.shape[0] * top_k:
-            fits = f"experts {experts.dtype} {tuple(experts.shape)} is not int64 [T*top_k]"
-        elif not a.dtype == w1.dtype == w3.dtype == w2.dtype:
-            fits = f"dtypes differ: a {a.dtype}, w1 {w1.dtype}, w3 {w3.dtype}, w2 {w2.dtype}"
+        fits = operands_misfit(dict(a=a, experts=experts, w1=w1, w3=w3, w2=w2)) or _shapes_misfit(a, experts, w1, w3,
+                                                                                                 w2, top_k)
         if fits is not None:
             return cls(tokens=0, E=0, I=0, L=0, top_k=int(top_k), dtype=torch.float32, fits=fits)
         E, I, L = w1.shape
         return cls(tokens=int(a.shape[0]), E=int(E), I=int(I), L=int(L), top_k=int(top_k), dtype=a.dtype)
+
+
+def _shapes_misfit(a, experts, w1, w3, w2, top_k) -> str | None:
+    """Why tensor operands do not have the op's shapes and one dtype."""
+    if a.dim() != 2 or w1.dim() != 3 or w1.shape != w3.shape or w2.dim() != 3:
+        return (f"a {tuple(a.shape)} / w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} / w2 {tuple(w2.shape)} "
+                "are not [T, L] / [E, I, L] / [E, I, L] / [E, L, I]")
+    if a.shape[1] != w1.shape[2] or tuple(w2.shape) != (w1.shape[0], w1.shape[2], w1.shape[1]):
+        return f"a {tuple(a.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} do not agree on E, I, L"
+    if experts.dtype != torch.int64 or experts.dim() != 1 or experts.shape[0] != a.shape[0] * top_k:
+        return f"experts {experts.dtype} {tuple(experts.shape)} is not int64 [T*top_k]"
+    if not a.dtype == w1.dtype == w3.dtype == w2.dtype:
+        return f"dtypes differ: a {a.dtype}, w1 {w1.dtype}, w3 {w3.dtype}, w2 {w2.dtype}"
+    return None
 
 
 def accepts(spec: RoutedExpertsSpec) -> str | None:

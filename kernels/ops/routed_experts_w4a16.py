@@ -20,7 +20,7 @@ from k3fuse.spelling import routed_experts_quantized, routed_experts_quantized_g
 
 from ..declare import OpDecl, declare
 from ..dispatch import Impl, register_impl
-from ..spec import Spec, call_only
+from ..spec import Spec, call_only, operands_misfit
 
 OP = "routed_experts_w4a16"
 #: the formats and the packed elements per stored item: uint8 bytes of two E2M1 nibbles, int32 words of eight
@@ -55,13 +55,9 @@ class RoutedExpertsW4A16Spec(Spec):
 def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt,
                      table) -> str | None:
     """Why a call's operands are not what the kernel reads (devices, layouts, dtypes, the table)."""
-    tensors = {"a": a, "experts": experts, "w1": w1, "s1": s1, "w3": w3, "s3": s3, "w2": w2, "s2": s2}
-    if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        return "a, experts, the packed weights and the scales must be tensors"
-    if not all(t.is_cuda for t in tensors.values()) or len({t.device for t in tensors.values()}) != 1:
-        return "not CUDA tensors on one device"  # (the library module is loaded for CUDA calls only)
-    if not all(t.is_contiguous() for t in tensors.values()):
-        return "a, experts, the packed weights and the scales must be contiguous"
+    misfit = operands_misfit(dict(a=a, experts=experts, w1=w1, s1=s1, w3=w3, s3=s3, w2=w2, s2=s2))
+    if misfit is not None:  # (the library module is loaded for CUDA calls only)
+        return misfit
     if fmt not in FORMATS:
         return f"format {fmt!r} (mxfp4/int4 only)"
     if a.dim() != 2 or w1.dim() != 3:

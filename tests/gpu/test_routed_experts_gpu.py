@@ -26,13 +26,10 @@ from k3fuse import runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
 from k3fuse.kernels.lib.triton import routed_experts as kernel  # noqa: E402
 from k3fuse.kernels.ops import routed_experts as experts_op  # noqa: E402
-from k3fuse.spelling import (K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_gathered,  # noqa: E402
-                             routed_experts_grouped, situ)
+from k3fuse.spelling import routed_experts_gathered, routed_experts_grouped, situ  # noqa: E402
 
-DEV = "cuda"
-BF16 = torch.bfloat16
-E, K, L = 896, 16, 3584
-SITU = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
+from experts_helpers import BF16, DEV, E, K, L, SITU, rel, tokens  # noqa: E402
+
 #: kernel.run's config forcing each mode
 MODES = pytest.mark.parametrize("mode", [{"pairwise": True}, {"pairwise": False}], ids=["pairwise", "grouped"])
 
@@ -45,18 +42,6 @@ def _weights(I: int, seed: int = 0):
     return w1, w3, w2
 
 
-def _tokens(T: int, seed: int, crowded: bool = False):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    a = torch.randn(T, L, device=DEV, dtype=BF16, generator=gen)
-    if crowded:  # every token picks experts 0..15: 16 groups of T rows
-        experts = torch.arange(K, device=DEV).repeat(T)
-    else:  # distinct experts per token, as torch.topk gives
-        experts = torch.rand(T, E, device=DEV, generator=gen).argsort(-1)[:, :K].reshape(-1).contiguous()
-    return a, experts
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).norm() / ref.norm()).item()
 
 
 def _ref64(a, experts, w):
@@ -83,49 +68,49 @@ def weights(request):
 @MODES
 def test_every_token_count_against_float64_and_the_stock_grouped_gemms(weights, mode):
     I = weights[0].shape[1]
-    tokens = range(1, 65) if I <= 128 else (1, 2, 3, 8, 17, 33, 64)  # the published width is 30 GB of weights
-    for T in tokens:
-        a, experts = _tokens(T, seed=T)
+    counts = range(1, 65) if I <= 128 else (1, 2, 3, 8, 17, 33, 64)  # the published width is 30 GB of weights
+    for T in counts:
+        a, experts = tokens(T, seed=T)
         assert experts_op.accepts(experts_op.RoutedExpertsSpec.from_call(a, experts, *weights, K, *SITU)) is None
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
         z = kernel.run(a, experts, *weights, K, *SITU, out=out, config=mode)
         assert z.data_ptr() == out.data_ptr() and not torch.isnan(z).any(), T
         ref = _ref64(a, experts, weights)
         stock = routed_experts_grouped(a, experts, *weights, K, *SITU)
-        assert _rel(z, ref) < 1e-2, (T, _rel(z, ref))
+        assert rel(z, ref) < 1e-2, (T, rel(z, ref))
         # as close to float64 as the stock bf16 path is (same rounding points, another summation order)
-        assert _rel(z, ref) < 1.5 * _rel(stock, ref) + 1e-3, (T, _rel(z, ref), _rel(stock, ref))
+        assert rel(z, ref) < 1.5 * rel(stock, ref) + 1e-3, (T, rel(z, ref), rel(stock, ref))
         if T <= 8:  # the gathered spelling (the op's reference impl) agrees too
             gathered = routed_experts_gathered(a, experts, *weights, K, *SITU)
-            assert _rel(gathered, ref) < 1e-2, T
+            assert rel(gathered, ref) < 1e-2, T
 
 
 @MODES
 @pytest.mark.parametrize("T", [1, 16, 17, 64])
 def test_crowded_experts_span_several_row_blocks(weights, T, mode):
-    a, experts = _tokens(T, seed=100 + T, crowded=True)
+    a, experts = tokens(T, seed=100 + T, crowded=True)
     out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
     z = kernel.run(a, experts, *weights, K, *SITU, out=out, config=mode)
     assert not torch.isnan(z).any()
-    assert _rel(z, _ref64(a, experts, weights)) < 1e-2
+    assert rel(z, _ref64(a, experts, weights)) < 1e-2
 
 
 def test_op_strict_counts_the_kernel(weights):
     dispatch.load_gpu_impls()
-    a, experts = _tokens(8, seed=7)
+    a, experts = tokens(8, seed=7)
     runtime.reset_stats()
     with runtime.strict():
         z = torch.ops.k3fuse.routed_experts(a, experts, *weights, K, *SITU)
     assert runtime.stats()["routed_experts"] == {"triton.routed_experts": 1}
     assert runtime.fallbacks() == {}
-    assert _rel(z, _ref64(a, experts, weights)) < 1e-2
+    assert rel(z, _ref64(a, experts, weights)) < 1e-2
 
 
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_cuda_graph_1000_replays_on_changing_inputs(weights, T):
     if weights[0].shape[1] > 128 and T != 8:
         pytest.skip("the published width runs one token count here (30 GB of weights, 1000 replays)")
-    a_static, e_static = _tokens(T, seed=0)
+    a_static, e_static = tokens(T, seed=0)
     z_static = torch.empty(T * K, L, device=DEV, dtype=BF16)
     kernel.run(a_static, e_static, *weights, K, *SITU, out=z_static)  # compile before capture
     torch.cuda.synchronize()
@@ -134,7 +119,7 @@ def test_cuda_graph_1000_replays_on_changing_inputs(weights, T):
         kernel.run(a_static, e_static, *weights, K, *SITU, out=z_static)
     checked = 0
     for i in range(1000):
-        a, experts = _tokens(T, seed=1000 + i, crowded=(i % 97 == 0))
+        a, experts = tokens(T, seed=1000 + i, crowded=(i % 97 == 0))
         a_static.copy_(a)
         e_static.copy_(experts)
         z_static.fill_(float("nan"))
@@ -142,7 +127,7 @@ def test_cuda_graph_1000_replays_on_changing_inputs(weights, T):
         if i % 50 == 0 or i % 97 == 0:  # the float64 reference is slow: check a sample, every crowded one
             torch.cuda.synchronize()
             assert not torch.isnan(z_static).any(), i
-            assert _rel(z_static, _ref64(a, experts, weights)) < 1e-2, i
+            assert rel(z_static, _ref64(a, experts, weights)) < 1e-2, i
             checked += 1
     torch.cuda.synchronize()
     assert not torch.isnan(z_static).any()

@@ -33,12 +33,10 @@ from k3fuse import quant, runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel  # noqa: E402
 from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, accepts  # noqa: E402
-from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, situ  # noqa: E402
+from k3fuse.spelling import situ  # noqa: E402
 
-DEV = "cuda"
-BF16 = torch.bfloat16
-E, K, L = 896, 16, 3584
-SITU = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
+from experts_helpers import BF16, DEV, E, K, L, SITU, rel, tokens  # noqa: E402
+
 #: K3FUSE_TEST_W4A16_CONFIG: a GATE_UP/DOWN override (JSON) the device run passes when it checks a
 #: configuration its sweep picked before that configuration becomes the default
 LAUNCH = json.loads(os.environ.get("K3FUSE_TEST_W4A16_CONFIG") or "{}")
@@ -103,24 +101,12 @@ class Experts:
         return z64, zbf
 
 
-def _tokens(T: int, seed: int, crowded: bool = False):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    a = torch.randn(T, L, device=DEV, dtype=BF16, generator=gen)
-    if crowded:  # every token picks experts 0..15: 16 groups of T rows
-        experts = torch.arange(K, device=DEV).repeat(T)
-    else:  # distinct experts per token, as torch.topk gives
-        experts = torch.rand(T, E, device=DEV, generator=gen).argsort(-1)[:, :K].reshape(-1).contiguous()
-    return a, experts
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _check(z: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor], where) -> None:
     z64, zbf = ref
     assert not torch.isnan(z).any(), where
-    err, err_model = _rel(z, z64), _rel(zbf, z64)
+    err, err_model = rel(z, z64), rel(zbf, z64)
     assert err < 1e-2, (where, err)
     # as close to float64 as the model's bf16 rounding points are (the kernel's summation order differs)
     assert err < 1.5 * err_model + 1e-3, (where, err, err_model)
@@ -137,7 +123,7 @@ def experts(request):
 
 def test_every_token_count_against_float64_in_both_modes(experts):
     for T in range(1, 65):
-        a, ids = _tokens(T, seed=T)
+        a, ids = tokens(T, seed=T)
         assert accepts(RoutedExpertsW4A16Spec.from_call(*experts.args(a, ids))) is None
         ref = experts.reference(a, ids)
         for mode in ({"pairwise": True, **CONFIG}, {"pairwise": False, **CONFIG}):
@@ -150,7 +136,7 @@ def test_every_token_count_against_float64_in_both_modes(experts):
 @MODES
 @pytest.mark.parametrize("T", [1, 17, 64])
 def test_crowded_experts_span_several_row_blocks(experts, T, mode):
-    a, ids = _tokens(T, seed=100 + T, crowded=True)
+    a, ids = tokens(T, seed=100 + T, crowded=True)
     out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
     z = kernel.run(*experts.args(a, ids), out=out, config=mode)
     _check(z, experts.reference(a, ids), (experts.fmt, experts.I, T, mode, "crowded"))
@@ -158,7 +144,7 @@ def test_crowded_experts_span_several_row_blocks(experts, T, mode):
 
 def test_op_strict_counts_the_kernel(experts):
     dispatch.load_gpu_impls()
-    a, ids = _tokens(8, seed=7)
+    a, ids = tokens(8, seed=7)
     runtime.reset_stats()
     with runtime.strict():
         z = torch.ops.k3fuse.routed_experts_w4a16(*experts.args(a, ids))
@@ -170,7 +156,7 @@ def test_op_strict_counts_the_kernel(experts):
 def test_a_wrong_table_is_refused(experts):
     if experts.fmt != "mxfp4":
         pytest.skip("int4 has no table")
-    a, ids = _tokens(2, seed=3)
+    a, ids = tokens(2, seed=3)
     args = list(experts.args(a, ids))
     args[-1] = experts.table.flip(0).contiguous()
     assert accepts(RoutedExpertsW4A16Spec.from_call(*args)) == "the table is not the E2M1 values the kernel decodes"
@@ -178,7 +164,7 @@ def test_a_wrong_table_is_refused(experts):
 
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_cuda_graph_1000_replays_on_changing_inputs(experts, T):
-    a_static, e_static = _tokens(T, seed=0)
+    a_static, e_static = tokens(T, seed=0)
     z_static = torch.empty(T * K, L, device=DEV, dtype=BF16)
     kernel.run(*experts.args(a_static, e_static), out=z_static, config=CONFIG or None)  # compile before capture
     torch.cuda.synchronize()
@@ -187,7 +173,7 @@ def test_cuda_graph_1000_replays_on_changing_inputs(experts, T):
         kernel.run(*experts.args(a_static, e_static), out=z_static, config=CONFIG or None)
     checked = 0
     for i in range(1000):
-        a, ids = _tokens(T, seed=1000 + i, crowded=(i % 97 == 0))
+        a, ids = tokens(T, seed=1000 + i, crowded=(i % 97 == 0))
         a_static.copy_(a)
         e_static.copy_(ids)
         z_static.fill_(float("nan"))

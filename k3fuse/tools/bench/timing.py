@@ -112,10 +112,8 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), the floor's denominator."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
+def copy_seconds(src: torch.Tensor, dst: torch.Tensor, reps: int = 10) -> float:
+    """Median seconds of `dst.copy_(src)` on the device (CUDA events, after one warm-up copy)."""
     dst.copy_(src)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -126,7 +124,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times)
+    return statistics.median(times)
 
 
-__all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_bandwidth"]
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the floor's denominator."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    return 2 * src.numel() / copy_seconds(src, torch.empty_like(src), reps)
+
+
+__all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_seconds", "copy_bandwidth"]
