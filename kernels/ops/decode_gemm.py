@@ -111,10 +111,11 @@ def gemv_warmup(shapes) -> None:
     for s in shapes:
         M, N, K = s["M"], s["N"], s["K"]
         dt = s.get("dtype", torch.bfloat16)
-        cfg = gemv.pick_config(M, N, K)
-        if M > gemv_max_m(N, K) or cfg is None:
+        spec = DecodeGemmSpec(tokens=M, N=N, K=K, dtype=dt, out_dtype=s.get("out_dtype") or dt,
+                              bias=bool(s.get("bias", False)))
+        if gemv_accepts(spec) is not None:  # the predicate decides, as at compile time and per call
             continue
-        key, build = gemv.builder(M, K, *cfg, dt, dt, s.get("out_dtype") or dt, bool(s.get("bias", False)))
+        key, build = gemv.builder(M, K, *gemv.pick_config(M, N, K), dt, dt, spec.out_dtype, spec.bias)
         compat.compiled(key, build)
 
 
