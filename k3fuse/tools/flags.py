@@ -12,6 +12,7 @@ The parsers import nothing heavy: `k3fuse --help` must answer without torch.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from ..usage_error import UsageError
@@ -46,41 +47,25 @@ def parse_tokens(text: str) -> tuple[int, int]:
     return rng
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _bounded(name: str, convert: Callable[[str], Any], least: float, strict: bool, what: str) -> Callable[[str], Any]:
+    """An argparse type named `name`: `convert(text)`, then >= least (> least when strict; NaN
+    never passes)."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > least if strict else value >= least):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    parse.__name__ = name  # what argparse names in its own messages
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a number > 0, got 0")
-    return value
+positive_int = _bounded("positive_int", int, 1, False, "a positive integer")
+non_negative_int = _bounded("non_negative_int", int, 0, False, "an integer >= 0")
+non_negative_float = _bounded("non_negative_float", float, 0, False, "a number >= 0")
+positive_float = _bounded("positive_float", float, 0, True, "a number > 0")
 
 
 def _batch_value(text: str) -> int:

@@ -1,11 +1,20 @@
 """What the GPU tests of the fused collective ops share: multicast kept off, ranks started with
-k3fuse.dist.launch (one GPU each), and NaN-poisoned allocations."""
+k3fuse.dist.launch (one GPU each), the token sweep and NaN-poisoned allocations."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from k3fuse.dist import MULTICAST_OFF, RankFailedError, launch
+
+
+def token_sweep(max_tokens: int) -> list[int]:
+    """The token counts a fused all-reduce test sweeps: K3FUSE_TEST_AR_TOKENS (e.g. 1,2,64) if set,
+    else every count 1..max_tokens."""
+    return [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",") if t.strip()] \
+        or list(range(1, max_tokens + 1))
 
 
 def poison(shape, dtype, device) -> None:

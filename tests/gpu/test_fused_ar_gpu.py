@@ -22,7 +22,7 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 from k3fuse.tools.bench.timing import median, slowest_rank, time_graph  # noqa: E402
-from ar_helpers import poison, spawn  # noqa: E402
+from ar_helpers import poison, spawn, token_sweep  # noqa: E402
 from k3fuse.model.shapes import gemm_site  # noqa: E402
 
 _OPROJ = gemm_site("oproj_tp2")  # out-projection per rank at TP 2: [H, P/2] with P/2 = 6144
@@ -30,8 +30,7 @@ H, P = _OPROJ.n, _OPROJ.k
 MAX_T = 64
 EPS = 1e-5
 PROTOCOLS = {"lamport": "cute.oneshot_ar", "flags": "cute.oneshot_ar.flags"}
-TOKENS = [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",") if t.strip()] \
-    or list(range(1, MAX_T + 1))
+TOKENS = token_sweep(MAX_T)
 
 
 def _worker(rank: int, world: int, protocol: str) -> None:

@@ -14,12 +14,11 @@ the host raises CollectiveTimeoutError naming the op.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from ar_helpers import poison, spawn
+from ar_helpers import poison, spawn, token_sweep
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -27,8 +26,7 @@ L = 3584
 MAX_T = 64
 EPS = 1e-5
 PROTOCOLS = {"lamport": "cute.allreduce_rmsnorm", "flags": "cute.allreduce_rmsnorm.flags"}
-TOKENS = [int(t) for t in os.environ.get("K3FUSE_TEST_AR_TOKENS", "").split(",") if t.strip()] \
-    or list(range(1, MAX_T + 1))
+TOKENS = token_sweep(MAX_T)
 
 
 def _worker(rank: int, world: int, protocol: str) -> None:
