@@ -27,7 +27,7 @@ from ..declare import SYNC, OpDecl, check_gemm, declare
 from ..dispatch import Impl, loaded, register_impl
 from ..lib.reference import allreduce, stock
 from ..spec import Spec, call_only
-from .decode_gemm import GEMV_MAX_ROWS, IO_DTYPES, gemv_max_m
+from .decode_gemm import IO_DTYPES, DecodeGemmSpec, gemv_accepts, splitk_accepts
 
 OP = "gemm_ar_residual"
 OP_NORM = "gemm_ar_residual_rmsnorm"
@@ -75,18 +75,13 @@ class OProjSpec(Spec):
 
 def gemm_path(T: int, N: int, K: int, dtype: torch.dtype) -> str | None:
     """GEMV or Triton split-K push, from the shape and dtype only (alignment is staged)."""
-    from ..lib.cute import compat, gemv
-
-    if dtype not in IO_DTYPES:
-        return None
-    if (compat.available() and T <= gemv_max_m(N, K) and 1 <= T <= GEMV_MAX_ROWS
-            and gemv.pick_config(T, N, K) is not None):
+    # the push variants have the decode GEMM's limits (the same configs), so its predicates decide
+    gemm = DecodeGemmSpec(tokens=T, N=N, K=K, dtype=dtype, out_dtype=torch.float32, bias=False)
+    if gemv_accepts(gemm) is None:
         return "gemv"
-    if not loaded("triton.splitk_gemm"):
-        return None
-    from ..lib.triton import splitk_gemm
-
-    return "splitk" if 1 <= T <= splitk_gemm.MAX_M and splitk_gemm.pick_config(T, N, K) is not None else None
+    if loaded("triton.splitk_gemm") and splitk_accepts(gemm) is None:
+        return "splitk"
+    return None
 
 
 def _accepts(proto: str):
