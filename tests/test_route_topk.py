@@ -20,10 +20,6 @@ interpreter, and the fused_routing rule on the K3 stack.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -36,6 +32,7 @@ from k3fuse.dist import launch
 from k3fuse.kernels.lib.reference import routing, stock
 from k3fuse.model.layers import route
 from stack_helpers import compiled_door, max_diff, strict_steps, tiny_stack
+from triton_interpreter import run_in_interpreter
 
 RULE, OP = "fused_routing", "route_topk"
 N_LAYERS = 2
@@ -178,13 +175,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> list[dict]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return run_in_interpreter(INTERPRETER_SCRIPT, timeout=600)
 
 
 def test_interpreter_random_logits_at_k3_shapes(interpreter_results):

@@ -14,10 +14,6 @@ on the K3 stack.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -28,6 +24,7 @@ import k3fuse
 from k3fuse import runtime, spelling
 from k3fuse.dist import launch
 from stack_helpers import assert_one_graph_serves_dynamic_tokens, compiled_door, strict_steps, tiny_stack
+from triton_interpreter import run_in_interpreter
 
 RULE = OP = "routed_experts"
 N_LAYERS = 2
@@ -238,12 +235,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_kernel_in_the_interpreter_against_float64():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    results = run_in_interpreter(INTERPRETER_SCRIPT)
     assert [(r["case"], r["pairwise"]) for r in results] == [(c, p) for c in CASES for p in (True, False)]
     for r in results:
         assert r["written"], r  # every (kept) row of the NaN-poisoned output was written

@@ -14,10 +14,6 @@ spellings, and the Triton kernel in Triton's interpreter.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -27,6 +23,7 @@ from torch import nn
 import k3fuse
 from k3fuse import quant, runtime, spelling
 from stack_helpers import assert_one_graph_serves_dynamic_tokens
+from triton_interpreter import run_in_interpreter
 
 RULE = "routed_experts"
 OP = "routed_experts_w4a16"
@@ -308,12 +305,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_kernel_in_the_interpreter_against_float64():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    results = run_in_interpreter(INTERPRETER_SCRIPT)
     assert sorted({(r["fmt"], r["case"], r["pairwise"]) for r in results}) == \
         sorted((f, c, p) for f in FORMATS for c in CASES for p in (True, False))
     assert {r["wgmma"] for r in results if r["case"] == "k3_like"} == {True, False}
