@@ -62,7 +62,8 @@ def static_placeholder_names(ep: ExportedProgram) -> set[str]:
 
 
 def mark_static_placeholders(graph: fx.Graph, static_names: set[str]) -> int:
-    """Set the static marker (graph_facts.mark_static) on the named placeholders (False on the others); returns count."""
+    """Set the static marker (graph_facts.mark_static) on the named placeholders (False on the others);
+    returns their count."""
     count = 0
     for node in graph.nodes:
         if node.op == "placeholder":

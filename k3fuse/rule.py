@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 
 #: framework modules whose code shapes every rule's rewrite (matching, normalisation, placement)
-FRAMEWORK_SOURCES = ("k3fuse.guards", "k3fuse.graph_facts", "k3fuse.rewrite_site", "k3fuse.matcher", "k3fuse.normalize", "k3fuse.rule")
+FRAMEWORK_SOURCES = ("k3fuse.guards", "k3fuse.graph_facts", "k3fuse.rewrite_site", "k3fuse.matcher", "k3fuse.normalize",
+                     "k3fuse.rule")
 #: module prefixes a rule's own dependencies are followed into
 _RULE_SIDE = ("k3fuse.patterns", "k3fuse.spelling", "k3fuse.model")
 

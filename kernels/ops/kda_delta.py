@@ -34,8 +34,8 @@ class KDADeltaSpec(Spec):
 
     @classmethod
     def from_call(cls, recurrent, g, beta, k, v, q, **_: Any) -> KDADeltaSpec:
-        tensors = (recurrent, g, beta, k, v, q)
-        misfit = operands_misfit(dict(recurrent=recurrent, g=g, beta=beta, k=k, v=v, q=q), contiguous=False)
+        operands = dict(recurrent=recurrent, g=g, beta=beta, k=k, v=v, q=q)
+        misfit = operands_misfit(operands, contiguous=False)
         if misfit is not None:
             return cls(tokens=0, heads=0, dk=0, dv=0, fits=misfit)
         if recurrent.dim() != 4:
@@ -43,12 +43,12 @@ class KDADeltaSpec(Spec):
         T, H, dk, dv = recurrent.shape
         fits = None
         want = {"g": (T, H, dk), "beta": (T, H), "k": (T, H, dk), "v": (T, H, dv), "q": (T, H, dk)}
-        for name, t in zip(("g", "beta", "k", "v", "q"), tensors[1:]):
-            if tuple(t.shape) != want[name]:
-                fits = f"{name} is {tuple(t.shape)}, expected {want[name]}"
+        for name, shape in want.items():
+            if tuple(operands[name].shape) != shape:
+                fits = f"{name} is {tuple(operands[name].shape)}, expected {shape}"
                 break
         else:
-            if any(t.dtype != torch.float32 for t in tensors):
+            if any(t.dtype != torch.float32 for t in operands.values()):
                 fits = "operands must all be fp32"
             elif recurrent.stride(3) != 1 or recurrent.stride(2) != dv:
                 fits = f"recurrent's last two dims are not contiguous (strides {recurrent.stride()})"

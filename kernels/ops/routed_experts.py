@@ -36,8 +36,8 @@ class RoutedExpertsSpec(Spec):
 
     @classmethod
     def from_call(cls, a, experts, w1, w3, w2, top_k, situ_beta, situ_linear_beta, **_: Any) -> RoutedExpertsSpec:
-        fits = operands_misfit(dict(a=a, experts=experts, w1=w1, w3=w3, w2=w2)) or _shapes_misfit(a, experts, w1, w3,
-                                                                                                 w2, top_k)
+        fits = (operands_misfit(dict(a=a, experts=experts, w1=w1, w3=w3, w2=w2))
+                or _shapes_misfit(a, experts, w1, w3, w2, top_k))
         if fits is not None:
             return cls(tokens=0, E=0, I=0, L=0, top_k=int(top_k), dtype=torch.float32, fits=fits)
         E, I, L = w1.shape

@@ -133,4 +133,5 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
     return 2 * src.numel() / copy_seconds(src, torch.empty_like(src), reps)
 
 
-__all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_seconds", "copy_bandwidth"]
+__all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_seconds",
+           "copy_bandwidth"]

@@ -42,7 +42,7 @@ if HAVE_TRITON:
     from triton.language.extra.cuda import gdc_wait, globaltimer
 
     SENTINEL = tl.constexpr(-2**31)     # 0x80000000, the bits of -0.0: "not written yet"
-    N_BUFFERS = tl.constexpr(NBUF)
+    N_BUFFERS = tl.constexpr(NBUF)      # (a jit function reads only constexpr globals)
 
     @triton.jit
     def _gather_kernel(data_ptr, gen_ptr, err_ptr, logits_ptr, latent_ptr, n_rows, timeout_ns,
