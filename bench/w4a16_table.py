@@ -89,10 +89,15 @@ def timed(steps, refill, replays: int) -> float:
     return us
 
 
-#: the launch configurations --sweep times (kernels/lib/triton/routed_experts_w4a16.py GATE_UP / DOWN)
-SWEEP = {"mma_bn256_w4_s3": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": False},
-         "mma_bn256_w4_s5": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 5, "WGMMA": False},
-         "wgmma_bn256_w4_s3": {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": True}}
+#: the launch configurations --sweep times (kernels/lib/triton/routed_experts_w4a16.py GATE_UP / DOWN):
+#: rows by elements a step, warps, stages; "mma": the pairs as mma.sync's A operand; "fp32": the
+#: dequantization in fp32 instead of bf16x2
+SWEEP = {f"bn{n}_bk{k}_w{w}_s{st}": {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "STAGES": st, "WGMMA": True}
+         for n, k, w, st in ((64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
+                             (128, 256, 8, 3), (256, 128, 8, 3))}
+SWEEP["mma_bn128_bk128_w4_s3"] = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "STAGES": 3, "WGMMA": False}
+SWEEP["fp32_bn64_bk128_w4_s4"] = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True,
+                                  "PACKED": False}
 
 
 def sweep(args, copy_bw: float) -> dict:

@@ -316,14 +316,13 @@ def test_triton_kernel_in_the_interpreter_against_float64():
 
 SM90_TYPES = {"a_ptr": "*bf16", "act_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "w2_ptr": "*i32",
               "s1_ptr": "*u8", "s3_ptr": "*u8", "s2_ptr": "*u8", "gu_ptr": "*fp32", "z_ptr": "*bf16",
-              "experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "P": "i32", "E": "i32",
-              "x_scale": "fp32"}
+              "experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "P": "i32", "E": "i32"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_kernels_compile_for_sm90(fmt):
     """Gate/up and down compile for sm_90 at K3's shapes in both modes: no spills, no atomics, the
-    packed loads software-pipelined (cp.async)."""
+    packed loads software-pipelined (cp.async), the bf16x2 dequantization."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -343,17 +342,19 @@ def test_triton_kernels_compile_for_sm90(fmt):
         cfg = K.pick_config(T, 896, I, 3584, 16, {"pairwise": pairwise})
         gu, dn = cfg["gate_up"], cfg["down"]
         mode = {"PAIRWISE": pairwise, **({"rows_ptr": None, "groups_ptr": None} if pairwise else {})}
-        shape = {"I": I, "L": 3584, "BLOCK_M": K.BLOCK_M, "MXFP4": fmt == "mxfp4", **mode}
+        packed = K.packs(torch.bfloat16, fmt, torch.uint8 if fmt == "mxfp4" else torch.bfloat16)
+        shape = {"I": I, "L": 3584, "BLOCK_M": K.BLOCK_M, "MXFP4": fmt == "mxfp4", "PACKED": packed, **mode}
         for name, fn, constexprs, launch in (
                 ("gate_up", K._gate_up_kernel, {**shape, "TOP_K": 16, "BLOCK_N": gu["BLOCK_N"],
-                                                "SPLIT_K": gu["SPLIT_K"], "STAGES": gu["STAGES"],
+                                                "BLOCK_K": gu["BLOCK_K"], "SPLIT_K": gu["SPLIT_K"], "STAGES": gu["STAGES"],
                                                 "WGMMA": gu["WGMMA"]}, gu),
                 ("down", K._down_kernel, {**shape, "N_TILES": dn["N_TILES"], "BLOCK_N": dn["BLOCK_N"],
-                                          "STAGES": dn["STAGES"], "WGMMA": dn["WGMMA"]}, dn)):
+                                          "BLOCK_K": dn["BLOCK_K"], "STAGES": dn["STAGES"], "WGMMA": dn["WGMMA"]}, dn)):
             ck = compile_kernel(fn, constexprs, {"num_warps": launch["num_warps"]})
             ptx, where = ck.asm["ptx"], (name, T, I, pairwise)
             assert ".entry" in ptx and "atom." not in ptx and "cp.async" in ptx, where
             assert ".local" not in ptx, where  # no spills to local memory
+            assert packed and "mul.rn.bf16x2" in ptx, where  # the bf16x2 dequantization
 
 
 def test_pick_config_splits_k_when_the_grid_is_small():

@@ -121,6 +121,57 @@ def experts(request):
     torch.cuda.empty_cache()
 
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+_dequant = kernel._dequant
+
+
+@triton.jit
+def _dequant_probe(w_ptr, s_ptr, o_ptr, W: tl.constexpr, MXFP4: tl.constexpr, PACKED: tl.constexpr,
+                   DTYPE: tl.constexpr):
+    """The kernels' dequantization alone: 16 rows of W words and W / 4 scales a program -> [16, 8W]."""
+    r = tl.program_id(0) * 16 + tl.arange(0, 16)
+    ww, gg, kk = tl.arange(0, W), tl.arange(0, W // 4), tl.arange(0, 8 * W)
+    words = tl.load(w_ptr + r[:, None] * W + ww[None, :])
+    scales = tl.load(s_ptr + r[:, None] * (W // 4) + gg[None, :])
+    tl.store(o_ptr + r[:, None] * (8 * W) + kk[None, :], _dequant(words, scales, MXFP4, PACKED, DTYPE))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("packed,dtype", [(True, BF16), (False, BF16), (False, torch.float16)],
+                         ids=["bf16x2", "fp32_bf16", "fp32_fp16"])
+def test_dequantization_is_the_models_bit_for_bit(fmt, packed, dtype):
+    """Every code under every scale: mxfp4 all 256 E8M0 bytes (0: the subnormal 2^-127, 254: overflow
+    to inf, 255: NaN's inf) and int4 bf16 scales from 2^-133 to 2^127, each against quant.dequantize."""
+    if packed and not kernel.packs(dtype, fmt, torch.uint8 if fmt == "mxfp4" else BF16):
+        pytest.skip("the bf16x2 path applies to bf16 only")
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    rows, W = 256, 16  # 128 elements (4 groups) a row
+    if fmt == "mxfp4":
+        w = torch.randint(0, 256, (rows, 4 * W), device=DEV, dtype=torch.uint8, generator=gen)
+        w[:, :16] = torch.tensor([i | (15 - i) << 4 for i in range(16)], device=DEV, dtype=torch.uint8)  # every code
+        s = torch.arange(256, device=DEV, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, W // 4)
+        words = w.view(torch.int32)
+    else:
+        words = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, W), device=DEV, dtype=torch.int32, generator=gen)
+        exps = torch.linspace(-133, 127, rows * (W // 4), device=DEV).round()
+        s = (torch.exp2(exps) * (1 + 0.99 * torch.rand(exps.shape, device=DEV, generator=gen))).to(BF16).view(rows, W // 4)
+    out = torch.empty((rows, 8 * W), device=DEV, dtype=dtype)
+    tl_dtype = tl.bfloat16 if dtype == BF16 else tl.float16
+    _dequant_probe[(rows // 16,)](words.contiguous(), s.contiguous(), out, W=W, MXFP4=fmt == "mxfp4", PACKED=packed,
+                                  DTYPE=tl_dtype)
+    want = quant.dequantize(w if fmt == "mxfp4" else words, s, fmt, dtype)
+    assert torch.equal(out.isnan(), want.isnan()), "NaN where the model has none, or the reverse"
+    same = (out == want) | (out.isnan() & want.isnan())
+    bad = (~same).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} weights differ, first at {bad[:4].tolist()}: " \
+                             f"{out[tuple(bad[0])].item()} vs {want[tuple(bad[0])].item()}"
+    if fmt == "mxfp4":  # the extremes really occur: subnormal products, inf and NaN
+        tiny = torch.finfo(dtype).tiny
+        assert want.isinf().any() and want.isnan().any() and ((want.abs() < tiny) & (want != 0)).any()
+
+
 def test_every_token_count_against_float64_in_both_modes(experts):
     for T in range(1, 65):
         a, ids = tokens(T, seed=T)

@@ -16,28 +16,26 @@ Launches (grouping and pairwise modes as the BF16 kernel, `_group_kernel` and `_
 4. `_down_kernel`, programs (group, N_TILES blocks of BLOCK_N latent rows of w2): act rows against
    the block, rounded to the trunk dtype into z [P, L] in pair order.
 
-Dequantization, per group of 32 elements (four int32 words of a row: an MXFP4 row's bytes are read
-as little-endian words, so nibble j of word w is element 8w + j in both formats): two nibbles at a
-time, in the two 16-bit halves of a 32-bit integer, become fp16 bit patterns with two or three
-integer ops (shift, mask, or), then the halves are split and joined into the group's 32 elements.
-- mxfp4: sign to bit 15, the three magnitude bits to bits 9-11. As fp16 that is the E2M1 value
-  times 2^-14 exactly (E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15, the rest on normals).
-- int4: nibble | 0x6400, the fp16 1024 + nibble exactly; the 1032 * sum(x) that the offset and the
-  stored +8 add is taken off after the dot.
-The group's dot (tl.dot, fp16 operands, fp32 accumulation) is then scaled once per group and output
-column: by 2^(s - 127) (an E8M0 byte shifted into an fp32 exponent) or by the fp32 of the int4
-scale. The scales never touch the 16-bit operands, so every weight is exact in them; the constant
-factors (2^-14, and the activations' 2^-8 prescale, which keeps bf16 activations up to 2^23 inside
-fp16's range) are undone at the end, in fp32. Two dot orientations (WGMMA in the launch config):
-the weights as the A operand [BLOCK_N, 32] (Hopper's wgmma, the default) or the pairs as a 16-row
-A operand (mma.sync).
+Dequantization, BLOCK_K elements (BLOCK_K / 32 groups) of each row a step, into the operands' dtype
+(a's) with the group's scale folded in, so that each step is one dot (tl.dot, fp32 accumulation) and
+each weight is exactly the model's dequantized one (quant.dequantize to a's dtype: the exact product,
+rounded once). An MXFP4 row's bytes are read as little-endian int32 words, so nibble j of word w is
+element 8w + j in both formats; nibbles j and j + 4 of a word travel together in the two 16-bit halves
+of an integer, two weights an instruction:
+- bf16 (PACKED, the default on GPU): mxfp4's sign to bit 15 and magnitude bits to bits 6-8 is the
+  E2M1 value times 2^-126 as bf16 (0.5 on the smallest subnormal), times 2^126 and times 2^(s - 127)
+  (bits s << 7) in bf16x2 multiplies; int4's nibble | 0x4300 is bf16 128 + nibble, minus 136, times
+  the bf16 scale. Two multiplies, because 2^(s - 1) has no bf16 form for s > 128.
+- otherwise (fp16 activations, int4 with fp16/fp32 scales, and Triton's interpreter, which has no bf16
+  arithmetic): the fp16 patterns of the same trick (E2M1 * 2^-14, 1024 + nibble) to fp32, the scale
+  applied there, rounded to the operands' dtype.
+Two dot orientations (WGMMA in the launch config): the weights as the A operand [BLOCK_N, BLOCK_K]
+(Hopper's wgmma, the default) or the pairs as a 16-row A operand (mma.sync).
 
-Numerics: the model's rounding points (g, u, act and z in the trunk dtype); the activations enter
-the dot as fp16 (exact for bf16 values from 2^-6 to 2^23 in magnitude; smaller ones land on fp16's
-subnormals, an absolute error of at most 2^-17); the weights are exact, so the result matches a float64 product on the
-dequantized weights to the trunk dtype's rounding (int4: the weights are q * s exactly, where the
-model's dequantization rounds them once to bf16). Expert ids outside [0, E) are left out of every
-group, their rows of z unspecified, as in the BF16 kernel.
+Numerics: the model's rounding points (g, u, act and z in the trunk dtype), the model's weights, the
+activations as they are; the result matches a float64 product on the dequantized weights to the trunk
+dtype's rounding. Expert ids outside [0, E) are left out of every group, their rows of z unspecified,
+as in the BF16 kernel.
 
 a [T, L]; experts int64 [T*k]; mxfp4: w1/w3 uint8 [E, I, L/2] with uint8 scales [E, I, L/32], w2
 uint8 [E, L, I/2] with [E, L, I/32]; int4: int32 [E, I, L/8] / [E, L, I/8] with scales in a 16-bit
@@ -46,7 +44,6 @@ float dtype; all contiguous -> z [T*k, L] new, contiguous, a's dtype.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -61,20 +58,12 @@ if HAVE_TRITON:
 
 FORMATS = ("mxfp4", "int4")
 GROUP = 32  # elements per scale (both formats)
-WORDS_PER_GROUP = 4  # int32 words per group: 8 nibbles each
 MAX_TOKENS = bf16_kernel.MAX_TOKENS
 MAX_EXPERTS = bf16_kernel.MAX_EXPERTS
 MAX_PAIRS = bf16_kernel.MAX_PAIRS
 BLOCK_M = bf16_kernel.BLOCK_M
 DTYPES = bf16_kernel.DTYPES
-#: the activations enter the fp16 dot times 2^X_SHIFT: bf16 activations up to 2^(15 - X_SHIFT)
-#: stay finite in fp16 (act = SiTU is bounded by beta * linear_beta, checked by the op's predicate)
-X_SHIFT = -8
-FP16_MAX = 65504.0
 INT4_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: the constant each weight carries in its fp16 form: mxfp4 2^-14, int4 1024 + nibble (an offset)
-MXFP4_FP16_EXPONENT = -14
-INT4_FP16_BASE = 1024.0
 
 if HAVE_TRITON:
     _group_kernel = bf16_kernel._group_kernel
@@ -83,58 +72,118 @@ if HAVE_TRITON:
     _tanh = bf16_kernel._tanh
 
     @triton.jit
-    def _halves_to_fp16(t):
-        """int32 holding two fp16 bit patterns -> (low halves, high halves) as fp16."""
-        lo = t.to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    def _pair_bits(words, j: tl.constexpr, MXFP4: tl.constexpr, BF16: tl.constexpr):
+        """Nibbles j (low half) and j + 4 (high half) of each int32 word as two 16-bit float bit
+        patterns: mxfp4 the E2M1 value * 2^-126 as bf16 / * 2^-14 as fp16 (sign bit 3 -> 15, the
+        magnitude bits to the exponent's low bits and the mantissa's top bit; E2M1's 0.5 lands on the
+        smallest subnormal), int4 128 + nibble as bf16 / 1024 + nibble as fp16 (or'ed into 0x4300 / 0x6400)."""
+        if MXFP4:
+            signs: tl.constexpr = -2147450880  # 0x80008000
+            q = words << (12 - 4 * j)  # nibble j at bits 12-15 of each half
+            if BF16:
+                return (q & signs) | ((q >> 6) & 0x01C001C0)  # the arithmetic shift's fill is masked off
+            else:
+                return (q & signs) | ((q >> 3) & 0x0E000E00)
+        else:
+            nib = (words >> (4 * j)) & 0x000F000F
+            if BF16:
+                return nib | 0x43004300
+            else:
+                return nib | 0x64006400
+
+    @triton.jit
+    def _per_word(x):
+        """[R, G] -> [R, 4G]: each group's value for its four words (word 4g + i), in registers."""
+        return tl.reshape(tl.join(tl.join(x, x), tl.join(x, x)), (x.shape[0], 4 * x.shape[1]))
+
+    @triton.jit
+    def _fold_bf16x2(t, scale2, MXFP4: tl.constexpr):
+        """Two bf16 weights a word, scale folded: (E2M1 * 2^-126) * 2^126 * 2^(s-127), or (128 + q + 8 - 136)
+        * scale; bf16x2 instructions, each product rounded once (exact unless the value leaves bf16's range)."""
+        if MXFP4:
+            asm: tl.constexpr = ("{ .reg .b32 c; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 $0, $1, c; "
+                                 "mul.rn.bf16x2 $0, $0, $2; }")
+        else:
+            asm: tl.constexpr = ("{ .reg .b32 c; mov.b32 c, 0x43084308; sub.rn.bf16x2 $0, $1, c; "
+                                 "mul.rn.bf16x2 $0, $0, $2; }")
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [t, scale2], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _word_scales(scales, MXFP4: tl.constexpr, PACKED: tl.constexpr):
+        """The groups' scales [R, G] -> per word [R, 4G]: PACKED, the bf16 scale in both halves of an
+        int32 (mxfp4 2^(s - 127): bits s << 7, s = 0 the subnormal 0x0040); else the fp32 scale."""
+        if MXFP4:
+            sb = scales.to(tl.int32)
+            if PACKED:
+                s16 = tl.where(sb == 0, 0x0040, sb << 7)
+                scale = s16 | (s16 << 16)
+            else:
+                scale = tl.where(sb == 0, 0x00400000, sb << 23).to(tl.float32, bitcast=True)
+        else:
+            if PACKED:
+                s16 = scales.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                scale = s16 | (s16 << 16)
+            else:
+                scale = scales.to(tl.float32)
+        return _per_word(scale)
+
+    @triton.jit
+    def _pair_weights(words, j: tl.constexpr, scale, MXFP4: tl.constexpr, PACKED: tl.constexpr,
+                      DTYPE: tl.constexpr):
+        """Elements j and j + 4 of each word [R, W] as DTYPE weights, the scale folded in."""
+        t = _pair_bits(words, j, MXFP4, PACKED)
+        if PACKED:
+            t = _fold_bf16x2(t, scale, MXFP4)
+            lo = t.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (t >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            lo = t.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            if MXFP4:
+                lo = ((lo * 16384.0) * scale).to(DTYPE)
+                hi = ((hi * 16384.0) * scale).to(DTYPE)
+            else:
+                lo = ((lo - 1032.0) * scale).to(DTYPE)
+                hi = ((hi - 1032.0) * scale).to(DTYPE)
         return lo, hi
 
     @triton.jit
-    def _dequant_group(words, MXFP4: tl.constexpr):
-        """One group per row: int32 words [R, 4] -> fp16 [R, 32] in element order (8 * word + nibble).
-
-        t_j holds nibbles j (low half) and j + 4 (high half) of each word as fp16 bit patterns:
-        mxfp4 the E2M1 value * 2^-14 (sign bit 3 -> 15, magnitude bits 0-2 -> 9-11), int4 1024 + q
-        (the nibble or'ed into 0x6400). Two elements per integer op."""
-        if MXFP4:
-            signs: tl.constexpr = -2147450880  # 0x80008000
-            mags: tl.constexpr = 0x0E000E00
-            t0 = ((words << 12) & signs) | ((words << 9) & mags)
-            t1 = ((words << 8) & signs) | ((words << 5) & mags)
-            t2 = ((words << 4) & signs) | ((words << 1) & mags)
-            t3 = (words & signs) | ((words >> 3) & mags)  # arithmetic shift: its fill bits are masked off
-        else:
-            nib: tl.constexpr = 0x000F000F
-            base: tl.constexpr = 0x64006400  # fp16 1024 in both halves
-            t0 = (words & nib) | base
-            t1 = ((words >> 4) & nib) | base
-            t2 = ((words >> 8) & nib) | base
-            t3 = ((words >> 12) & nib) | base
-        l0, h0 = _halves_to_fp16(t0)
-        l1, h1 = _halves_to_fp16(t1)
-        l2, h2 = _halves_to_fp16(t2)
-        l3, h3 = _halves_to_fp16(t3)
+    def _dequant(words, scales, MXFP4: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr):
+        """Packed int32 words [R, W] and their groups' scales [R, W / 4] -> [R, 8W] weights in DTYPE,
+        element 8 * word + nibble, the scale folded in: each weight is the model's dequantized value
+        (quant.dequantize to DTYPE: the exact product, rounded once).
+        PACKED (bf16; not under Triton's interpreter, which has no bf16 arithmetic): bf16x2 multiplies
+        on the bit patterns, two weights an instruction. Else in fp32: the fp16 pattern * 2^14 * 2^(s - 127)
+        (two multiplies: 2^(14 + s - 127) overflows fp32 for s > 240), or (1024 + nibble - 1032) * scale."""
+        scale = _word_scales(scales, MXFP4, PACKED)
+        l0, h0 = _pair_weights(words, 0, scale, MXFP4, PACKED, DTYPE)
+        l1, h1 = _pair_weights(words, 1, scale, MXFP4, PACKED, DTYPE)
+        l2, h2 = _pair_weights(words, 2, scale, MXFP4, PACKED, DTYPE)
+        l3, h3 = _pair_weights(words, 3, scale, MXFP4, PACKED, DTYPE)
         # a join's new dim is the fastest, in the index and in registers: joining over h, then j1,
         # then j0 gives [R, word, h, j1, j0], element 8w + 4h + 2j1 + j0, registers in element order
         even = tl.join(tl.join(l0, h0), tl.join(l2, h2))  # j0 = 0: nibbles 0, 4, 2, 6
         odd = tl.join(tl.join(l1, h1), tl.join(l3, h3))  # j0 = 1
-        return tl.reshape(tl.join(even, odd), (words.shape[0], 4 * 8))
+        return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
 
     @triton.jit
-    def _w4_rows_dot(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, first, size, e, n, n_ok, k_begin, x_scale,
+    def _w4_rows_dot(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, first, size, e, n, n_ok, k_begin,
                      N: tl.constexpr, K: tl.constexpr, K_SPAN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, OUT_STRIDE: tl.constexpr, OUT_FP32: tl.constexpr, MXFP4: tl.constexpr,
-                     PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_STRIDE: tl.constexpr, OUT_FP32: tl.constexpr,
+                     MXFP4: tl.constexpr, PACKED: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr,
+                     WGMMA: tl.constexpr):
         """out[pair, n] = sum over k in [k_begin, k_begin + K_SPAN) of x[pair // TOP_K, k] * w[e, n, k],
-        for the group's pairs: fp32 partials (OUT_FP32) or rounded to out's dtype. Row blocks of
-        BLOCK_M pairs loop at run time (a crowded expert's re-reads of its rows hit L2)."""
+        for the group's pairs: fp32 partials (OUT_FP32) or rounded to out's dtype. BLOCK_K elements (several
+        groups of 32) a step, one dot each. Row blocks of BLOCK_M pairs loop at run time (a crowded
+        expert's re-reads of its rows hit L2)."""
         m = tl.arange(0, BLOCK_M)
-        kk = tl.arange(0, 32)
-        ww = tl.arange(0, 4)
+        kk = tl.arange(0, BLOCK_K)
+        ww = tl.arange(0, BLOCK_K // 8)
+        gg = tl.arange(0, BLOCK_K // 32)
         WORDS: tl.constexpr = K // 8
         GROUPS: tl.constexpr = K // 32
         w_rows = (e * N + n[:, None].to(tl.int64)) * WORDS
-        s_rows = (e * N + n.to(tl.int64)) * GROUPS
+        s_rows = (e * N + n[:, None].to(tl.int64)) * GROUPS
         m0 = 0
         while m0 < size:  # a while: the interpreter's program ids and loads are arrays, not range bounds
             m_ok = m0 + m < size
@@ -144,28 +193,16 @@ if HAVE_TRITON:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             else:  # the pairs as the A operand: a 16-row mma.sync tile, operands through registers
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for kr in tl.range(0, K_SPAN, 32, num_stages=STAGES):
+            for kr in tl.range(0, K_SPAN, BLOCK_K, num_stages=STAGES):
                 k0 = k_begin + kr
-                g = k0 // 32
-                words = tl.load(w_ptr + w_rows + g * 4 + ww[None, :], mask=n_ok[:, None], other=0)
-                wq = _dequant_group(words, MXFP4)
+                words = tl.load(w_ptr + w_rows + k0 // 8 + ww[None, :], mask=n_ok[:, None], other=0)
+                scales = tl.load(s_ptr + s_rows + k0 // 32 + gg[None, :], mask=n_ok[:, None], other=0)
                 x = tl.load(x_ptr + x_rows + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
-                x16 = (x.to(tl.float32) * x_scale).to(tl.float16)
-                if MXFP4:
-                    sb = tl.load(s_ptr + s_rows + g, mask=n_ok, other=0).to(tl.int32)
-                    scale = (sb << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0 -> 0
-                    offset = tl.zeros([BLOCK_M], dtype=tl.float32)
-                else:
-                    scale = tl.load(s_ptr + s_rows + g, mask=n_ok, other=0.0).to(tl.float32)
-                    offset = tl.sum(x16.to(tl.float32), axis=1) * 1032.0  # (1024 + 8) * sum(x)
+                wq = _dequant(words, scales, MXFP4, PACKED, x_ptr.dtype.element_ty)
                 if WGMMA:
-                    acc += (tl.dot(wq, tl.trans(x16)) - offset[None, :]) * scale[:, None]
+                    acc = tl.dot(wq, tl.trans(x), acc)
                 else:
-                    acc += (tl.dot(x16, tl.trans(wq)) - offset[:, None]) * scale[None, :]
-            if MXFP4:
-                acc = acc * (1.0 / x_scale * 16384.0)  # undo 2^-14 and the prescale
-            else:
-                acc = acc * (1.0 / x_scale)
+                    acc = tl.dot(x, tl.trans(wq), acc)
             if WGMMA:
                 acc = tl.trans(acc)
             out = out_ptr + pair.to(tl.int64)[:, None] * OUT_STRIDE + n[None, :]
@@ -177,10 +214,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gate_up_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, gu_ptr, experts_ptr, rows_ptr, groups_ptr, P, E,
-                        x_scale, I: tl.constexpr, L: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, MXFP4: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr,
-                        WGMMA: tl.constexpr):
+                        I: tl.constexpr, L: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                        PACKED: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr):
         """gu32 [SPLIT_K, P, 2I] fp32: split s's partial sums of g = a . w1[e] (columns [0, I)) and
         u = a . w3[e] ([I, 2I)) over its share of L. Programs (group, row block of w1 or w3, split)."""
         gid = tl.program_id(0)
@@ -194,11 +230,12 @@ if HAVE_TRITON:
             span: tl.constexpr = L // SPLIT_K
             out = gu_ptr + split.to(tl.int64) * P * (2 * I)
             if col < blocks:
-                _w4_rows_dot(a_ptr, w1_ptr, s1_ptr, out, rows_ptr, first, size, e, n, n_ok, split * span, x_scale,
-                             I, L, span, TOP_K, BLOCK_M, BLOCK_N, 2 * I, True, MXFP4, PAIRWISE, STAGES, WGMMA)
+                _w4_rows_dot(a_ptr, w1_ptr, s1_ptr, out, rows_ptr, first, size, e, n, n_ok, split * span, I, L, span,
+                             TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
             else:
-                _w4_rows_dot(a_ptr, w3_ptr, s3_ptr, out + I, rows_ptr, first, size, e, n, n_ok, split * span,
-                             x_scale, I, L, span, TOP_K, BLOCK_M, BLOCK_N, 2 * I, True, MXFP4, PAIRWISE, STAGES, WGMMA)
+                _w4_rows_dot(a_ptr, w3_ptr, s3_ptr, out + I, rows_ptr, first, size, e, n, n_ok, split * span, I, L,
+                             span, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES,
+                             WGMMA)
 
     @triton.jit
     def _act_kernel(gu_ptr, act_ptr, P, beta, linear_beta, I: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -221,10 +258,10 @@ if HAVE_TRITON:
         tl.store(act_ptr + offs, act.to(dtype), mask=ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w2_ptr, s2_ptr, z_ptr, experts_ptr, rows_ptr, groups_ptr, P, E, x_scale,
+    def _down_kernel(act_ptr, w2_ptr, s2_ptr, z_ptr, experts_ptr, rows_ptr, groups_ptr, P, E,
                      I: tl.constexpr, L: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, MXFP4: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr,
-                     WGMMA: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, PACKED: tl.constexpr,
+                     PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr):
         """z[pair, block] = act[pair] . w2[e, block], rounded to z's dtype; N_TILES blocks a program."""
         gid = tl.program_id(0)
         if PAIRWISE or gid < tl.load(groups_ptr):
@@ -233,21 +270,29 @@ if HAVE_TRITON:
                 n = (tl.program_id(1) * N_TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = n < L
                 # act's rows are pairs: TOP_K = 1 maps a pair to its own row
-                _w4_rows_dot(act_ptr, w2_ptr, s2_ptr, z_ptr, rows_ptr, first, size, e, n, n_ok, 0, x_scale,
-                             L, I, I, 1, BLOCK_M, BLOCK_N, L, False, MXFP4, PAIRWISE, STAGES, WGMMA)
+                _w4_rows_dot(act_ptr, w2_ptr, s2_ptr, z_ptr, rows_ptr, first, size, e, n, n_ok, 0, L, I, I, 1,
+                             BLOCK_M, BLOCK_N, BLOCK_K, L, False, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
 
 
 TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
 MAX_N_TILES = 8
 MAX_SPLIT_K = 8
 PAIRWISE_MAX_PAIRS = bf16_kernel.PAIRWISE_MAX_PAIRS
-#: launch configurations. BLOCK_N 256 on 4 warps: two rows a thread, whose dequantized tile Triton
-#: stores to shared memory 16 bytes at a time (one row a thread: 2 bytes). WGMMA True puts the
-#: weights in wgmma's A operand (registers); False makes the pairs mma.sync's 16-row A operand.
+#: launch configurations: BLOCK_N rows of the weights by BLOCK_K elements (BLOCK_K / 32 groups) a
+#: step, each step one dot; WGMMA True puts the weights in wgmma's A operand, False makes the pairs
+#: mma.sync's 16-row A operand; PACKED (None: wherever it applies) the bf16x2 dequantization.
 #: bench/bench_routed_experts.py --formats ... --sweep times the alternatives (docs/perf.md)
-GATE_UP = {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": True}
-DOWN = {"BLOCK_N": 256, "num_warps": 4, "STAGES": 3, "WGMMA": True}
+GATE_UP = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None}
+DOWN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None}
 ACT_BLOCK = 1024
+
+
+def block_k(span: int, want: int) -> int:
+    """The largest of want, want / 2, ... down to one group that divides a K span of whole groups."""
+    k = want
+    while k > GROUP and span % k:
+        k //= 2
+    return k
 
 
 def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | None = None) -> dict:
@@ -270,6 +315,8 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | No
            and L % (2 * split * GROUP) == 0):
         split *= 2
     gate_up.setdefault("SPLIT_K", split)
+    gate_up["BLOCK_K"] = block_k(L // gate_up["SPLIT_K"], gate_up["BLOCK_K"])
+    down["BLOCK_K"] = block_k(I, down["BLOCK_K"])
     blocks = -(-L // down["BLOCK_N"])
     per_program = max(1.0, expected_groups * blocks / TARGET_PROGRAMS)
     down.setdefault("N_TILES", min(MAX_N_TILES, 1 << (int(per_program).bit_length() - 1)))
@@ -307,6 +354,17 @@ def table_decodes(table: torch.Tensor) -> bool:
     return _E2M1_CHECKED[key]
 
 
+def packs(dtype: torch.dtype, fmt: str, scale_dtype: torch.dtype) -> bool:
+    """Whether the bf16x2 dequantization applies: bf16 activations (the dot's operand dtype), mxfp4 or
+    int4 with bf16 scales, and a compiled kernel (Triton's interpreter has no bf16 arithmetic)."""
+    return (dtype == torch.bfloat16 and (fmt == "mxfp4" or scale_dtype == torch.bfloat16)
+            and not bf16_kernel.INTERPRET)
+
+
+def cfg_items(cfg: dict):
+    return (("gate_up", cfg["gate_up"]), ("down", cfg["down"]))
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The packed weights as int32 words (an MXFP4 row's bytes read little-endian)."""
     return t if t.dtype == torch.int32 else t.view(torch.int32)
@@ -334,18 +392,19 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
         rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
         _group_kernel[(1,)](experts, rows, groups, scratch, P, E, BLOCK_P=cfg["BLOCK_P"], num_warps=4)
     mxfp4 = fmt == "mxfp4"
-    x_scale = 2.0 ** X_SHIFT
+    packable = packs(a.dtype, fmt, s1.dtype)
+    packed = {n: packable if c["PACKED"] is None else bool(c["PACKED"]) and packable for n, c in cfg_items(cfg)}
     _gate_up_kernel[(cfg["groups"], 2 * triton.cdiv(I, gu_cfg["BLOCK_N"]), split)](
-        a, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, x_scale, I=I, L=L, SPLIT_K=split,
-        TOP_K=int(top_k), BLOCK_M=BLOCK_M, BLOCK_N=gu_cfg["BLOCK_N"], MXFP4=mxfp4, PAIRWISE=cfg["pairwise"],
-        STAGES=gu_cfg["STAGES"], WGMMA=gu_cfg["WGMMA"], num_warps=gu_cfg["num_warps"])
+        a, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, I=I, L=L, SPLIT_K=split,
+        TOP_K=int(top_k), BLOCK_M=BLOCK_M, BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], MXFP4=mxfp4,
+        PACKED=packed["gate_up"], PAIRWISE=cfg["pairwise"], STAGES=gu_cfg["STAGES"], WGMMA=gu_cfg["WGMMA"],
+        num_warps=gu_cfg["num_warps"])
     _act_kernel[(triton.cdiv(P * I, ACT_BLOCK),)](gu, act, P, float(situ_beta), float(situ_linear_beta), I=I,
                                                   SPLIT_K=split, BLOCK=ACT_BLOCK, num_warps=4)
     _down_kernel[(cfg["groups"], triton.cdiv(triton.cdiv(L, dn["BLOCK_N"]), dn["N_TILES"]))](
-        act, _words(w2), s2, z, experts, rows, groups, P, E, x_scale, I=I, L=L, N_TILES=dn["N_TILES"],
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=dn["BLOCK_N"], MXFP4=mxfp4, PAIRWISE=cfg["pairwise"], STAGES=dn["STAGES"], WGMMA=dn["WGMMA"],
-        num_warps=dn["num_warps"])
+        act, _words(w2), s2, z, experts, rows, groups, P, E, I=I, L=L, N_TILES=dn["N_TILES"], BLOCK_M=BLOCK_M,
+        BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], MXFP4=mxfp4, PACKED=packed["down"], PAIRWISE=cfg["pairwise"],
+        STAGES=dn["STAGES"], WGMMA=dn["WGMMA"], num_warps=dn["num_warps"])
     return z
 
 
