@@ -289,15 +289,20 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
                 experts[1], experts[4] = -1, E
             args = [t for x in q for t in (x.packed, x.scale)]
             table = quant.e2m1_table() if fmt == "mxfp4" else None
-            # both modes; the k3_like case also with the other dot orientation (mma.sync / wgmma)
-            orientations = (True, False) if name == "k3_like" else (K.GATE_UP["WGMMA"],)
+            # both modes; the k3_like case also with the other dot orientation (mma.sync / wgmma), the
+            # one_token case (L = 96) with both down tiles in one program (the second one partly past L)
+            wgmma = K.GATE_UP["WGMMA"]
+            launches = [{"gate_up": {"WGMMA": wgmma}, "down": {"WGMMA": wgmma}}]
+            if name == "k3_like":
+                launches.append({"gate_up": {"WGMMA": not wgmma}, "down": {"WGMMA": not wgmma}})
+            if name == "one_token":
+                launches.append({"down": {"N_TILES": 2, "BLOCK_N": 64}})
             for pairwise in (True, False):
-                for wgmma in orientations:
+                for launch in launches:
                     z = torch.full((T * k, L), float("nan"), dtype=torch.float16)
-                    launch = {"gate_up": {"WGMMA": wgmma}, "down": {"WGMMA": wgmma}}
                     K.run(a, experts, *args, k, B, LB, fmt, table, out=z, config={"pairwise": pairwise, **launch})
                     err = lambda x: float((x[kept].double() - ref[kept]).norm() / ref[kept].norm())
-                    out.append({"fmt": fmt, "case": name, "pairwise": pairwise, "wgmma": wgmma,
+                    out.append({"fmt": fmt, "case": name, "pairwise": pairwise, "launch": launch,
                                 "written": not bool(torch.isnan(z[kept]).any()), "rel": err(z),
                                 "rel_fp16": err(half)})
     print("RESULT " + json.dumps(out))
@@ -308,7 +313,8 @@ def test_triton_kernel_in_the_interpreter_against_float64():
     results = run_in_interpreter(INTERPRETER_SCRIPT)
     assert sorted({(r["fmt"], r["case"], r["pairwise"]) for r in results}) == \
         sorted((f, c, p) for f in FORMATS for c in CASES for p in (True, False))
-    assert {r["wgmma"] for r in results if r["case"] == "k3_like"} == {True, False}
+    assert {r["launch"]["down"].get("WGMMA") for r in results if r["case"] == "k3_like"} == {True, False}
+    assert any(r["launch"]["down"].get("N_TILES") == 2 for r in results if r["case"] == "one_token")
     for r in results:
         assert r["written"], r  # every (kept) row of the NaN-poisoned output was written
         assert r["rel"] < 3e-3 and r["rel"] < 2 * r["rel_fp16"] + 1e-4, r  # fp16 rounding, as the spelling's

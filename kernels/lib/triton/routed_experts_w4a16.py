@@ -167,14 +167,16 @@ if HAVE_TRITON:
         return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
 
     @triton.jit
-    def _w4_rows_dot(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, first, size, e, n, n_ok, k_begin,
-                     N: tl.constexpr, K: tl.constexpr, K_SPAN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_STRIDE: tl.constexpr, OUT_FP32: tl.constexpr,
-                     MXFP4: tl.constexpr, PACKED: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr,
-                     WGMMA: tl.constexpr):
+    def _w4_rows_dot(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, first, size, e, n0, k_begin,
+                     N: tl.constexpr, K: tl.constexpr, K_SPAN: tl.constexpr, TOP_K: tl.constexpr, TILES: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_STRIDE: tl.constexpr,
+                     OUT_FP32: tl.constexpr, MXFP4: tl.constexpr, PACKED: tl.constexpr, PAIRWISE: tl.constexpr,
+                     STAGES: tl.constexpr, WGMMA: tl.constexpr):
         """out[pair, n] = sum over k in [k_begin, k_begin + K_SPAN) of x[pair // TOP_K, k] * w[e, n, k],
-        for the group's pairs: fp32 partials (OUT_FP32) or rounded to out's dtype. BLOCK_K elements (several
-        groups of 32) a step, one dot each. Row blocks of BLOCK_M pairs loop at run time (a crowded
+        for the group's pairs and TILES blocks of BLOCK_N rows from n0: fp32 partials (OUT_FP32) or
+        rounded to out's dtype. BLOCK_K elements (several groups of 32) a step, one dot each; the tiles'
+        steps are one loop, so the loads stay STAGES deep across tiles (a tile of a short K would
+        otherwise refill the pipeline each time). Row blocks of BLOCK_M pairs loop at run time (a crowded
         expert's re-reads of its rows hit L2)."""
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
@@ -182,8 +184,7 @@ if HAVE_TRITON:
         gg = tl.arange(0, BLOCK_K // 32)
         WORDS: tl.constexpr = K // 8
         GROUPS: tl.constexpr = K // 32
-        w_rows = (e * N + n[:, None].to(tl.int64)) * WORDS
-        s_rows = (e * N + n[:, None].to(tl.int64)) * GROUPS
+        STEPS: tl.constexpr = K_SPAN // BLOCK_K
         m0 = 0
         while m0 < size:  # a while: the interpreter's program ids and loads are arrays, not range bounds
             m_ok = m0 + m < size
@@ -193,23 +194,30 @@ if HAVE_TRITON:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             else:  # the pairs as the A operand: a 16-row mma.sync tile, operands through registers
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for kr in tl.range(0, K_SPAN, BLOCK_K, num_stages=STAGES):
-                k0 = k_begin + kr
-                words = tl.load(w_ptr + w_rows + k0 // 8 + ww[None, :], mask=n_ok[:, None], other=0)
-                scales = tl.load(s_ptr + s_rows + k0 // 32 + gg[None, :], mask=n_ok[:, None], other=0)
+            for it in tl.range(0, TILES * STEPS, num_stages=STAGES):
+                n = n0 + (it // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = n < N
+                row = (e * N + n[:, None].to(tl.int64))
+                k0 = k_begin + (it % STEPS) * BLOCK_K
+                words = tl.load(w_ptr + row * WORDS + k0 // 8 + ww[None, :], mask=n_ok[:, None], other=0)
+                scales = tl.load(s_ptr + row * GROUPS + k0 // 32 + gg[None, :], mask=n_ok[:, None], other=0)
                 x = tl.load(x_ptr + x_rows + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
                 wq = _dequant(words, scales, MXFP4, PACKED, x_ptr.dtype.element_ty)
                 if WGMMA:
                     acc = tl.dot(wq, tl.trans(x), acc)
                 else:
                     acc = tl.dot(x, tl.trans(wq), acc)
-            if WGMMA:
-                acc = tl.trans(acc)
-            out = out_ptr + pair.to(tl.int64)[:, None] * OUT_STRIDE + n[None, :]
-            if OUT_FP32:
-                tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
-            else:
-                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                if it % STEPS == STEPS - 1:  # the tile's last step: write it, start the next
+                    if WGMMA:
+                        res = tl.trans(acc)
+                    else:
+                        res = acc
+                    out = out_ptr + pair.to(tl.int64)[:, None] * OUT_STRIDE + n[None, :]
+                    if OUT_FP32:
+                        tl.store(out, res, mask=m_ok[:, None] & n_ok[None, :])
+                    else:
+                        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+                    acc = tl.zeros_like(acc)
             m0 += BLOCK_M
 
     @triton.jit
@@ -225,17 +233,15 @@ if HAVE_TRITON:
             blocks: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
             col = tl.program_id(1)
             split = tl.program_id(2)
-            n = (col % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < I
+            n0 = (col % blocks) * BLOCK_N
             span: tl.constexpr = L // SPLIT_K
             out = gu_ptr + split.to(tl.int64) * P * (2 * I)
             if col < blocks:
-                _w4_rows_dot(a_ptr, w1_ptr, s1_ptr, out, rows_ptr, first, size, e, n, n_ok, split * span, I, L, span,
-                             TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
+                _w4_rows_dot(a_ptr, w1_ptr, s1_ptr, out, rows_ptr, first, size, e, n0, split * span, I, L, span,
+                             TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
             else:
-                _w4_rows_dot(a_ptr, w3_ptr, s3_ptr, out + I, rows_ptr, first, size, e, n, n_ok, split * span, I, L,
-                             span, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES,
-                             WGMMA)
+                _w4_rows_dot(a_ptr, w3_ptr, s3_ptr, out + I, rows_ptr, first, size, e, n0, split * span, I, L, span,
+                             TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
 
     @triton.jit
     def _act_kernel(gu_ptr, act_ptr, P, beta, linear_beta, I: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -266,12 +272,10 @@ if HAVE_TRITON:
         gid = tl.program_id(0)
         if PAIRWISE or gid < tl.load(groups_ptr):
             e, first, size = _group(gid, experts_ptr, groups_ptr, P, E, PAIRWISE)
-            for tile in tl.static_range(N_TILES):
-                n = (tl.program_id(1) * N_TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = n < L
-                # act's rows are pairs: TOP_K = 1 maps a pair to its own row
-                _w4_rows_dot(act_ptr, w2_ptr, s2_ptr, z_ptr, rows_ptr, first, size, e, n, n_ok, 0, L, I, I, 1,
-                             BLOCK_M, BLOCK_N, BLOCK_K, L, False, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
+            # act's rows are pairs: TOP_K = 1 maps a pair to its own row
+            n0 = tl.program_id(1) * N_TILES * BLOCK_N
+            _w4_rows_dot(act_ptr, w2_ptr, s2_ptr, z_ptr, rows_ptr, first, size, e, n0, 0, L, I, I, 1, N_TILES, BLOCK_M,
+                         BLOCK_N, BLOCK_K, L, False, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
 
 
 TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
