@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-tokens", default="1,64", help="W4A16 --sweep: token counts")
     ap.add_argument("--sweep-out", default=None, help="W4A16 --sweep: JSON of the sweep")
     ap.add_argument("--sweep-only", action="store_true", help="W4A16: the sweep alone")
+    ap.add_argument("--sweep-configs", default=None,
+                    help="W4A16 --sweep: the configurations to time, by name (default: all of w4a16_table.SWEEP)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

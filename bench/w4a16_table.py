@@ -90,14 +90,13 @@ def timed(steps, refill, replays: int) -> float:
 
 
 #: the launch configurations --sweep times (kernels/lib/triton/routed_experts_w4a16.py GATE_UP / DOWN):
-#: rows by elements a step, warps, stages; "mma": the pairs as mma.sync's A operand; "fp32": the
-#: dequantization in fp32 instead of bf16x2
-SWEEP = {f"bn{n}_bk{k}_w{w}_s{st}": {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "STAGES": st, "WGMMA": True}
-         for n, k, w, st in ((64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
-                             (128, 256, 8, 3), (256, 128, 8, 3))}
-SWEEP["mma_bn128_bk128_w4_s3"] = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "STAGES": 3, "WGMMA": False}
-SWEEP["fp32_bn64_bk128_w4_s4"] = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True,
-                                  "PACKED": False}
+#: rows by elements a step, warps, stages; "_wo": WORD_ORDER (the activations permuted to the
+#: dequantized weights' register order)
+SWEEP = {f"bn{n}_bk{k}_w{w}_s{st}" + ("_wo" if wo else ""):
+         {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "STAGES": st, "WGMMA": True, "WORD_ORDER": wo}
+         for n, k, w, st, wo in ((64, 128, 4, 4, False), (64, 128, 4, 4, True), (64, 64, 4, 4, False),
+                                 (64, 64, 4, 4, True), (64, 128, 4, 3, True), (64, 256, 4, 3, True),
+                                 (128, 128, 4, 4, True))}
 
 
 def sweep(args, copy_bw: float) -> dict:
@@ -107,7 +106,8 @@ def sweep(args, copy_bw: float) -> dict:
     for fmt in [f for f in args.formats.split(",") if f]:
         packed = packed_table(fmt, I, seed=I + 1)
         table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
-        for name, cfg in SWEEP.items():
+        chosen = args.sweep_configs.split(",") if args.sweep_configs else list(SWEEP)
+        for name, cfg in ((n, SWEEP[n]) for n in chosen):
             for T in [int(t) for t in args.sweep_tokens.split(",")]:
                 r = Routing(T)
                 o = torch.empty(STEPS, T * K, L, device="cuda", dtype=torch.bfloat16)

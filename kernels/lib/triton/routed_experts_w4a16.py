@@ -148,7 +148,8 @@ if HAVE_TRITON:
         return lo, hi
 
     @triton.jit
-    def _dequant(words, scales, MXFP4: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr):
+    def _dequant(words, scales, MXFP4: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr,
+                 WORD_ORDER: tl.constexpr):
         """Packed int32 words [R, W] and their groups' scales [R, W / 4] -> [R, 8W] weights in DTYPE,
         element 8 * word + nibble, the scale folded in: each weight is the model's dequantized value
         (quant.dequantize to DTYPE: the exact product, rounded once).
@@ -160,18 +161,22 @@ if HAVE_TRITON:
         l1, h1 = _pair_weights(words, 1, scale, MXFP4, PACKED, DTYPE)
         l2, h2 = _pair_weights(words, 2, scale, MXFP4, PACKED, DTYPE)
         l3, h3 = _pair_weights(words, 3, scale, MXFP4, PACKED, DTYPE)
-        # a join's new dim is the fastest, in the index and in registers: joining over h, then j1,
-        # then j0 gives [R, word, h, j1, j0], element 8w + 4h + 2j1 + j0, registers in element order
-        even = tl.join(tl.join(l0, h0), tl.join(l2, h2))  # j0 = 0: nibbles 0, 4, 2, 6
-        odd = tl.join(tl.join(l1, h1), tl.join(l3, h3))  # j0 = 1
-        return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
+        # a join's new dim is the fastest, in the index and in registers
+        if WORD_ORDER:  # over j1, j0, then h: [R, word, j1, j0, h], each register's halves side by side
+            lo = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+            hi = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+            return tl.reshape(tl.join(lo, hi), (words.shape[0], 8 * words.shape[1]))
+        else:  # over h, j1, then j0: [R, word, h, j1, j0], element 8w + 4h + 2j1 + j0 in place
+            even = tl.join(tl.join(l0, h0), tl.join(l2, h2))  # j0 = 0: nibbles 0, 4, 2, 6
+            odd = tl.join(tl.join(l1, h1), tl.join(l3, h3))  # j0 = 1
+            return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
 
     @triton.jit
     def _w4_rows_dot(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, first, size, e, n0, k_begin,
                      N: tl.constexpr, K: tl.constexpr, K_SPAN: tl.constexpr, TOP_K: tl.constexpr, TILES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_STRIDE: tl.constexpr,
                      OUT_FP32: tl.constexpr, MXFP4: tl.constexpr, PACKED: tl.constexpr, PAIRWISE: tl.constexpr,
-                     STAGES: tl.constexpr, WGMMA: tl.constexpr):
+                     STAGES: tl.constexpr, WGMMA: tl.constexpr, WORD_ORDER: tl.constexpr):
         """out[pair, n] = sum over k in [k_begin, k_begin + K_SPAN) of x[pair // TOP_K, k] * w[e, n, k],
         for the group's pairs and TILES blocks of BLOCK_N rows from n0: fp32 partials (OUT_FP32) or
         rounded to out's dtype. BLOCK_K elements (several groups of 32) a step, one dot each; the tiles'
@@ -202,7 +207,7 @@ if HAVE_TRITON:
                 words = tl.load(w_ptr + row * WORDS + k0 // 8 + ww[None, :], mask=n_ok[:, None], other=0)
                 scales = tl.load(s_ptr + row * GROUPS + k0 // 32 + gg[None, :], mask=n_ok[:, None], other=0)
                 x = tl.load(x_ptr + x_rows + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
-                wq = _dequant(words, scales, MXFP4, PACKED, x_ptr.dtype.element_ty)
+                wq = _dequant(words, scales, MXFP4, PACKED, x_ptr.dtype.element_ty, WORD_ORDER)
                 if WGMMA:
                     acc = tl.dot(wq, tl.trans(x), acc)
                 else:
@@ -224,7 +229,8 @@ if HAVE_TRITON:
     def _gate_up_kernel(a_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, gu_ptr, experts_ptr, rows_ptr, groups_ptr, P, E,
                         I: tl.constexpr, L: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                        PACKED: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr):
+                        PACKED: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr,
+                        WORD_ORDER: tl.constexpr):
         """gu32 [SPLIT_K, P, 2I] fp32: split s's partial sums of g = a . w1[e] (columns [0, I)) and
         u = a . w3[e] ([I, 2I)) over its share of L. Programs (group, row block of w1 or w3, split)."""
         gid = tl.program_id(0)
@@ -238,15 +244,18 @@ if HAVE_TRITON:
             out = gu_ptr + split.to(tl.int64) * P * (2 * I)
             if col < blocks:
                 _w4_rows_dot(a_ptr, w1_ptr, s1_ptr, out, rows_ptr, first, size, e, n0, split * span, I, L, span,
-                             TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
+                             TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA,
+                             WORD_ORDER)
             else:
                 _w4_rows_dot(a_ptr, w3_ptr, s3_ptr, out + I, rows_ptr, first, size, e, n0, split * span, I, L, span,
-                             TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
+                             TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA,
+                             WORD_ORDER)
 
     @triton.jit
     def _act_kernel(gu_ptr, act_ptr, P, beta, linear_beta, I: tl.constexpr, SPLIT_K: tl.constexpr,
-                    BLOCK: tl.constexpr):
-        """act [P, I] = situ_glu(g, u): the splits summed, g and u rounded to act's dtype, SiTU in fp32."""
+                    BLOCK: tl.constexpr, WORD_ORDER: tl.constexpr):
+        """act [P, I] = situ_glu(g, u): the splits summed, g and u rounded to act's dtype, SiTU in fp32;
+        WORD_ORDER: each 8 columns in the dequantized weights' order (word_order)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < P * I
         pair = offs // I
@@ -261,13 +270,16 @@ if HAVE_TRITON:
         g = g.to(dtype).to(tl.float32)
         u = u.to(dtype).to(tl.float32)
         act = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
-        tl.store(act_ptr + offs, act.to(dtype), mask=ok)
+        if WORD_ORDER:  # element 8w + j + 4h to position 8w + 2j + h
+            tl.store(act_ptr + pair * I + (col // 8) * 8 + 2 * (col % 4) + (col % 8) // 4, act.to(dtype), mask=ok)
+        else:
+            tl.store(act_ptr + offs, act.to(dtype), mask=ok)
 
     @triton.jit
     def _down_kernel(act_ptr, w2_ptr, s2_ptr, z_ptr, experts_ptr, rows_ptr, groups_ptr, P, E,
                      I: tl.constexpr, L: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, PACKED: tl.constexpr,
-                     PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr):
+                     PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr, WORD_ORDER: tl.constexpr):
         """z[pair, block] = act[pair] . w2[e, block], rounded to z's dtype; N_TILES blocks a program."""
         gid = tl.program_id(0)
         if PAIRWISE or gid < tl.load(groups_ptr):
@@ -275,7 +287,7 @@ if HAVE_TRITON:
             # act's rows are pairs: TOP_K = 1 maps a pair to its own row
             n0 = tl.program_id(1) * N_TILES * BLOCK_N
             _w4_rows_dot(act_ptr, w2_ptr, s2_ptr, z_ptr, rows_ptr, first, size, e, n0, 0, L, I, I, 1, N_TILES, BLOCK_M,
-                         BLOCK_N, BLOCK_K, L, False, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA)
+                         BLOCK_N, BLOCK_K, L, False, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA, WORD_ORDER)
 
 
 TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
@@ -286,8 +298,9 @@ PAIRWISE_MAX_PAIRS = bf16_kernel.PAIRWISE_MAX_PAIRS
 #: step, each step one dot; WGMMA True puts the weights in wgmma's A operand, False makes the pairs
 #: mma.sync's 16-row A operand; PACKED (None: wherever it applies) the bf16x2 dequantization.
 #: bench/bench_routed_experts.py --formats ... --sweep times the alternatives (docs/perf.md)
-GATE_UP = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None}
-DOWN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None}
+GATE_UP = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None,
+           "WORD_ORDER": False}
+DOWN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None, "WORD_ORDER": False}
 ACT_BLOCK = 1024
 
 
@@ -369,6 +382,12 @@ def cfg_items(cfg: dict):
     return (("gate_up", cfg["gate_up"]), ("down", cfg["down"]))
 
 
+def word_order(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> a copy with each 8 columns in the dequantized weights' WORD_ORDER: position 8w + 2j + h
+    holds element 8w + j + 4h (the dot's sum is the same; the weights' registers need no reordering)."""
+    return x.unflatten(-1, (x.shape[-1] // 8, 2, 4)).transpose(-1, -2).flatten(-3)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The packed weights as int32 words (an MXFP4 row's bytes read little-endian)."""
     return t if t.dtype == torch.int32 else t.view(torch.int32)
@@ -399,16 +418,17 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
     packable = packs(a.dtype, fmt, s1.dtype)
     packed = {n: packable if c["PACKED"] is None else bool(c["PACKED"]) and packable for n, c in cfg_items(cfg)}
     _gate_up_kernel[(cfg["groups"], 2 * triton.cdiv(I, gu_cfg["BLOCK_N"]), split)](
-        a, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, I=I, L=L, SPLIT_K=split,
+        word_order(a) if gu_cfg["WORD_ORDER"] else a, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, I=I, L=L, SPLIT_K=split,
         TOP_K=int(top_k), BLOCK_M=BLOCK_M, BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], MXFP4=mxfp4,
         PACKED=packed["gate_up"], PAIRWISE=cfg["pairwise"], STAGES=gu_cfg["STAGES"], WGMMA=gu_cfg["WGMMA"],
-        num_warps=gu_cfg["num_warps"])
+        WORD_ORDER=gu_cfg["WORD_ORDER"], num_warps=gu_cfg["num_warps"])
     _act_kernel[(triton.cdiv(P * I, ACT_BLOCK),)](gu, act, P, float(situ_beta), float(situ_linear_beta), I=I,
-                                                  SPLIT_K=split, BLOCK=ACT_BLOCK, num_warps=4)
+                                                  SPLIT_K=split, BLOCK=ACT_BLOCK, WORD_ORDER=dn["WORD_ORDER"],
+                                                  num_warps=4)
     _down_kernel[(cfg["groups"], triton.cdiv(triton.cdiv(L, dn["BLOCK_N"]), dn["N_TILES"]))](
         act, _words(w2), s2, z, experts, rows, groups, P, E, I=I, L=L, N_TILES=dn["N_TILES"], BLOCK_M=BLOCK_M,
         BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], MXFP4=mxfp4, PACKED=packed["down"], PAIRWISE=cfg["pairwise"],
-        STAGES=dn["STAGES"], WGMMA=dn["WGMMA"], num_warps=dn["num_warps"])
+        STAGES=dn["STAGES"], WGMMA=dn["WGMMA"], WORD_ORDER=dn["WORD_ORDER"], num_warps=dn["num_warps"])
     return z
 
 
