@@ -98,8 +98,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fold_bf16x2(t, scale2, MXFP4: tl.constexpr):
-        """Two bf16 weights a word, scale folded: (E2M1 * 2^-126) * 2^126 * 2^(s-127), or (128 + q + 8 - 136)
-        * scale; bf16x2 instructions, each product rounded once (exact unless the value leaves bf16's range)."""
+        """Two bf16 weights an int32, scale folded: (E2M1 * 2^-126) * 2^126 * 2^(s - 127), or
+        (128 + nibble - 136) * scale; bf16x2 instructions, each result rounded once (the first exact)."""
         if MXFP4:
             asm: tl.constexpr = ("{ .reg .b32 c; mov.b32 c, 0x7E807E80; mul.rn.bf16x2 $0, $1, c; "
                                  "mul.rn.bf16x2 $0, $0, $2; }")
@@ -151,8 +151,9 @@ if HAVE_TRITON:
     def _dequant(words, scales, MXFP4: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr,
                  WORD_ORDER: tl.constexpr):
         """Packed int32 words [R, W] and their groups' scales [R, W / 4] -> [R, 8W] weights in DTYPE,
-        element 8 * word + nibble, the scale folded in: each weight is the model's dequantized value
-        (quant.dequantize to DTYPE: the exact product, rounded once).
+        element 8 * word + nibble (WORD_ORDER: position 8w + 2j + h holds element 8w + j + 4h), the scale
+        folded in: each weight is the model's dequantized value (quant.dequantize to DTYPE: the exact
+        product, rounded once).
         PACKED (bf16; not under Triton's interpreter, which has no bf16 arithmetic): bf16x2 multiplies
         on the bit patterns, two weights an instruction. Else in fp32: the fp16 pattern * 2^14 * 2^(s - 127)
         (two multiplies: 2^(14 + s - 127) overflows fp32 for s > 240), or (1024 + nibble - 1032) * scale."""
@@ -202,7 +203,7 @@ if HAVE_TRITON:
             for it in tl.range(0, TILES * STEPS, num_stages=STAGES):
                 n = n0 + (it // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = n < N
-                row = (e * N + n[:, None].to(tl.int64))
+                row = e * N + n[:, None].to(tl.int64)
                 k0 = k_begin + (it % STEPS) * BLOCK_K
                 words = tl.load(w_ptr + row * WORDS + k0 // 8 + ww[None, :], mask=n_ok[:, None], other=0)
                 scales = tl.load(s_ptr + row * GROUPS + k0 // 32 + gg[None, :], mask=n_ok[:, None], other=0)
@@ -296,7 +297,9 @@ MAX_SPLIT_K = 8
 PAIRWISE_MAX_PAIRS = bf16_kernel.PAIRWISE_MAX_PAIRS
 #: launch configurations: BLOCK_N rows of the weights by BLOCK_K elements (BLOCK_K / 32 groups) a
 #: step, each step one dot; WGMMA True puts the weights in wgmma's A operand, False makes the pairs
-#: mma.sync's 16-row A operand; PACKED (None: wherever it applies) the bf16x2 dequantization.
+#: mma.sync's 16-row A operand; PACKED (None: wherever it applies) the bf16x2 dequantization;
+#: WORD_ORDER the activations in the dequantized registers' order (word_order), which saves the loop
+#: its byte permutes.
 #: bench/bench_routed_experts.py --formats ... --sweep times the alternatives (docs/perf.md)
 GATE_UP = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None,
            "WORD_ORDER": False}
