@@ -214,6 +214,34 @@ def test_gpu_context_refuses_what_no_kernel_covers_and_names_the_format(fake_ker
             assert e.values["limits"] == [f"test.routed_experts_w4a16: {limit}"]
 
 
+def test_spec_from_call_reads_cuda_operands_and_names_each_misfit():
+    """from_call past its device check, on fake CUDA tensors (no GPU needed): a call the kernel reads is
+    accepted, and a wrong shape, packed dtype, scale dtype or expert ids each come back named."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
+    from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, accepts
+
+    T, E, I, L, k = 2, 16, 64, 96, 4
+    with FakeTensorMode():
+        a = torch.empty(T, L, device="cuda", dtype=torch.bfloat16)
+        experts = torch.empty(T * k, device="cuda", dtype=torch.int64)
+        packed = {n: torch.empty(shape, device="cuda", dtype=torch.uint8)
+                  for n, shape in K.packed_shapes("mxfp4", E, I, L).items()}
+
+        def spec(**over):
+            t = {**packed, **over}
+            return RoutedExpertsW4A16Spec.from_call(over.get("a", a), over.get("experts", experts), t["w1"], t["s1"],
+                                                    t["w3"], t["s3"], t["w2"], t["s2"], k, 1.0, 1.0, "mxfp4")
+
+        good = spec()
+        assert (good.tokens, good.E, good.I, good.L, good.fits) == (T, E, I, L, None) and accepts(good) is None
+        assert "shapes" in spec(w2=torch.empty(E, L, I, device="cuda", dtype=torch.uint8)).fits
+        assert spec(w1=packed["w1"].view(torch.int8)).fits == "w1 is torch.int8, mxfp4 packs torch.uint8"
+        assert spec(s3=packed["s3"].view(torch.int8)).fits.startswith("s3 is torch.int8")
+        assert "experts" in spec(experts=torch.empty(T * k - 1, device="cuda", dtype=torch.int64)).fits
+
+
 def test_kernel_covers_k3_shapes_and_names_its_limits():
     pytest.importorskip("triton")
     from k3fuse.kernels import dispatch

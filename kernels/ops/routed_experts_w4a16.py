@@ -55,7 +55,8 @@ class RoutedExpertsW4A16Spec(Spec):
 def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt,
                      table) -> str | None:
     """Why a call's operands are not what the kernel reads (devices, layouts, dtypes, the table)."""
-    misfit = operands_misfit(dict(a=a, experts=experts, w1=w1, s1=s1, w3=w3, s3=s3, w2=w2, s2=s2))
+    tensors = dict(a=a, experts=experts, w1=w1, s1=s1, w3=w3, s3=s3, w2=w2, s2=s2)
+    misfit = operands_misfit(tensors)
     if misfit is not None:  # (the library module is loaded for CUDA calls only)
         return misfit
     if fmt not in FORMATS:

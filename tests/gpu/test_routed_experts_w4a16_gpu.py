@@ -135,7 +135,7 @@ def _dequant_probe(w_ptr, s_ptr, o_ptr, W: tl.constexpr, MXFP4: tl.constexpr, PA
     ww, gg, kk = tl.arange(0, W), tl.arange(0, W // 4), tl.arange(0, 8 * W)
     words = tl.load(w_ptr + r[:, None] * W + ww[None, :])
     scales = tl.load(s_ptr + r[:, None] * (W // 4) + gg[None, :])
-    tl.store(o_ptr + r[:, None] * (8 * W) + kk[None, :], _dequant(words, scales, MXFP4, PACKED, DTYPE))
+    tl.store(o_ptr + r[:, None] * (8 * W) + kk[None, :], _dequant(words, scales, MXFP4, PACKED, DTYPE, False))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
