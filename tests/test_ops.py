@@ -630,3 +630,26 @@ def test_implementations_register_only_against_declared_ops():
         dispatch.register_impl("decode_gem", dispatch.Impl("typo", lambda *a: None, lambda *a: None))
     with pytest.raises(KeyError, match="not declared"):
         dispatch.register_stock("decode_gem", lambda *a: None)
+
+
+def test_from_call_reads_cuda_operands_past_the_device_check():
+    """Each op's from_call on fake CUDA tensors of K3's decode shapes (no GPU needed): the checks after
+    operands_misfit run and accept them (the W4A16 op's: tests/test_routed_experts_w4a16.py)."""
+    from k3fuse.kernels.ops.kda_delta import KDADeltaSpec
+    from k3fuse.kernels.ops.route_topk import RouteTopkSpec
+    from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
+
+    T, E, I, L, k, H, dk = 3, 896, 64, 3584, 16, 4, 128
+    with FakeTensorMode():
+        cuda = {"device": "cuda"}
+        experts = RoutedExpertsSpec.from_call(
+            torch.empty(T, L, dtype=torch.bfloat16, **cuda), torch.empty(T * k, dtype=torch.int64, **cuda),
+            torch.empty(E, I, L, dtype=torch.bfloat16, **cuda), torch.empty(E, I, L, dtype=torch.bfloat16, **cuda),
+            torch.empty(E, L, I, dtype=torch.bfloat16, **cuda), k, 1.0, 1.0)
+        route = RouteTopkSpec.from_call(torch.empty(T, E, **cuda), torch.empty(E, **cuda), k, 2.5)
+        kda = KDADeltaSpec.from_call(torch.empty(T, H, dk, dk, **cuda), torch.empty(T, H, dk, **cuda),
+                                     torch.empty(T, H, **cuda), torch.empty(T, H, dk, **cuda),
+                                     torch.empty(T, H, dk, **cuda), torch.empty(T, H, dk, **cuda))
+    assert (experts.fits, experts.tokens, experts.E, experts.I, experts.L) == (None, T, E, I, L)
+    assert (route.fits, route.tokens, route.E) == (None, T, E)
+    assert (kda.fits, kda.tokens, kda.heads, kda.dk, kda.dv) == (None, T, H, dk, dk)
