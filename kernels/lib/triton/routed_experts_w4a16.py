@@ -381,10 +381,6 @@ def packs(dtype: torch.dtype, fmt: str, scale_dtype: torch.dtype) -> bool:
             and not bf16_kernel.INTERPRET)
 
 
-def cfg_items(cfg: dict):
-    return (("gate_up", cfg["gate_up"]), ("down", cfg["down"]))
-
-
 def word_order(x: torch.Tensor) -> torch.Tensor:
     """[..., K] -> a copy with each 8 columns in the dequantized weights' WORD_ORDER: position 8w + 2j + h
     holds element 8w + j + 4h (the dot's sum is the same; the weights' registers need no reordering)."""
@@ -419,7 +415,7 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
         _group_kernel[(1,)](experts, rows, groups, scratch, P, E, BLOCK_P=cfg["BLOCK_P"], num_warps=4)
     mxfp4 = fmt == "mxfp4"
     packable = packs(a.dtype, fmt, s1.dtype)
-    packed = {n: packable if c["PACKED"] is None else bool(c["PACKED"]) and packable for n, c in cfg_items(cfg)}
+    packed = {n: packable and cfg[n]["PACKED"] in (None, True) for n in ("gate_up", "down")}
     _gate_up_kernel[(cfg["groups"], 2 * triton.cdiv(I, gu_cfg["BLOCK_N"]), split)](
         word_order(a) if gu_cfg["WORD_ORDER"] else a, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, I=I, L=L, SPLIT_K=split,
         TOP_K=int(top_k), BLOCK_M=BLOCK_M, BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], MXFP4=mxfp4,
