@@ -379,12 +379,12 @@ def test_triton_kernels_compile_for_sm90(fmt):
         gu, dn = cfg["gate_up"], cfg["down"]
         mode = {"PAIRWISE": pairwise, **({"rows_ptr": None, "groups_ptr": None} if pairwise else {})}
         packed = K.packs(torch.bfloat16, fmt, torch.uint8 if fmt == "mxfp4" else torch.bfloat16)
-        shape = {"I": I, "L": 3584, "BLOCK_M": K.BLOCK_M, "MXFP4": fmt == "mxfp4", "PACKED": packed, **mode,
-                 }
+        shape = {"I": I, "L": 3584, "BLOCK_M": K.BLOCK_M, "MXFP4": fmt == "mxfp4", "PACKED": packed, **mode}
         for name, fn, constexprs, launch in (
                 ("gate_up", K._gate_up_kernel, {**shape, "TOP_K": 16, "BLOCK_N": gu["BLOCK_N"],
-                                                "BLOCK_K": gu["BLOCK_K"], "SPLIT_K": gu["SPLIT_K"], "STAGES": gu["STAGES"],
-                                                "WGMMA": gu["WGMMA"], "WORD_ORDER": gu["WORD_ORDER"]}, gu),
+                                                "BLOCK_K": gu["BLOCK_K"], "SPLIT_K": gu["SPLIT_K"],
+                                                "STAGES": gu["STAGES"], "WGMMA": gu["WGMMA"],
+                                                "WORD_ORDER": gu["WORD_ORDER"]}, gu),
                 ("down", K._down_kernel, {**shape, "N_TILES": dn["N_TILES"], "BLOCK_N": dn["BLOCK_N"],
                                           "BLOCK_K": dn["BLOCK_K"], "STAGES": dn["STAGES"], "WGMMA": dn["WGMMA"],
                                           "WORD_ORDER": dn["WORD_ORDER"]}, dn)):

@@ -154,7 +154,8 @@ def test_dequantization_is_the_models_bit_for_bit(fmt, packed, dtype):
     else:
         words = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, W), device=DEV, dtype=torch.int32, generator=gen)
         exps = torch.linspace(-133, 127, rows * (W // 4), device=DEV).round()
-        s = (torch.exp2(exps) * (1 + 0.99 * torch.rand(exps.shape, device=DEV, generator=gen))).to(BF16).view(rows, W // 4)
+        mantissas = 1 + 0.99 * torch.rand(exps.shape, device=DEV, generator=gen)
+        s = (torch.exp2(exps) * mantissas).to(BF16).view(rows, W // 4)
     out = torch.empty((rows, 8 * W), device=DEV, dtype=dtype)
     tl_dtype = tl.bfloat16 if dtype == BF16 else tl.float16
     _dequant_probe[(rows // 16,)](words.contiguous(), s.contiguous(), out, W=W, MXFP4=fmt == "mxfp4", PACKED=packed,

@@ -416,8 +416,9 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
     mxfp4 = fmt == "mxfp4"
     packable = packs(a.dtype, fmt, s1.dtype)
     packed = {n: packable and cfg[n]["PACKED"] in (None, True) for n in ("gate_up", "down")}
+    x = word_order(a) if gu_cfg["WORD_ORDER"] else a
     _gate_up_kernel[(cfg["groups"], 2 * triton.cdiv(I, gu_cfg["BLOCK_N"]), split)](
-        word_order(a) if gu_cfg["WORD_ORDER"] else a, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, I=I, L=L, SPLIT_K=split,
+        x, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, I=I, L=L, SPLIT_K=split,
         TOP_K=int(top_k), BLOCK_M=BLOCK_M, BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], MXFP4=mxfp4,
         PACKED=packed["gate_up"], PAIRWISE=cfg["pairwise"], STAGES=gu_cfg["STAGES"], WGMMA=gu_cfg["WGMMA"],
         WORD_ORDER=gu_cfg["WORD_ORDER"], num_warps=gu_cfg["num_warps"])
