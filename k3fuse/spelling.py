@@ -125,7 +125,10 @@ def expert_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
     (a static shape cannot shrink to the distinct count). pair_slots[p] is pair p's slot, so the
     experts' GEMMs can run over the S slot weights as if they were the whole expert table.
     """
-    slots = torch.sym_min(experts.shape[0], n_experts)  # symbolic under a dynamic token count
+    pairs = experts.shape[0]
+    # symbolic under a dynamic token count; a static one takes builtin min, since torch 2.11's dynamo
+    # graph-breaks on torch.sym_min of two ints (the T = 1 decode graph split around the experts)
+    slots = torch.sym_min(pairs, n_experts) if isinstance(pairs, torch.SymInt) else min(pairs, n_experts)
     order = torch.argsort(experts, stable=True)
     sorted_experts = experts.index_select(0, order)
     starts = F.pad(sorted_experts[1:] != sorted_experts[:-1], (1, 0), value=True)  # a new expert begins

@@ -65,6 +65,19 @@ def test_expert_slots_are_the_distinct_experts_in_static_shapes():
     assert slot_experts.tolist() == [3] + [0] * 6 and pair_slots.eq(0).all()
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_expert_slots_trace_in_one_graph_at_a_static_and_a_dynamic_token_count(dynamic):
+    """torch 2.11's dynamo broke the graph at torch.sym_min of two ints, which split the T = 1 decode
+    graph around the experts so the routed_experts rule saw no quantized spelling there."""
+    torch._dynamo.reset()
+    traced = torch.compile(lambda e: spelling.expert_slots(e, 896), fullgraph=True, dynamic=dynamic,
+                           backend="eager")
+    for pairs in (16, 128):
+        experts = torch.randint(0, 896, (pairs,), generator=torch.Generator().manual_seed(pairs))
+        slot_experts, pair_slots = traced(experts)
+        assert slot_experts.shape == (pairs,) and torch.equal(slot_experts[pair_slots], experts)
+
+
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_grouped_quantized_spelling_computes_what_the_gathered_one_does(fmt):
     if not hasattr(torch, "_grouped_mm"):
