@@ -117,6 +117,12 @@ def routed_experts(a: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3:
     return spelled(a, experts, w1, w3, w2, top_k, beta, linear_beta)
 
 
+def slot_count(pairs: int | torch.SymInt, n_experts: int) -> int | torch.SymInt:
+    """S = min(pairs, n_experts), the static slot count of `expert_slots`: symbolic under a dynamic
+    token count; builtin min for ints, since torch 2.11's dynamo graph-breaks on torch.sym_min of two ints."""
+    return torch.sym_min(pairs, n_experts) if isinstance(pairs, torch.SymInt) else min(pairs, n_experts)
+
+
 def expert_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct experts a step uses, in static shapes: (slot_experts int64 [S], pair_slots int64 [P]).
 
@@ -125,10 +131,7 @@ def expert_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
     (a static shape cannot shrink to the distinct count). pair_slots[p] is pair p's slot, so the
     experts' GEMMs can run over the S slot weights as if they were the whole expert table.
     """
-    pairs = experts.shape[0]
-    # symbolic under a dynamic token count; a static one takes builtin min, since torch 2.11's dynamo
-    # graph-breaks on torch.sym_min of two ints (the T = 1 decode graph split around the experts)
-    slots = torch.sym_min(pairs, n_experts) if isinstance(pairs, torch.SymInt) else min(pairs, n_experts)
+    slots = slot_count(experts.shape[0], n_experts)
     order = torch.argsort(experts, stable=True)
     sorted_experts = experts.index_select(0, order)
     starts = F.pad(sorted_experts[1:] != sorted_experts[:-1], (1, 0), value=True)  # a new expert begins
@@ -217,5 +220,5 @@ def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling
 
 __all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
            "situ_glu", "delta_rule", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
-           "routed_experts_gathered", "expert_slots", "dequantize_experts", "routed_experts_quantized",
+           "routed_experts_gathered", "slot_count", "expert_slots", "dequantize_experts", "routed_experts_quantized",
            "routed_experts_quantized_grouped", "routed_experts_quantized_gathered"]

@@ -55,7 +55,7 @@ from k3fuse.rule import Match, PatternSpec, Rule, Variant
 from k3fuse.spelling import (routed_experts_gathered, routed_experts_grouped, routed_experts_quantized_gathered,
                              routed_experts_quantized_grouped)
 
-from k3fuse import quant
+from k3fuse import quant, spelling
 
 from ._pattern_tools import dtype_of, numeric_literals
 
@@ -192,7 +192,7 @@ def _quantized_failure(match: Match, fmt: str) -> GuardFailure | None:
         return GuardFailure("site", "dtype", f"the packed weights or scales are not {fmt}'s dtypes, or the expert "
                             "ids are not int64", {**values, **{f"{n}_dtype": str(d) for n, d in dtypes.items()}})
     pairs = a[0] * top_k
-    slots = min(pairs, n_experts) if isinstance(pairs, int) else torch.sym_min(pairs, n_experts)
+    slots = spelling.slot_count(pairs, n_experts)
     captured = {"tokens": a[0], "latent": latent, "pairs": pairs, "slots": slots}
     for name, want_size in captured.items():
         if name in match.scalars and str(match.scalars[name]) != str(want_size):
