@@ -17,6 +17,7 @@ import torch
 from k3fuse import quant
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
+from k3fuse.kernels.lib.cute import routed_experts_w4a16 as cute_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
 
@@ -171,6 +172,10 @@ def run_w4a16(args) -> int:
                 results[T]["w4a16"] = timed(lambda: [kernel.run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table,
                                                                 out=out[i], config=config) for i in range(STEPS)],
                                             r.refill, args.replays)
+                if "cute" in arms and fmt == "mxfp4":  # the CuTe expert GEMMs (MXFP4, bf16 only)
+                    results[T]["cute"] = timed(lambda: [cute_kernel.run(r.a[i], r.experts[i], *packed, K, *SITU, fmt,
+                                                                        table, out=out[i])
+                                                        for i in range(STEPS)], r.refill, args.replays)
                 results[T]["touched"] = statistics.mean(r.touched)
                 results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"
             if I in humming_inters and "humming" in arms:
@@ -202,6 +207,11 @@ def run_w4a16(args) -> int:
                        "vs_bf16": bf16_us[T] / res["w4a16"] if T in bf16_us else None,
                        "vs_stock": res["stock"] / res["w4a16"] if res.get("stock") else None,
                        "vs_humming": res["humming"] / res["w4a16"] if res.get("humming") else None}
+                if res.get("cute"):
+                    row.update(cute=res["cute"], cute_pct_copy_bw=100 * touched_bytes / (res["cute"] * 1e-6) / copy_bw,
+                               cute_vs_w4a16=res["w4a16"] / res["cute"],
+                               cute_vs_humming=res["humming"] / res["cute"] if res.get("humming") else None,
+                               cute_vs_bf16=bf16_us[T] / res["cute"] if T in bf16_us else None)
                 for extra in ("stock_error", "humming_rel_vs_w4a16"):
                     if extra in res:
                         row[extra] = res[extra]
@@ -209,7 +219,9 @@ def run_w4a16(args) -> int:
                 print(f"I={I:>5} {fmt:5} T={T:>3} touched {row['experts_touched']:6.1f} "
                       f"{touched_bytes / 1e6:8.1f} MB  w4a16 {row['w4a16']:8.1f} µs [{res['mode']:8}] "
                       f"{row['w4a16_pct_copy_bw']:5.1f}% of copy  bf16 {_fmt(row['bf16'])} "
-                      f"stock {_fmt(row['stock'])}  humming {_fmt(row['humming'])}", flush=True)
+                      f"stock {_fmt(row['stock'])}  humming {_fmt(row['humming'])}"
+                      + (f"  cute {row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else ""),
+                      flush=True)
             del packed
             torch.cuda.empty_cache()
             _write(args.json, copy_bw, tables, humming_errors, rows, config, swept)  # a cut-short run keeps it

@@ -15,7 +15,8 @@
 #                                                      collective guard's, test-guard alone: world 1 + 2)
 #   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
-#   test-moe: the routed-experts (BF16 and W4A16) and route top-k kernels, bench-moe their benchmarks
+#   test-moe: the routed-experts (BF16 and W4A16) and route top-k kernels, bench-moe their benchmarks,
+#   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths)
 #   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from
 #   .whl/humming_kernels-*.whl; W4A16_ARGS adds options, e.g. --humming-inter 1536); test-front /
 #   bench-front: the sharded MoE front, test-tail / bench-tail: the MoE tail (latent all-reduce +
@@ -135,6 +136,8 @@ for s in "${STEPS[@]}"; do
                  ${W4A16_ARGS:-}
                step bench_route_topk "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_route_topk.py \
                  --json "$OUT/bench_route_topk.json" ;;
+    bench-w4a16) step bench_routed_experts_w4a16 "${BENCH_TIMEOUT:-600}" "$PY" bench/bench_routed_experts.py \
+                   --json "$OUT/bench_routed_experts_w4a16.json" ${W4A16_ARGS:---formats mxfp4,int4 --inter 3072,1536,384} ;;
     test-front) step pytest_front "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_moe_front_gpu.py ;;
     bench-front) if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then FRONT=(--world 2)
                  else FRONT=(--world 1 --as-tp "${FRONT_AS_TP:-2,4,8,16}"); fi

@@ -171,11 +171,46 @@ def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
     return a.new_empty((experts.shape[0], L))
 
 
+def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
+    """The CuTe expert GEMMs: MXFP4 with bf16 activations at widths of whole 128-element steps; the
+    grouping and the activation are the Triton kernels', so Triton's coverage first."""
+    from ..lib.cute import routed_experts_w4a16 as cute_kernel
+
+    if (why := accepts(spec)) is not None:
+        return why
+    if (missing := cute_kernel.available()) is not None:
+        return missing
+    if spec.format != "mxfp4" or spec.dtype != torch.bfloat16:
+        return f"{spec.format} with {spec.dtype} (the CuTe kernel runs mxfp4 with bf16 activations)"
+    return cute_kernel.covers(spec.I, spec.L)
+
+
+def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
+             situ_linear_beta, format, table=None, **_):
+    from ..lib.cute import routed_experts_w4a16 as cute_kernel
+
+    return cute_kernel.run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k,
+                           situ_beta, situ_linear_beta, format, table)
+
+
+def cute_warmup(shapes) -> None:
+    """Compile the CuTe launches of each {"M", "E", "I", "L", "top_k", "dtype", "format"} it covers."""
+    from ..lib.cute import routed_experts_w4a16 as cute_kernel
+
+    for s in shapes:
+        if s["format"] != "mxfp4" or s.get("dtype", torch.bfloat16) != torch.bfloat16:
+            continue
+        if cute_kernel.available() is None and cute_kernel.covers(s["I"], s["L"]) is None:
+            cute_kernel.warmup_shape(s["M"], s["E"], s["I"], s["L"], s["top_k"], s.get("device", "cuda"))
+
+
 DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "
                   "Tensor w2_packed, Tensor w2_scale, int top_k, float situ_beta, float situ_linear_beta, str format, "
                   "Tensor? table=None, bool strict=False) -> Tensor",
               _fake, routed_experts_quantized, routed_experts_quantized_gathered, spec=RoutedExpertsW4A16Spec)
 DECLS = (DECL,)
 declare(DECL)
+register_impl(OP, Impl("cute.routed_experts_w4a16", cute_accepts, cute_run, priority=60, warmup=cute_warmup,
+                       needs=("cute.compat", "cute.routed_experts_w4a16", "triton.routed_experts_w4a16")))
 register_impl(OP, Impl("triton.routed_experts_w4a16", accepts, run, priority=50, warmup=warmup,
                        needs=("triton.routed_experts_w4a16",)))

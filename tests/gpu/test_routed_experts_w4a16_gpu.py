@@ -31,6 +31,7 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import quant, runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
+from k3fuse.kernels.lib.cute import routed_experts_w4a16 as cute_kernel  # noqa: E402
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel  # noqa: E402
 from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, accepts  # noqa: E402
 from k3fuse.spelling import situ  # noqa: E402
@@ -101,6 +102,18 @@ class Experts:
         return z64, zbf
 
 
+
+
+def _cute_missing(experts) -> str | None:
+    """Why the CuTe kernel does not run these experts (it runs MXFP4 only), or None."""
+    if experts.fmt != "mxfp4":
+        return "the CuTe kernel runs mxfp4 only"
+    return cute_kernel.available() or cute_kernel.covers(experts.I, L)
+
+
+def _cute_run(experts, a, ids, out, pairwise):
+    cfg = cute_kernel.pick_config(a.shape[0], E, experts.I, L, K, pairwise=pairwise)
+    return cute_kernel.run(*experts.args(a, ids), out=out, config=cfg)
 
 
 def _check(z: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor], where) -> None:
@@ -181,6 +194,11 @@ def test_every_token_count_against_float64_in_both_modes(experts):
             z = kernel.run(*experts.args(a, ids), out=out, config=mode)
             assert z.data_ptr() == out.data_ptr()
             _check(z, ref, (experts.fmt, experts.I, T, mode))
+            if _cute_missing(experts) is None:
+                out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
+                z = _cute_run(experts, a, ids, out, mode["pairwise"])
+                assert z.data_ptr() == out.data_ptr()
+                _check(z, ref, (experts.fmt, experts.I, T, mode, "cute"))
 
 
 @MODES
@@ -189,7 +207,11 @@ def test_crowded_experts_span_several_row_blocks(experts, T, mode):
     a, ids = tokens(T, seed=100 + T, crowded=True)
     out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
     z = kernel.run(*experts.args(a, ids), out=out, config=mode)
-    _check(z, experts.reference(a, ids), (experts.fmt, experts.I, T, mode, "crowded"))
+    ref = experts.reference(a, ids)
+    _check(z, ref, (experts.fmt, experts.I, T, mode, "crowded"))
+    if _cute_missing(experts) is None:
+        out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
+        _check(_cute_run(experts, a, ids, out, mode["pairwise"]), ref, (experts.fmt, experts.I, T, mode, "cute"))
 
 
 def test_op_strict_counts_the_kernel(experts):
@@ -198,7 +220,8 @@ def test_op_strict_counts_the_kernel(experts):
     runtime.reset_stats()
     with runtime.strict():
         z = torch.ops.k3fuse.routed_experts_w4a16(*experts.args(a, ids))
-    assert runtime.stats()["routed_experts_w4a16"] == {"triton.routed_experts_w4a16": 1}
+    impl = "cute.routed_experts_w4a16" if _cute_missing(experts) is None else "triton.routed_experts_w4a16"
+    assert runtime.stats()["routed_experts_w4a16"] == {impl: 1}
     assert runtime.fallbacks() == {}
     _check(z, experts.reference(a, ids), (experts.fmt, experts.I, "op"))
 
@@ -212,15 +235,24 @@ def test_a_wrong_table_is_refused(experts):
     assert accepts(RoutedExpertsW4A16Spec.from_call(*args)) == "the table is not the E2M1 values the kernel decodes"
 
 
+@pytest.mark.parametrize("impl", ["triton", "cute"])
 @pytest.mark.parametrize("T", [1, 8, 64])
-def test_cuda_graph_1000_replays_on_changing_inputs(experts, T):
+def test_cuda_graph_1000_replays_on_changing_inputs(experts, T, impl):
+    if impl == "cute" and (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
     a_static, e_static = tokens(T, seed=0)
     z_static = torch.empty(T * K, L, device=DEV, dtype=BF16)
-    kernel.run(*experts.args(a_static, e_static), out=z_static, config=CONFIG or None)  # compile before capture
+
+    def call():
+        if impl == "cute":
+            return cute_kernel.run(*experts.args(a_static, e_static), out=z_static)
+        return kernel.run(*experts.args(a_static, e_static), out=z_static, config=CONFIG or None)
+
+    call()  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernel.run(*experts.args(a_static, e_static), out=z_static, config=CONFIG or None)
+        call()
     checked = 0
     for i in range(1000):
         a, ids = tokens(T, seed=1000 + i, crowded=(i % 97 == 0))

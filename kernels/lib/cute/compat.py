@@ -142,6 +142,70 @@ if HAVE_CUTE:
         """%globaltimer in ns, for the debug spin timeout only (coarse, but monotonic)."""
         return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
 
+    # ---------------- pure inline PTX: register math, read-only loads, mma (the W4A16 kernel) --------
+    def asm_pure(ret, args, text, cons):
+        """Inline PTX without side effects: the compiler may schedule, combine or drop it."""
+        return llvm.inline_asm(ret, args, text, cons, has_side_effects=False,
+                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+    def struct_type(n: int, elem: str):
+        return ir.Type.parse("!llvm.struct<(" + ",".join([elem] * n) + ")>")
+
+    def unpack(st, n: int, cls, loc, ip):
+        elem = T.i32() if cls is Int32 else T.f32()
+        return tuple(cls(llvm.extractvalue(elem, st, [i], loc=loc, ip=ip)) for i in range(n))
+
+    @dsl_user_op
+    def address(ptr, *, loc=None, ip=None) -> Int64:
+        """A pointer's address as an Int64 (byte arithmetic past 2^31 elements)."""
+        return Int64(ptr.toint(loc=loc, ip=ip))
+
+    @dsl_user_op
+    def ld_nc_v4(addr, *, loc=None, ip=None):
+        """16 read-only bytes (non-coherent path) as four 32-bit words; addr 16-byte aligned."""
+        st = asm_pure(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                      "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+        return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_v4_if(addr, pred, *, loc=None, ip=None):
+        """ld_nc_v4 where pred != 0, else four zero words (no memory access)."""
+        st = asm_pure(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip),
+                                              Int32(pred).ir_value(loc=loc, ip=ip)],
+                      "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
+                      "mov.b32 $2, 0;\nmov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
+                      "=r,=r,=r,=r,l,r")
+        return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
+    def ld_nc_u8(addr, *, loc=None, ip=None) -> Int32:
+        """One read-only byte, zero-extended."""
+        return Int32(asm_pure(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                              "ld.global.nc.u8 $0, [$1];", "=r,l"))
+
+    @dsl_user_op
+    def mma_m16n8k16_bf16(a, b, c, *, loc=None, ip=None):
+        """d = A (16x16 bf16, 4 regs) @ B (16x8 bf16, 2 regs) + C (fp32, 4 regs): one warp's mma.sync,
+        fragments in PTX's m16n8k16 .row.col layout."""
+        args = ([Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+                + [Float32(v).ir_value(loc=loc, ip=ip) for v in c])
+        st = asm_pure(struct_type(4, "f32"), args,
+                      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+                      "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                      "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+        return unpack(st, 4, Float32, loc, ip)
+
+    @dsl_user_op
+    def st_f32(addr, v, *, loc=None, ip=None) -> None:
+        _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+             "st.global.f32 [$0], $1;", "l,f")
+
+    @dsl_user_op
+    def st_bf16(addr, v, *, loc=None, ip=None) -> None:
+        """v rounded to bf16 (nearest even) and stored."""
+        _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+             "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f")
+
     SENTINEL = -2147483648  # bit pattern of fp32 -0.0 (0x80000000): "not written yet" (Lamport)
 
     @dsl_user_op

@@ -340,7 +340,7 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | No
     blocks = -(-L // down["BLOCK_N"])
     per_program = max(1.0, expected_groups * blocks / TARGET_PROGRAMS)
     down.setdefault("N_TILES", min(MAX_N_TILES, 1 << (int(per_program).bit_length() - 1)))
-    return {"pairwise": pairwise, "BLOCK_P": bf16_kernel._pow2(P), "gate_up": gate_up, "down": down,
+    return {"pairwise": pairwise, "gate_up": gate_up, "down": down,
             "groups": P if pairwise else min(E, P)}
 
 
@@ -392,6 +392,30 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.view(torch.int32)
 
 
+def group(experts: torch.Tensor, E: int, pairwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rows, groups) from `_group_kernel` for grouped mode; (None, None) pairwise (the kernels read
+    the experts directly)."""
+    if pairwise:
+        return None, None
+    P = experts.shape[0]
+    block_p = bf16_kernel._pow2(P)
+    work = torch.empty(P + 1 + 3 * P + block_p, dtype=torch.int32, device=experts.device)
+    rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
+    _group_kernel[(1,)](experts, rows, groups, scratch, P, E, BLOCK_P=block_p, num_warps=4)
+    return rows, groups
+
+
+def act(gu: torch.Tensor, dtype: torch.dtype, situ_beta: float, situ_linear_beta: float,
+        word_ordered: bool) -> torch.Tensor:
+    """act [P, I] in `dtype` from the fp32 partials gu [SPLIT_K, P, 2I] (`_act_kernel`)."""
+    split, P, I = gu.shape[0], gu.shape[1], gu.shape[2] // 2
+    out = torch.empty((P, I), dtype=dtype, device=gu.device)
+    _act_kernel[(triton.cdiv(P * I, ACT_BLOCK),)](gu, out, P, float(situ_beta), float(situ_linear_beta), I=I,
+                                                  SPLIT_K=split, BLOCK=ACT_BLOCK, WORD_ORDER=word_ordered,
+                                                  num_warps=4)
+    return out
+
+
 def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt, table=None,
         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """z [T*k, L]; `out`: a contiguous [T*k, L] buffer of a's dtype to write instead (tests poison it);
@@ -407,12 +431,7 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
     gu_cfg, dn = cfg["gate_up"], cfg["down"]
     split = gu_cfg["SPLIT_K"]
     gu = torch.empty((split, P, 2 * I), dtype=torch.float32, device=a.device)
-    act = torch.empty((P, I), dtype=a.dtype, device=a.device)
-    rows = groups = None  # pairwise: the kernels read the experts directly
-    if not cfg["pairwise"]:
-        work = torch.empty(P + 1 + 3 * P + cfg["BLOCK_P"], dtype=torch.int32, device=a.device)
-        rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
-        _group_kernel[(1,)](experts, rows, groups, scratch, P, E, BLOCK_P=cfg["BLOCK_P"], num_warps=4)
+    rows, groups = group(experts, E, cfg["pairwise"])
     mxfp4 = fmt == "mxfp4"
     packable = packs(a.dtype, fmt, s1.dtype)
     packed = {n: packable and cfg[n]["PACKED"] in (None, True) for n in ("gate_up", "down")}
@@ -422,11 +441,9 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
         TOP_K=int(top_k), BLOCK_M=BLOCK_M, BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], MXFP4=mxfp4,
         PACKED=packed["gate_up"], PAIRWISE=cfg["pairwise"], STAGES=gu_cfg["STAGES"], WGMMA=gu_cfg["WGMMA"],
         WORD_ORDER=gu_cfg["WORD_ORDER"], num_warps=gu_cfg["num_warps"])
-    _act_kernel[(triton.cdiv(P * I, ACT_BLOCK),)](gu, act, P, float(situ_beta), float(situ_linear_beta), I=I,
-                                                  SPLIT_K=split, BLOCK=ACT_BLOCK, WORD_ORDER=dn["WORD_ORDER"],
-                                                  num_warps=4)
+    h = act(gu, a.dtype, situ_beta, situ_linear_beta, dn["WORD_ORDER"])
     _down_kernel[(cfg["groups"], triton.cdiv(triton.cdiv(L, dn["BLOCK_N"]), dn["N_TILES"]))](
-        act, _words(w2), s2, z, experts, rows, groups, P, E, I=I, L=L, N_TILES=dn["N_TILES"], BLOCK_M=BLOCK_M,
+        h, _words(w2), s2, z, experts, rows, groups, P, E, I=I, L=L, N_TILES=dn["N_TILES"], BLOCK_M=BLOCK_M,
         BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], MXFP4=mxfp4, PACKED=packed["down"], PAIRWISE=cfg["pairwise"],
         STAGES=dn["STAGES"], WGMMA=dn["WGMMA"], WORD_ORDER=dn["WORD_ORDER"], num_warps=dn["num_warps"])
     return z

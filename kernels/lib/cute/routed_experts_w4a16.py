@@ -1,0 +1,322 @@
+"""CuTe DSL W4A16 expert GEMMs for decode (MXFP4): each warp streams 16 weight rows, mma.sync on registers.
+
+The two weight-streaming launches of `routed_experts_w4a16` (kernels/ops/routed_experts_w4a16.py) over
+MXFP4 weights; the grouping and the SiTU-GLU stay the Triton module's (lib/triton/routed_experts_w4a16.py),
+whose launch and numerics this matches. Why not Triton: there the dequantized weights reach the MMA
+through layout conversions and a wait on every wgmma (6.4 instructions a weight, docs/perf.md 0g);
+here a thread's packed bytes are its own MMA fragment and nothing else runs in the loop.
+
+Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at a time (the mma's N):
+- a thread (r, t = lane % 4) loads 16 bytes of each of its two rows a step of 128 elements: elements
+  32t .. 32t + 31, one E8M0 group, so one scale byte a row a step;
+- each int32 word (8 nibbles) dequantizes to four bf16x2 registers, register j holding elements j and
+  j + 4 (shift, mask, two bf16x2 multiplies: the E2M1 value * 2^-126 as a bf16 pattern, * 2^126,
+  * 2^(s - 127); exact, the model's dequantized weight bit for bit); word i feeds mmas 2i and 2i + 1;
+- the activations come in `word_order` (lib/triton/routed_experts_w4a16.py: position 8w + 2j + h holds
+  element 8w + j + 4h), so a 32-bit load is the B fragment that register j meets: the dot's sum over
+  k is the same, in another order;
+- m16n8k16 bf16 mma.sync, fp32 accumulation; the k loop is UNROLL steps of loads, then their mmas.
+
+Launch (one class, both projections): grid (groups, row blocks, SPLIT_K). gate/up: blocks of w1 then of
+w3 (`blocks_a` of each), fp32 partials over a K span into gu [SPLIT_K, P, 2I]; down: N_TILES row
+blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own group) or grouped
+(`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compat import SELF as compat
+
+STEP = 128  # elements of a row a thread quad covers per step (4 threads x 32: one group each)
+ROWS_PER_WARP = 16
+PAIRS_PER_MMA = 8
+
+if compat.HAVE_CUTE:
+    import cutlass
+    from cutlass import Float32, Int32, Int64, const_expr
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    cute = compat.cute
+
+    @dsl_user_op
+    def e8m0_bf16x2(s, *, loc=None, ip=None) -> Int32:
+        """E8M0 byte s -> 2^(s - 127) as bf16 in both halves (s = 0: the subnormal 0x0040)."""
+        return Int32(compat.asm_pure(
+            T.i32(), [Int32(s).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .pred z;\nshl.b32 $0, $1, 7;\nsetp.eq.u32 z, $1, 0;\n@z mov.b32 $0, 0x40;\n"
+            "prmt.b32 $0, $0, $0, 0x1010;\n}", "=r,r"))
+
+    @dsl_user_op
+    def e2m1x8_bf16x2(word, scale2, *, loc=None, ip=None):
+        """Eight E2M1 nibbles -> four bf16x2 registers, register j = (element j, element j + 4), times
+        the group's scale: (sign | magnitude << 6) is E2M1 * 2^-126, then * 2^126 (exact), * scale."""
+        lines = [".reg .b32 q, m, c;", "mov.b32 c, 0x7E807E80;"]
+        for j in range(4):
+            lines += [f"shl.b32 q, $4, {12 - 4 * j};", "and.b32 m, q, 0x80008000;", "shr.u32 q, q, 6;",
+                      "and.b32 q, q, 0x01C001C0;", "or.b32 q, q, m;", "mul.rn.bf16x2 q, q, c;",
+                      f"mul.rn.bf16x2 ${j}, q, $5;"]
+        st = compat.asm_pure(compat.struct_type(4, "i32"),
+                             [Int32(word).ir_value(loc=loc, ip=ip), Int32(scale2).ir_value(loc=loc, ip=ip)],
+                             "{\n" + "\n".join(lines) + "\n}", "=r,=r,=r,=r,r,r")
+        return compat.unpack(st, 4, Int32, loc, ip)
+
+    class W4A16RowsDot:
+        """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
+
+        def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
+                     blocks_a: int, col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int):
+            assert K % STEP == 0 and k_span % (STEP * unroll) == 0 and N % (ROWS_PER_WARP * warps) == 0
+            self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
+            self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
+            self.pairwise, self.warps, self.unroll, self.n_tiles = pairwise, warps, unroll, n_tiles
+            # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
+            self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
+            assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
+                     mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
+                     mGroups: cute.Tensor, stream):
+            P = mExperts.shape[0]
+            E = mSa.shape[0] // (self.N * (self.K // 32))
+            groups = P
+            if const_expr(not self.pairwise):
+                groups = cutlass.min(P, E)
+            self.kernel(mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups).launch(
+                grid=(groups, self.grid_y, self.K // self.k_span), block=(32 * self.warps, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
+                   mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
+                   mGroups: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            gid, col, split = cute.arch.block_idx()
+            N: cutlass.Constexpr = self.N
+            K: cutlass.Constexpr = self.K
+            UNROLL: cutlass.Constexpr = self.unroll
+            P = mExperts.shape[0]
+            E = mSa.shape[0] // (N * (K // 32))
+            lane = tidx % 32
+            r = lane // 4
+            t = lane % 4
+
+            e = Int64(0)
+            first = Int32(0)
+            size = Int32(0)
+            if const_expr(self.pairwise):
+                e = Int64(mExperts[gid])
+                first = gid
+                if e >= 0:
+                    if e < E:
+                        size = Int32(1)
+            else:
+                if gid < mGroups[0]:
+                    e = Int64(mGroups[1 + gid])
+                    first = mGroups[1 + P + gid]
+                    size = mGroups[1 + 2 * P + gid]
+
+            # which matrix (gate/up: w1's blocks, then w3's) and its output columns
+            w_base = compat.address(mWa.iterator)
+            s_base = compat.address(mSa.iterator)
+            block = col * self.n_tiles
+            col_off = Int32(0)
+            if const_expr(self.col_b > 0):
+                if col >= self.blocks_a:
+                    w_base = compat.address(mWb.iterator)
+                    s_base = compat.address(mSb.iterator)
+                    block = col - self.blocks_a
+                    col_off = Int32(self.col_b)
+            x_base = compat.address(mX.iterator)
+            o_base = compat.address(mOut.iterator)
+            o_size: cutlass.Constexpr = 4 if self.out_fp32 else 2
+            k_begin = split * self.k_span
+
+            acc = cute.make_rmem_tensor((4,), Float32)
+            for tile in cutlass.range_constexpr(self.n_tiles):
+                row_a = (block + tile) * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + r
+                w_row_a = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
+                w_row_b = w_row_a + 8 * (K // 2)
+                s_row_a = s_base + (e * N + row_a) * (K // 32) + (k_begin // 32 + t)
+                s_row_b = s_row_a + 8 * (K // 32)
+                for m0 in cutlass.range(0, size, PAIRS_PER_MMA):
+                    # the B column this thread loads: pair m0 + r of the group
+                    has_n = Int32(0)
+                    x_row = Int64(0)
+                    if m0 + r < size:
+                        has_n = Int32(1)
+                        pair = first + m0 + r
+                        if const_expr(not self.pairwise):
+                            pair = mRows[first + m0 + r]
+                        x_row = Int64(pair // self.top_k)
+                    x_at = x_base + (x_row * K + k_begin + 32 * t) * 2
+                    for i in cutlass.range_constexpr(4):
+                        acc[i] = Float32(0.0)
+                    for s in cutlass.range(0, self.k_span // STEP, UNROLL):
+                        wa, wb, sa, sb, xs = [], [], [], [], []
+                        for u in cutlass.range_constexpr(UNROLL):
+                            step = s + u
+                            wa.append(compat.ld_nc_v4(w_row_a + step * (STEP // 2)))
+                            wb.append(compat.ld_nc_v4(w_row_b + step * (STEP // 2)))
+                            sa.append(compat.ld_nc_u8(s_row_a + step * (STEP // 32)))
+                            sb.append(compat.ld_nc_u8(s_row_b + step * (STEP // 32)))
+                            xs.append([compat.ld_nc_v4_if(x_at + step * (STEP * 2) + 16 * q, has_n)
+                                       for q in range(4)])
+                        for u in cutlass.range_constexpr(UNROLL):
+                            scale_a = e8m0_bf16x2(sa[u])
+                            scale_b = e8m0_bf16x2(sb[u])
+                            for i in cutlass.range_constexpr(4):
+                                ra = e2m1x8_bf16x2(wa[u][i], scale_a)
+                                rb = e2m1x8_bf16x2(wb[u][i], scale_b)
+                                for h in cutlass.range_constexpr(2):
+                                    # x words 4i + 2h, 4i + 2h + 1 of the thread's 16: xs[u][i][2h], [2h+1]
+                                    c = compat.mma_m16n8k16_bf16(
+                                        (ra[2 * h], rb[2 * h], ra[2 * h + 1], rb[2 * h + 1]),
+                                        (xs[u][i][2 * h], xs[u][i][2 * h + 1]),
+                                        (acc[0], acc[1], acc[2], acc[3]))
+                                    for q in cutlass.range_constexpr(4):
+                                        acc[q] = c[q]
+                    # c0, c1: row_a x pairs m0 + 2t, m0 + 2t + 1; c2, c3: row_a + 8, same pairs
+                    for j in cutlass.range_constexpr(2):
+                        if m0 + 2 * t + j < size:
+                            pair = first + m0 + 2 * t + j
+                            if const_expr(not self.pairwise):
+                                pair = mRows[first + m0 + 2 * t + j]
+                            at = o_base + ((Int64(split) * P + pair) * self.out_stride + col_off + row_a) * o_size
+                            if const_expr(self.out_fp32):
+                                compat.st_f32(at, acc[j])
+                                compat.st_f32(at + 8 * o_size, acc[2 + j])
+                            else:
+                                compat.st_bf16(at, acc[j])
+                                compat.st_bf16(at + 8 * o_size, acc[2 + j])
+
+
+def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
+            col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int):
+    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
+    params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
+                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, unroll=unroll, n_tiles=n_tiles)
+    key = ("w4a16_rows_dot", tuple(sorted(params.items())))
+
+    def build():
+        sym = cute.sym_int
+        x = compat.fake_tensor(cutlass.BFloat16, (sym(), K), (K, 1))
+        w = [compat.fake_tensor(cutlass.Uint8, (sym(),), (1,)) for _ in range(2)]
+        s = [compat.fake_tensor(cutlass.Uint8, (sym(),), (1,), align=1) for _ in range(2)]
+        out = compat.fake_tensor(cutlass.Float32 if out_fp32 else cutlass.BFloat16, (sym(),), (1,), align=4)
+        experts = compat.fake_tensor(cutlass.Int64, (sym(),), (1,), align=8)
+        rows = compat.fake_tensor(cutlass.Int32, (sym(),), (1,), align=4)
+        groups = compat.fake_tensor(cutlass.Int32, (sym(),), (1,), align=4)
+        k = W4A16RowsDot(**params)
+        return (k, x, w[0], s[0], w[1], s[1], out, experts, rows, groups, compat.fake_stream())
+
+    return key, build
+
+
+def launch(x, wa, sa, wb, sb, out, experts, rows, groups, **params) -> None:
+    """One compiled launch (CUDA tensors, contiguous; rows/groups any int32 tensor in pairwise mode)."""
+    key, build = builder(**params)
+    compat.compiled(key, build)(x, wa.view(-1), sa.view(-1), wb.view(-1), sb.view(-1), out.view(-1), experts,
+                                rows, groups)
+
+
+WARPS = 4
+BLOCK_ROWS = ROWS_PER_WARP * WARPS  # rows of W a CTA streams per tile
+TARGET_CTAS = 1056  # ~8 per SM on H200 (132 SMs): each CTA keeps 4 warps' loads in flight
+MAX_N_TILES = 8
+
+
+def _unroll(steps: int) -> int:
+    return 2 if steps % 2 == 0 else 1
+
+
+def pick_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None) -> dict:
+    """Mode, the gate/up K split and the down's row tiles a CTA, from the expected number of groups
+    (as lib/triton/routed_experts_w4a16.pick_config): enough CTAs to cover the SMs, no more."""
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as tri
+
+    P = T * top_k
+    pairwise = P <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
+    groups = P if pairwise else E * (1.0 - (1.0 - min(top_k, E) / E) ** T)
+    steps = L // STEP
+    split = 1
+    for cand in range(1, steps + 1):  # the smallest divisor of the steps that reaches the target
+        if steps % cand == 0:
+            split = cand
+            if groups * 2 * (I // BLOCK_ROWS) * cand >= TARGET_CTAS or cand >= 8:
+                break
+    blocks = L // BLOCK_ROWS
+    n_tiles = 1
+    while (n_tiles * 2 <= MAX_N_TILES and blocks % (n_tiles * 2) == 0
+           and groups * blocks / (n_tiles * 2) >= TARGET_CTAS):
+        n_tiles *= 2
+    return {"pairwise": pairwise, "split": split, "gate_up_unroll": _unroll(steps // split),
+            "down_unroll": _unroll(I // STEP), "n_tiles": n_tiles}
+
+
+def covers(I: int, L: int) -> str | None:
+    """Why these kernels do not cover the widths, or None: whole 128-element steps along both K
+    (L for gate/up, I for down) and whole 64-row blocks of both matrices."""
+    if I % STEP or L % STEP:
+        return f"I={I}, L={L} (the CuTe kernel needs multiples of {STEP})"
+    return None
+
+
+_dummy_rows: dict = {}
+
+
+def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt, table=None,
+        out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """z [T*k, L] for MXFP4 experts and bf16 a: the Triton grouping and SiTU-GLU around the two CuTe
+    launches. `out`: a [T*k, L] buffer to write instead; `config`: pick_config's result to use."""
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as tri
+
+    assert fmt == "mxfp4" and a.dtype == torch.bfloat16
+    T, L = a.shape
+    E, I = w1.shape[0], w1.shape[1]
+    P = T * int(top_k)
+    cfg = config or pick_config(T, E, I, L, int(top_k))
+    z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
+    assert z.is_contiguous() and tuple(z.shape) == (P, L) and z.dtype == a.dtype
+    if P == 0:
+        return z
+    rows, groups = tri.group(experts, E, cfg["pairwise"])
+    if rows is None:
+        rows = groups = _dummy_rows.get(a.device)
+        if rows is None:
+            rows = groups = _dummy_rows[a.device] = torch.zeros(4, dtype=torch.int32, device=a.device)
+    split = cfg["split"]
+    gu = torch.empty((split, P, 2 * I), dtype=torch.float32, device=a.device)
+    launch(tri.word_order(a), w1, s1, w3, s3, gu, experts, rows, groups, N=I, K=L, k_span=L // split,
+           top_k=int(top_k), out_fp32=True, out_stride=2 * I, blocks_a=I // BLOCK_ROWS, col_b=I,
+           pairwise=cfg["pairwise"], warps=WARPS, unroll=cfg["gate_up_unroll"], n_tiles=1)
+    h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True)
+    launch(h, w2, s2, w2, s2, z, experts, rows, groups, N=L, K=I, k_span=I, top_k=1, out_fp32=False,
+           out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0, pairwise=cfg["pairwise"], warps=WARPS,
+           unroll=cfg["down_unroll"], n_tiles=cfg["n_tiles"])
+    return z
+
+
+def warmup_shape(T: int, E: int, I: int, L: int, top_k: int, device) -> None:
+    """Compile both launches for one call shape ahead of CUDA-graph capture (a few experts' table)."""
+    few = 16 if E % 16 == 0 else E
+    a = torch.zeros((T, L), dtype=torch.bfloat16, device=device)
+    experts = torch.arange(T * top_k, device=device, dtype=torch.int64) % few
+    w = [torch.zeros(sh, dtype=torch.uint8, device=device) for sh in
+         ((few, I, L // 2), (few, I, L // 32), (few, I, L // 2), (few, I, L // 32), (few, L, I // 2),
+          (few, L, I // 32))]
+    # the same launch parameters as a call on the whole table: E only sizes the grid of grouped mode
+    run(a, experts, *w, top_k, 1.0, 1.0, "mxfp4", config=pick_config(T, E, I, L, top_k))
+
+
+def available() -> str | None:
+    """Why these kernels cannot run here, or None."""
+    if not compat.HAVE_CUTE:
+        return f"nvidia-cutlass-dsl not importable: {compat.IMPORT_ERROR}"
+    if not compat.available():
+        return "CuTe kernels disabled (K3FUSE_DISABLE_CUTE)"
+    return None
+
+
+__all__ = ["STEP", "ROWS_PER_WARP", "builder", "launch", "pick_config", "covers", "run", "warmup_shape",
+           "available"]
