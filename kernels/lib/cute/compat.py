@@ -184,6 +184,19 @@ if HAVE_CUTE:
                               "ld.global.nc.u8 $0, [$1];", "=r,l"))
 
     @dsl_user_op
+    def ld_nc_b32(addr, *, loc=None, ip=None) -> Int32:
+        """One read-only 32-bit word; addr 4-byte aligned."""
+        return Int32(asm_pure(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];",
+                              "=r,l"))
+
+    @dsl_user_op
+    def warp_any(v, *, loc=None, ip=None) -> Int32:
+        """1 on every lane of the (converged) warp if any lane's v is nonzero, else 0."""
+        return Int32(_asm(T.i32(), [Int32(v).ir_value(loc=loc, ip=ip)],
+                          "{\n.reg .pred p, q;\nsetp.ne.s32 p, $1, 0;\nvote.sync.any.pred q, p, 0xffffffff;\n"
+                          "selp.s32 $0, 1, 0, q;\n}", "=r,r"))
+
+    @dsl_user_op
     def mma_m16n8k16_bf16(a, b, c, *, loc=None, ip=None):
         """d = A (16x16 bf16, 4 regs) @ B (16x8 bf16, 2 regs) + C (fp32, 4 regs): one warp's mma.sync,
         fragments in PTX's m16n8k16 .row.col layout."""

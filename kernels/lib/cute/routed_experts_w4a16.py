@@ -39,25 +39,33 @@ if compat.HAVE_CUTE:
 
     cute = compat.cute
 
-    @dsl_user_op
-    def e8m0_bf16x2(s, *, loc=None, ip=None) -> Int32:
-        """E8M0 byte s -> 2^(s - 127) as bf16 in both halves (s = 0: the subnormal 0x0040)."""
-        return Int32(compat.asm_pure(
-            T.i32(), [Int32(s).ir_value(loc=loc, ip=ip)],
-            "{\n.reg .pred z;\nshl.b32 $0, $1, 7;\nsetp.eq.u32 z, $1, 0;\n@z mov.b32 $0, 0x40;\n"
-            "prmt.b32 $0, $0, $0, 0x1010;\n}", "=r,r"))
+    #: a group's E8M0 byte below this folds into one bf16 multiply: 2^(s - 1) is a normal bf16
+    ONE_MULTIPLY_BELOW = 128
 
     @dsl_user_op
-    def e2m1x8_bf16x2(word, scale2, *, loc=None, ip=None):
-        """Eight E2M1 nibbles -> four bf16x2 registers, register j = (element j, element j + 4), times
-        the group's scale: (sign | magnitude << 6) is E2M1 * 2^-126, then * 2^126 (exact), * scale."""
+    def e8m0_bf16x2(s, one_multiply: bool, *, loc=None, ip=None) -> Int32:
+        """E8M0 byte s -> a bf16 factor in both halves: one_multiply, 2^(s - 1) = 2^(s - 127) * 2^126 (bits
+        (s + 126) << 7, for s < 128); else 2^(s - 127) (bits s << 7; s = 0 the subnormal 0x0040)."""
+        if one_multiply:
+            text = "{\nadd.u32 $0, $1, 126;\nshl.b32 $0, $0, 7;\nprmt.b32 $0, $0, $0, 0x1010;\n}"
+        else:
+            text = ("{\n.reg .pred z;\nshl.b32 $0, $1, 7;\nsetp.eq.u32 z, $1, 0;\n@z mov.b32 $0, 0x40;\n"
+                    "prmt.b32 $0, $0, $0, 0x1010;\n}")
+        return Int32(compat.asm_pure(T.i32(), [Int32(s).ir_value(loc=loc, ip=ip)], text, "=r,r"))
+
+    @dsl_user_op
+    def e2m1x8_bf16x2(word, factor2, one_multiply: bool, *, loc=None, ip=None):
+        """Eight E2M1 nibbles -> four bf16x2 registers, register j = (element j, element j + 4), scaled:
+        (sign | magnitude << 6) is E2M1 * 2^-126 as a bf16 pattern; one_multiply, * 2^(s - 1); else
+        * 2^126 (exact), then * 2^(s - 127). Each weight exact: the dequantized value, rounded once."""
         lines = [".reg .b32 q, m, c;", "mov.b32 c, 0x7E807E80;"]
         for j in range(4):
             lines += [f"shl.b32 q, $4, {12 - 4 * j};", "and.b32 m, q, 0x80008000;", "shr.u32 q, q, 6;",
-                      "and.b32 q, q, 0x01C001C0;", "or.b32 q, q, m;", "mul.rn.bf16x2 q, q, c;",
-                      f"mul.rn.bf16x2 ${j}, q, $5;"]
+                      "and.b32 q, q, 0x01C001C0;", "or.b32 q, q, m;"]
+            lines += [f"mul.rn.bf16x2 ${j}, q, $5;"] if one_multiply else [
+                "mul.rn.bf16x2 q, q, c;", f"mul.rn.bf16x2 ${j}, q, $5;"]
         st = compat.asm_pure(compat.struct_type(4, "i32"),
-                             [Int32(word).ir_value(loc=loc, ip=ip), Int32(scale2).ir_value(loc=loc, ip=ip)],
+                             [Int32(word).ir_value(loc=loc, ip=ip), Int32(factor2).ir_value(loc=loc, ip=ip)],
                              "{\n" + "\n".join(lines) + "\n}", "=r,=r,=r,=r,r,r")
         return compat.unpack(st, 4, Int32, loc, ip)
 
@@ -94,7 +102,6 @@ if compat.HAVE_CUTE:
             gid, col, split = cute.arch.block_idx()
             N: cutlass.Constexpr = self.N
             K: cutlass.Constexpr = self.K
-            UNROLL: cutlass.Constexpr = self.unroll
             P = mExperts.shape[0]
             E = mSa.shape[0] // (N * (K // 32))
             lane = tidx % 32
@@ -133,12 +140,17 @@ if compat.HAVE_CUTE:
             k_begin = split * self.k_span
 
             acc = cute.make_rmem_tensor((4,), Float32)
-            for tile in cutlass.range_constexpr(self.n_tiles):
+            for tile in cutlass.range(self.n_tiles):
                 row_a = (block + tile) * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + r
                 w_row_a = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
                 w_row_b = w_row_a + 8 * (K // 2)
                 s_row_a = s_base + (e * N + row_a) * (K // 32) + (k_begin // 32 + t)
                 s_row_b = s_row_a + 8 * (K // 32)
+                # real checkpoints' scales are far below 2^1: one bf16 multiply a register unless a
+                # scale of the warp's rows in this span is 2^1 or more (a warp-uniform choice of loop)
+                wide = Int32(0)
+                if size > 0:
+                    wide = self._any_wide_scale(s_base + (e * N + row_a) * (K // 32) + k_begin // 32, t)
                 for m0 in cutlass.range(0, size, PAIRS_PER_MMA):
                     # the B column this thread loads: pair m0 + r of the group
                     has_n = Int32(0)
@@ -152,30 +164,10 @@ if compat.HAVE_CUTE:
                     x_at = x_base + (x_row * K + k_begin + 32 * t) * 2
                     for i in cutlass.range_constexpr(4):
                         acc[i] = Float32(0.0)
-                    for s in cutlass.range(0, self.k_span // STEP, UNROLL):
-                        wa, wb, sa, sb, xs = [], [], [], [], []
-                        for u in cutlass.range_constexpr(UNROLL):
-                            step = s + u
-                            wa.append(compat.ld_nc_v4(w_row_a + step * (STEP // 2)))
-                            wb.append(compat.ld_nc_v4(w_row_b + step * (STEP // 2)))
-                            sa.append(compat.ld_nc_u8(s_row_a + step * (STEP // 32)))
-                            sb.append(compat.ld_nc_u8(s_row_b + step * (STEP // 32)))
-                            xs.append([compat.ld_nc_v4_if(x_at + step * (STEP * 2) + 16 * q, has_n)
-                                       for q in range(4)])
-                        for u in cutlass.range_constexpr(UNROLL):
-                            scale_a = e8m0_bf16x2(sa[u])
-                            scale_b = e8m0_bf16x2(sb[u])
-                            for i in cutlass.range_constexpr(4):
-                                ra = e2m1x8_bf16x2(wa[u][i], scale_a)
-                                rb = e2m1x8_bf16x2(wb[u][i], scale_b)
-                                for h in cutlass.range_constexpr(2):
-                                    # x words 4i + 2h, 4i + 2h + 1 of the thread's 16: xs[u][i][2h], [2h+1]
-                                    c = compat.mma_m16n8k16_bf16(
-                                        (ra[2 * h], rb[2 * h], ra[2 * h + 1], rb[2 * h + 1]),
-                                        (xs[u][i][2 * h], xs[u][i][2 * h + 1]),
-                                        (acc[0], acc[1], acc[2], acc[3]))
-                                    for q in cutlass.range_constexpr(4):
-                                        acc[q] = c[q]
+                    if wide == 0:
+                        self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, True)
+                    else:
+                        self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, False)
                     # c0, c1: row_a x pairs m0 + 2t, m0 + 2t + 1; c2, c3: row_a + 8, same pairs
                     for j in cutlass.range_constexpr(2):
                         if m0 + 2 * t + j < size:
@@ -189,6 +181,49 @@ if compat.HAVE_CUTE:
                             else:
                                 compat.st_bf16(at, acc[j])
                                 compat.st_bf16(at + 8 * o_size, acc[2 + j])
+
+
+        @cute.jit
+        def _any_wide_scale(self, s_row_a, t):
+            """1 on every lane if any E8M0 byte of the warp's 16 rows over the span is >= 128, else 0:
+            the quad reads each row's span as 32-bit words, lane t every fourth."""
+            words: cutlass.Constexpr = self.k_span // 128  # scale bytes per row / 4
+            bits = Int32(0)
+            for w in cutlass.range(t, words, 4):
+                bits = bits | compat.ld_nc_b32(s_row_a + 4 * w) | compat.ld_nc_b32(s_row_a + 8 * (self.K // 32) + 4 * w)
+            return compat.warp_any(bits & -2139062144)  # 0x80808080: bit 7 of each byte
+
+        @cute.jit
+        def _k_loop(self, acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, one_multiply: cutlass.Constexpr):
+            """acc += the span's dot products: UNROLL steps of loads, then their mmas."""
+            UNROLL: cutlass.Constexpr = self.unroll
+            for s in cutlass.range(0, self.k_span // STEP, UNROLL):
+                wa, wb, sa, sb, xs = [], [], [], [], []
+                for u in cutlass.range_constexpr(UNROLL):
+                    step = s + u
+                    wa.append(compat.ld_nc_v4(w_row_a + step * (STEP // 2)))
+                    wb.append(compat.ld_nc_v4(w_row_b + step * (STEP // 2)))
+                    sa.append(compat.ld_nc_u8(s_row_a + step * (STEP // 32)))
+                    sb.append(compat.ld_nc_u8(s_row_b + step * (STEP // 32)))
+                    xs.append([compat.ld_nc_v4_if(x_at + step * (STEP * 2) + 16 * q, has_n) for q in range(4)])
+                for u in cutlass.range_constexpr(UNROLL):
+                    self._mmas(acc, wa[u], wb[u], sa[u], sb[u], xs[u], one_multiply)
+
+        @cute.jit
+        def _mmas(self, acc, wa, wb, sa, sb, xs, one_multiply: cutlass.Constexpr):
+            """One step's 8 mmas: rows a and b's four words each, dequantized, against the x words."""
+            factor_a = e8m0_bf16x2(sa, one_multiply)
+            factor_b = e8m0_bf16x2(sb, one_multiply)
+            for i in cutlass.range_constexpr(4):
+                ra = e2m1x8_bf16x2(wa[i], factor_a, one_multiply)
+                rb = e2m1x8_bf16x2(wb[i], factor_b, one_multiply)
+                for h in cutlass.range_constexpr(2):
+                    # register j = 2h, 2h + 1 meets x words 4i + 2h, 4i + 2h + 1 of the thread's 16
+                    c = compat.mma_m16n8k16_bf16((ra[2 * h], rb[2 * h], ra[2 * h + 1], rb[2 * h + 1]),
+                                                 (xs[i][2 * h], xs[i][2 * h + 1]),
+                                                 (acc[0], acc[1], acc[2], acc[3]))
+                    for q in cutlass.range_constexpr(4):
+                        acc[q] = c[q]
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
