@@ -326,3 +326,41 @@ def test_lamport_push_compiles_for_sm90():
         assert re.search(r"setp\.(eq|neu)\.(f32|bf16)", ptx) and "selp" in ptx, "-0.0 -> +0.0 is kept"
         assert len(re.findall(r"st\.global(\.\w+)*\.(b32|f32)", ptx)) >= world, "a store per destination rank"
         assert "multimem" not in ptx and "atom." not in ptx and ".local" not in ptx
+
+
+W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two tokens pairwise, 8 / 64 grouped
+    (1, 3072), (2, 1536), (8, 384), (64, 1536), (64, 3072),
+]
+
+
+@needs_cute
+@pytest.mark.parametrize("T,I", W4A16_CASES)
+def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
+    """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
+    loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, one bf16 multiply a register in
+    the loop for ordinary scales and two in the loop for wide ones, no spills, no multicast."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+
+    L, E, k = 3584, 896, 16
+    cfg = w4.pick_config(T, E, I, L, k)
+    launches = {
+        "gate_up": dict(N=I, K=L, k_span=L // cfg["split"], top_k=k, out_fp32=True, out_stride=2 * I,
+                        blocks_a=I // w4.BLOCK_ROWS, col_b=I, unroll=cfg["gate_up_unroll"], n_tiles=1),
+        "down": dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // w4.BLOCK_ROWS,
+                     col_b=0, unroll=cfg["down_unroll"], n_tiles=cfg["n_tiles"]),
+    }
+    for name, params in launches.items():
+        key, build = w4.builder(pairwise=cfg["pairwise"], warps=w4.WARPS, **params)
+        ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
+        ops = _ops(ptx)
+        where = (name, T, I, cfg)
+        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+        muls = len(re.findall(r"mul\.rn\.bf16x2", ptx))
+        # per step and loop copy: 8 mmas; the ordinary loop 32 multiplies for them, the wide one 64
+        assert mma > 0 and mma % 16 == 0, where
+        assert muls == mma // 2 * (4 + 8), (where, muls, mma)
+        # a step: 16 bytes of each of 2 weight rows and 4 x 16 of activations, in each of the two loops
+        assert len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx)) == mma // 8 * 6, where
+        assert "vote.sync.any.pred" in ptx, where
+        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+        assert ("st.global.f32" in ptx) == (name == "gate_up") and ("cvt.rn.bf16.f32" in ptx) == (name == "down")

@@ -40,6 +40,7 @@ class RoutedExpertsW4A16Spec(Spec):
     dtype: torch.dtype
     format: str
     fits: str | None = call_only(None)  # why a call's operands are not the kernel's (devices, layouts, table)
+    unaligned: str | None = call_only(None)  # packed weights not 16-byte / scales not 4-byte aligned (CuTe's loads)
 
     @classmethod
     def from_call(cls, a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
@@ -49,7 +50,19 @@ class RoutedExpertsW4A16Spec(Spec):
         if fits is not None:
             return cls(tokens=0, E=0, I=0, L=0, top_k=int(top_k), dtype=torch.float32, format=str(format), fits=fits)
         return cls(tokens=int(a.shape[0]), E=int(w1_packed.shape[0]), I=int(w1_packed.shape[1]), L=int(a.shape[1]),
-                   top_k=int(top_k), dtype=a.dtype, format=str(format))
+                   top_k=int(top_k), dtype=a.dtype, format=str(format),
+                   unaligned=_unaligned(w1_packed=w1_packed, w3_packed=w3_packed, w2_packed=w2_packed,
+                                        w1_scale=w1_scale, w3_scale=w3_scale, w2_scale=w2_scale))
+
+
+def _unaligned(**tensors) -> str | None:
+    """The packed weights whose storage is not 16-byte aligned and the scales not 4-byte aligned (a view
+    into a larger tensor can be either), named; None for fake tensors (tracing) and aligned ones."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    bad = [n for n, t in tensors.items()
+           if not isinstance(t, FakeTensor) and t.data_ptr() % (16 if n.endswith("packed") else 4)]
+    return f"{', '.join(bad)} not 16-byte (weights) / 4-byte (scales) aligned" if bad else None
 
 
 def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt,
@@ -180,6 +193,8 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
         return why
     if (missing := cute_kernel.available()) is not None:
         return missing
+    if spec.unaligned is not None:
+        return spec.unaligned
     if spec.format != "mxfp4" or spec.dtype != torch.bfloat16:
         return f"{spec.format} with {spec.dtype} (the CuTe kernel runs mxfp4 with bf16 activations)"
     return cute_kernel.covers(spec.I, spec.L)
