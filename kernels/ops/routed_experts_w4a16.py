@@ -6,8 +6,10 @@ formats: `format` "mxfp4" (w uint8 [E, out, in/2] E2M1 nibbles, scales uint8 E8M
 nibbles, scales a float dtype [E, out, in/32]; no table). z[p] = w2[e_p] @ situ_glu(w1[e_p] @
 a[p // k], w3[e_p] @ a[p // k]), rounded to a's dtype after each projection. Stock: the model's
 `routed_experts_quantized` (the step's experts gathered, dequantized, grouped GEMMs on CUDA);
-reference: the same dequantization, then the gathered bmm (any device); CUDA:
-lib/triton/routed_experts_w4a16.py (the packed words and scales read once, dequantized in registers).
+reference: the same dequantization, then the gathered bmm (any device); CUDA, both reading the packed
+words and scales once and dequantizing in registers: lib/cute/routed_experts_w4a16.py (MXFP4 with bf16
+activations: the expert GEMMs on mma.sync, tried first) and lib/triton/routed_experts_w4a16.py (both
+formats, bf16 and fp16).
 """
 from __future__ import annotations
 

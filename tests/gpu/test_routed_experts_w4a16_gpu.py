@@ -1,5 +1,5 @@
-"""GPU correctness of routed_experts_w4a16: the Triton W4A16 kernels against a float64 reference on
-the dequantized weights.
+"""GPU correctness of routed_experts_w4a16: the Triton W4A16 kernels and (MXFP4) the CuTe expert GEMMs
+against a float64 reference on the dequantized weights.
 
 K3's routed experts (E = 896, top-16, latent L = 3584) at I = 3072, 1536 and 384 per rank (TP 1, 2
 and 8), in MXFP4 and int4 (k3fuse/quant.py layouts, random packed bytes and scales drawn directly):
