@@ -17,8 +17,8 @@ import torch
 from k3fuse import quant
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
-from k3fuse.kernels.lib.cute import routed_experts_w4a16 as cute_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
+from k3fuse.kernels.ops.routed_experts_w4a16 import cute_run
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
 
 E, K, L = 896, 16, 3584
@@ -173,8 +173,8 @@ def run_w4a16(args) -> int:
                                                                 out=out[i], config=config) for i in range(STEPS)],
                                             r.refill, args.replays)
                 if "cute" in arms and fmt == "mxfp4":  # the CuTe expert GEMMs (MXFP4, bf16 only)
-                    results[T]["cute"] = timed(lambda: [cute_kernel.run(r.a[i], r.experts[i], *packed, K, *SITU, fmt,
-                                                                        table, out=out[i])
+                    results[T]["cute"] = timed(lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table,
+                                                                 out=out[i])
                                                         for i in range(STEPS)], r.refill, args.replays)
                 results[T]["touched"] = statistics.mean(r.touched)
                 results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"

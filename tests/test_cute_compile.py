@@ -341,16 +341,14 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     the loop for ordinary scales and two in the loop for wide ones, no spills, no multicast."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
     L, E, k = 3584, 896, 16
-    cfg = w4.pick_config(T, E, I, L, k)
-    launches = {
-        "gate_up": dict(N=I, K=L, k_span=L // cfg["split"], top_k=k, out_fp32=True, out_stride=2 * I,
-                        blocks_a=I // w4.BLOCK_ROWS, col_b=I, unroll=cfg["gate_up_unroll"], n_tiles=1),
-        "down": dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // w4.BLOCK_ROWS,
-                     col_b=0, unroll=cfg["down_unroll"], n_tiles=cfg["n_tiles"]),
-    }
+    cfg = cute_config(T, E, I, L, k)
+    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, cfg["pairwise"]),
+                "down": w4.down_params(I, L, cfg, cfg["pairwise"])}
     for name, params in launches.items():
-        key, build = w4.builder(pairwise=cfg["pairwise"], warps=w4.WARPS, **params)
+        key, build = w4.builder(**params)
         ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
         ops = _ops(ptx)
         where = (name, T, I, cfg)

@@ -265,7 +265,7 @@ def test_cute_kernel_takes_mxfp4_bf16_at_k3_widths_and_names_what_it_leaves_to_t
     from k3fuse.kernels import dispatch
     from k3fuse.kernels.lib.cute import compat
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as C
-    from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, cute_accepts
+    from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, cute_accepts, cute_config
 
     if not compat.HAVE_CUTE:
         pytest.skip(f"nvidia-cutlass-dsl not importable: {compat.IMPORT_ERROR}")
@@ -279,13 +279,13 @@ def test_cute_kernel_takes_mxfp4_bf16_at_k3_widths_and_names_what_it_leaves_to_t
     for I in (3072, 1536, 384):
         for T in range(1, 65):
             assert cute_accepts(spec(T, I)) is None, (I, T)
-            cfg = C.pick_config(T, 896, I, 3584, 16)
+            cfg = cute_config(T, 896, I, 3584, 16)
             steps = 3584 // C.STEP
             assert steps % cfg["split"] == 0 and (steps // cfg["split"]) % cfg["gate_up_unroll"] == 0, (I, T, cfg)
             assert (I // C.STEP) % cfg["down_unroll"] == 0 and (3584 // C.BLOCK_ROWS) % cfg["n_tiles"] == 0
             assert cfg["pairwise"] == (T <= 2)
-    assert C.pick_config(1, 896, 384, 3584, 16)["split"] > 1  # 16 pairs x 12 row blocks: the K split fills the SMs
-    assert C.pick_config(64, 896, 3072, 3584, 16)["split"] == 1
+    assert cute_config(1, 896, 384, 3584, 16)["split"] > 1  # 16 pairs x 12 row blocks: the K split fills the SMs
+    assert cute_config(64, 896, 3072, 3584, 16)["split"] == 1
     assert "mxfp4 with bf16" in cute_accepts(spec(8, fmt="int4"))
     assert "mxfp4 with bf16" in cute_accepts(spec(8, dtype=torch.float16))
     assert cute_accepts(spec(8, I=96)) == "I=96, L=3584 (the CuTe kernel needs multiples of 128)"

@@ -187,38 +187,81 @@ def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
 
 
 def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
-    """The CuTe expert GEMMs: MXFP4 with bf16 activations at widths of whole 128-element steps; the
-    grouping and the activation are the Triton kernels', so Triton's coverage first."""
-    from ..lib.cute import routed_experts_w4a16 as cute_kernel
+    """The CuTe expert GEMMs: MXFP4 with bf16 activations at widths of whole 128-element steps (a
+    thread quad's step along K); the grouping and the activation are the Triton kernels', so Triton's
+    coverage first."""
+    from ..lib.cute import compat
+    from ..lib.cute.routed_experts_w4a16 import STEP
 
     if (why := accepts(spec)) is not None:
         return why
-    if (missing := cute_kernel.available()) is not None:
-        return missing
+    if not compat.available():
+        return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"
     if spec.unaligned is not None:
         return spec.unaligned
     if spec.format != "mxfp4" or spec.dtype != torch.bfloat16:
         return f"{spec.format} with {spec.dtype} (the CuTe kernel runs mxfp4 with bf16 activations)"
-    return cute_kernel.covers(spec.I, spec.L)
+    if spec.I % STEP or spec.L % STEP:
+        return f"I={spec.I}, L={spec.L} (the CuTe kernel needs multiples of {STEP})"
+    return None
+
+
+def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None) -> dict:
+    """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
+    then the split and tiles for the groups it expects."""
+    from ..lib.cute import routed_experts_w4a16 as cute_kernel
+    from ..lib.triton import routed_experts_w4a16 as tri
+
+    pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
+    return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L)}
 
 
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
-             situ_linear_beta, format, table=None, **_):
+             situ_linear_beta, format, table=None, out: torch.Tensor | None = None, config: dict | None = None,
+             **_) -> torch.Tensor:
+    """z [T*k, L]: the Triton grouping, the CuTe gate/up, the Triton SiTU-GLU, the CuTe down. `out`: a
+    [T*k, L] buffer to write instead; `config`: cute_config's result to use."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
+    from ..lib.triton import routed_experts_w4a16 as tri
 
-    return cute_kernel.run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k,
-                           situ_beta, situ_linear_beta, format, table)
+    T, L = a.shape
+    E, I = w1_packed.shape[0], w1_packed.shape[1]
+    top_k = int(top_k)
+    P = T * top_k
+    cfg = config or cute_config(T, E, I, L, top_k)
+    z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
+    if P == 0:
+        return z
+    rows, groups = tri.group(experts, E, cfg["pairwise"])
+    if rows is None:  # pairwise: the launches read neither (empty: no memset in a captured graph)
+        rows = groups = experts.new_empty(4, dtype=torch.int32)
+    gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
+    cute_kernel.launch(tri.word_order(a), w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
+                       **cute_kernel.gate_up_params(I, L, top_k, cfg, cfg["pairwise"]))
+    h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True)
+    cute_kernel.launch(h, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
+                       **cute_kernel.down_params(I, L, cfg, cfg["pairwise"]))
+    return z
 
 
 def cute_warmup(shapes) -> None:
-    """Compile the CuTe launches of each {"M", "E", "I", "L", "top_k", "dtype", "format"} it covers."""
-    from ..lib.cute import routed_experts_w4a16 as cute_kernel
+    """Compile the CuTe launches of each {"M", "E", "I", "L", "top_k", "dtype", "format"} it takes, on a
+    few experts' zero table with the whole table's launch parameters (E sizes only the grouped grid)."""
+    from ..lib.triton import routed_experts_w4a16 as tri
 
     for s in shapes:
-        if s["format"] != "mxfp4" or s.get("dtype", torch.bfloat16) != torch.bfloat16:
+        M, E, I, L, k = s["M"], s["E"], s["I"], s["L"], s["top_k"]
+        spec = RoutedExpertsW4A16Spec(tokens=M, E=E, I=I, L=L, top_k=k, dtype=s.get("dtype", torch.bfloat16),
+                                      format=s["format"])
+        if cute_accepts(spec) is not None:
             continue
-        if cute_kernel.available() is None and cute_kernel.covers(s["I"], s["L"]) is None:
-            cute_kernel.warmup_shape(s["M"], s["E"], s["I"], s["L"], s["top_k"], s.get("device", "cuda"))
+        device, few = s.get("device", "cuda"), 16 if E % 16 == 0 else E
+        t = {n: torch.zeros(shape, dtype=torch.uint8, device=device)
+             for n, shape in tri.packed_shapes("mxfp4", few, I, L).items()}
+        experts = torch.arange(M * k, device=device, dtype=torch.int64) % few
+        cute_run(torch.zeros((M, L), dtype=torch.bfloat16, device=device), experts, t["w1"], t["s1"], t["w3"],
+                 t["s3"], t["w2"], t["s2"], k, 1.0, 1.0, "mxfp4",
+                 config=cute_config(M, E, I, L, k))
 
 
 DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "

@@ -31,9 +31,14 @@ if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip 
 import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import quant, runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
-from k3fuse.kernels.lib.cute import routed_experts_w4a16 as cute_kernel  # noqa: E402
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel  # noqa: E402
-from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, accepts  # noqa: E402
+from k3fuse.kernels.ops.routed_experts_w4a16 import (  # noqa: E402
+    RoutedExpertsW4A16Spec,
+    accepts,
+    cute_accepts,
+    cute_config,
+    cute_run,
+)
 from k3fuse.spelling import situ  # noqa: E402
 
 from experts_helpers import BF16, DEV, E, K, L, SITU, rel, tokens  # noqa: E402
@@ -105,15 +110,14 @@ class Experts:
 
 
 def _cute_missing(experts) -> str | None:
-    """Why the CuTe kernel does not run these experts (it runs MXFP4 only), or None."""
-    if experts.fmt != "mxfp4":
-        return "the CuTe kernel runs mxfp4 only"
-    return cute_kernel.available() or cute_kernel.covers(experts.I, L)
+    """Why the CuTe kernel does not run these experts (it runs MXFP4 with bf16 only), or None."""
+    return cute_accepts(RoutedExpertsW4A16Spec(tokens=1, E=E, I=experts.I, L=L, top_k=K, dtype=BF16,
+                                               format=experts.fmt))
 
 
 def _cute_run(experts, a, ids, out, pairwise):
-    cfg = cute_kernel.pick_config(a.shape[0], E, experts.I, L, K, pairwise=pairwise)
-    return cute_kernel.run(*experts.args(a, ids), out=out, config=cfg)
+    cfg = cute_config(a.shape[0], E, experts.I, L, K, pairwise=pairwise)
+    return cute_run(*experts.args(a, ids), out=out, config=cfg)
 
 
 def _check(z: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor], where) -> None:
@@ -245,7 +249,7 @@ def test_cuda_graph_1000_replays_on_changing_inputs(experts, T, impl):
 
     def call():
         if impl == "cute":
-            return cute_kernel.run(*experts.args(a_static, e_static), out=z_static)
+            return cute_run(*experts.args(a_static, e_static), out=z_static)
         return kernel.run(*experts.args(a_static, e_static), out=z_static, config=CONFIG or None)
 
     call()  # compile before capture

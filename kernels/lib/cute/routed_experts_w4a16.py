@@ -1,8 +1,8 @@
 """CuTe DSL W4A16 expert GEMMs for decode (MXFP4): each warp streams 16 weight rows, mma.sync on registers.
 
 The two weight-streaming launches of `routed_experts_w4a16` (kernels/ops/routed_experts_w4a16.py) over
-MXFP4 weights; the grouping and the SiTU-GLU stay the Triton module's (lib/triton/routed_experts_w4a16.py),
-whose launch and numerics this matches. Why not Triton: there the dequantized weights reach the MMA
+MXFP4 weights; the op puts the Triton module's grouping and SiTU-GLU around them
+(lib/triton/routed_experts_w4a16.py), whose launch and numerics this matches. Why not Triton: there the dequantized weights reach the MMA
 through layout conversions and a wait on every wgmma (6.4 instructions a weight, docs/perf.md 0g);
 here a thread's packed bytes are its own MMA fragment and nothing else runs in the loop.
 
@@ -23,8 +23,6 @@ blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own g
 (`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out.
 """
 from __future__ import annotations
-
-import torch
 
 from .compat import SELF as compat
 
@@ -265,14 +263,9 @@ def _unroll(steps: int) -> int:
     return 2 if steps % 2 == 0 else 1
 
 
-def pick_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None) -> dict:
-    """Mode, the gate/up K split and the down's row tiles a CTA, from the expected number of groups
-    (as lib/triton/routed_experts_w4a16.pick_config): enough CTAs to cover the SMs, no more."""
-    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as tri
-
-    P = T * top_k
-    pairwise = P <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
-    groups = P if pairwise else E * (1.0 - (1.0 - min(top_k, E) / E) ** T)
+def pick_config(groups: float, I: int, L: int) -> dict:
+    """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
+    CTAs to cover the SMs, no more. I and L whole 128-element steps (the op's predicate)."""
     steps = L // STEP
     split = 1
     for cand in range(1, steps + 1):  # the smallest divisor of the steps that reaches the target
@@ -285,73 +278,22 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
     while (n_tiles * 2 <= MAX_N_TILES and blocks % (n_tiles * 2) == 0
            and groups * blocks / (n_tiles * 2) >= TARGET_CTAS):
         n_tiles *= 2
-    return {"pairwise": pairwise, "split": split, "gate_up_unroll": _unroll(steps // split),
-            "down_unroll": _unroll(I // STEP), "n_tiles": n_tiles}
+    return {"split": split, "gate_up_unroll": _unroll(steps // split), "down_unroll": _unroll(I // STEP),
+            "n_tiles": n_tiles}
 
 
-def covers(I: int, L: int) -> str | None:
-    """Why these kernels do not cover the widths, or None: whole 128-element steps along both K
-    (L for gate/up, I for down) and whole 64-row blocks of both matrices."""
-    if I % STEP or L % STEP:
-        return f"I={I}, L={L} (the CuTe kernel needs multiples of {STEP})"
-    return None
+def gate_up_params(I: int, L: int, top_k: int, config: dict, pairwise: bool) -> dict:
+    """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]."""
+    return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
+                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=pairwise, warps=WARPS,
+                unroll=config["gate_up_unroll"], n_tiles=1)
 
 
-_dummy_rows: dict = {}
+def down_params(I: int, L: int, config: dict, pairwise: bool) -> dict:
+    """builder's parameters for w2: bf16 into z [P, L]."""
+    return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
+                pairwise=pairwise, warps=WARPS, unroll=config["down_unroll"], n_tiles=config["n_tiles"])
 
 
-def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt, table=None,
-        out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """z [T*k, L] for MXFP4 experts and bf16 a: the Triton grouping and SiTU-GLU around the two CuTe
-    launches. `out`: a [T*k, L] buffer to write instead; `config`: pick_config's result to use."""
-    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as tri
-
-    assert fmt == "mxfp4" and a.dtype == torch.bfloat16
-    T, L = a.shape
-    E, I = w1.shape[0], w1.shape[1]
-    P = T * int(top_k)
-    cfg = config or pick_config(T, E, I, L, int(top_k))
-    z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
-    assert z.is_contiguous() and tuple(z.shape) == (P, L) and z.dtype == a.dtype
-    if P == 0:
-        return z
-    rows, groups = tri.group(experts, E, cfg["pairwise"])
-    if rows is None:
-        rows = groups = _dummy_rows.get(a.device)
-        if rows is None:
-            rows = groups = _dummy_rows[a.device] = torch.zeros(4, dtype=torch.int32, device=a.device)
-    split = cfg["split"]
-    gu = torch.empty((split, P, 2 * I), dtype=torch.float32, device=a.device)
-    launch(tri.word_order(a), w1, s1, w3, s3, gu, experts, rows, groups, N=I, K=L, k_span=L // split,
-           top_k=int(top_k), out_fp32=True, out_stride=2 * I, blocks_a=I // BLOCK_ROWS, col_b=I,
-           pairwise=cfg["pairwise"], warps=WARPS, unroll=cfg["gate_up_unroll"], n_tiles=1)
-    h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True)
-    launch(h, w2, s2, w2, s2, z, experts, rows, groups, N=L, K=I, k_span=I, top_k=1, out_fp32=False,
-           out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0, pairwise=cfg["pairwise"], warps=WARPS,
-           unroll=cfg["down_unroll"], n_tiles=cfg["n_tiles"])
-    return z
-
-
-def warmup_shape(T: int, E: int, I: int, L: int, top_k: int, device) -> None:
-    """Compile both launches for one call shape ahead of CUDA-graph capture (a few experts' table)."""
-    few = 16 if E % 16 == 0 else E
-    a = torch.zeros((T, L), dtype=torch.bfloat16, device=device)
-    experts = torch.arange(T * top_k, device=device, dtype=torch.int64) % few
-    w = [torch.zeros(sh, dtype=torch.uint8, device=device) for sh in
-         ((few, I, L // 2), (few, I, L // 32), (few, I, L // 2), (few, I, L // 32), (few, L, I // 2),
-          (few, L, I // 32))]
-    # the same launch parameters as a call on the whole table: E only sizes the grid of grouped mode
-    run(a, experts, *w, top_k, 1.0, 1.0, "mxfp4", config=pick_config(T, E, I, L, top_k))
-
-
-def available() -> str | None:
-    """Why these kernels cannot run here, or None."""
-    if not compat.HAVE_CUTE:
-        return f"nvidia-cutlass-dsl not importable: {compat.IMPORT_ERROR}"
-    if not compat.available():
-        return "CuTe kernels disabled (K3FUSE_DISABLE_CUTE)"
-    return None
-
-
-__all__ = ["STEP", "ROWS_PER_WARP", "builder", "launch", "pick_config", "covers", "run", "warmup_shape",
-           "available"]
+__all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
+           "down_params"]

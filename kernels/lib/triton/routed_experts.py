@@ -227,6 +227,12 @@ GATE_UP = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 DOWN = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
+def expected_groups(T: int, E: int, top_k: int, pairwise: bool) -> float:
+    """The launch's expected group count: every pair pairwise, else the distinct experts T tokens'
+    top_k of E touch under uniform routing (what grid sizes aim at)."""
+    return T * top_k if pairwise else E * (1.0 - (1.0 - min(top_k, E) / E) ** T)
+
+
 def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | None = None) -> dict:
     """Block sizes. Gate/up: BLOCK_N columns of g or of u per program, BLOCK_K of L per step. Down:
     BLOCK_N latent columns, BLOCK_K over I. Grids: (groups, column blocks), groups <= min(E, T*k), or
@@ -243,9 +249,8 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | No
     down["BLOCK_K"] = min(down["BLOCK_K"], _pow2(I))
     gate_up.update(overrides.get("gate_up", {}))
     down.update(overrides.get("down", {}))
-    expected_groups = P if pairwise else E * (1.0 - (1.0 - min(top_k, E) / E) ** T)
     blocks = -(-L // down["BLOCK_N"])
-    per_program = max(1.0, expected_groups * blocks / TARGET_PROGRAMS)
+    per_program = max(1.0, expected_groups(T, E, top_k, pairwise) * blocks / TARGET_PROGRAMS)
     down.setdefault("N_TILES", min(MAX_N_TILES, 1 << (int(per_program).bit_length() - 1)))
     return {"pairwise": pairwise, "BLOCK_P": _pow2(P), "gate_up": gate_up, "down": down,
             "groups": P if pairwise else min(E, P),

@@ -295,6 +295,7 @@ TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
 MAX_N_TILES = 8
 MAX_SPLIT_K = 8
 PAIRWISE_MAX_PAIRS = bf16_kernel.PAIRWISE_MAX_PAIRS
+expected_groups = bf16_kernel.expected_groups
 #: launch configurations: BLOCK_N rows of the weights by BLOCK_K elements (BLOCK_K / 32 groups) a
 #: step, each step one dot; WGMMA True puts the weights in wgmma's A operand, False makes the pairs
 #: mma.sync's 16-row A operand; PACKED (None: wherever it applies) the bf16x2 dequantization;
@@ -328,8 +329,8 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | No
     gate_up, down = dict(GATE_UP), dict(DOWN)
     gate_up.update(overrides.get("gate_up", {}))
     down.update(overrides.get("down", {}))
-    expected_groups = P if pairwise else E * (1.0 - (1.0 - min(top_k, E) / E) ** T)
-    gu_programs = expected_groups * 2 * -(-I // gate_up["BLOCK_N"])
+    groups = expected_groups(T, E, top_k, pairwise)
+    gu_programs = groups * 2 * -(-I // gate_up["BLOCK_N"])
     split = 1
     while (split < MAX_SPLIT_K and gu_programs * split < TARGET_PROGRAMS
            and L % (2 * split * GROUP) == 0):
@@ -338,7 +339,7 @@ def pick_config(T: int, E: int, I: int, L: int, top_k: int, overrides: dict | No
     gate_up["BLOCK_K"] = block_k(L // gate_up["SPLIT_K"], gate_up["BLOCK_K"])
     down["BLOCK_K"] = block_k(I, down["BLOCK_K"])
     blocks = -(-L // down["BLOCK_N"])
-    per_program = max(1.0, expected_groups * blocks / TARGET_PROGRAMS)
+    per_program = max(1.0, groups * blocks / TARGET_PROGRAMS)
     down.setdefault("N_TILES", min(MAX_N_TILES, 1 << (int(per_program).bit_length() - 1)))
     return {"pairwise": pairwise, "gate_up": gate_up, "down": down,
             "groups": P if pairwise else min(E, P)}
