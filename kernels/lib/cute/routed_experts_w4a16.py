@@ -85,7 +85,7 @@ if compat.HAVE_CUTE:
                      mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
                      mGroups: cute.Tensor, stream):
             P = mExperts.shape[0]
-            E = mSa.shape[0] // (self.N * (self.K // 32))
+            E = mSa.shape[0] // self.N
             groups = P
             if const_expr(not self.pairwise):
                 groups = cutlass.min(P, E)
@@ -101,7 +101,7 @@ if compat.HAVE_CUTE:
             N: cutlass.Constexpr = self.N
             K: cutlass.Constexpr = self.K
             P = mExperts.shape[0]
-            E = mSa.shape[0] // (N * (K // 32))
+            E = mSa.shape[0] // N
             lane = tidx % 32
             r = lane // 4
             t = lane % 4
@@ -234,8 +234,10 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
     def build():
         sym = cute.sym_int
         x = compat.fake_tensor(cutlass.BFloat16, (sym(), K), (K, 1))
-        w = [compat.fake_tensor(cutlass.Uint8, (sym(),), (1,)) for _ in range(2)]
-        s = [compat.fake_tensor(cutlass.Uint8, (sym(),), (1,), align=1) for _ in range(2)]
+        # the tables as [E * rows, K / 2] and [E * rows, K / 32]: a flat extent passes 2^31 at K3's widths,
+        # and the FFI holds each dynamic extent to int32 (the kernel reads only the base addresses)
+        w = [compat.fake_tensor(cutlass.Uint8, (sym(), K // 2), (K // 2, 1)) for _ in range(2)]
+        s = [compat.fake_tensor(cutlass.Uint8, (sym(), K // 32), (K // 32, 1), align=1) for _ in range(2)]
         out = compat.fake_tensor(cutlass.Float32 if out_fp32 else cutlass.BFloat16, (sym(),), (1,), align=4)
         experts = compat.fake_tensor(cutlass.Int64, (sym(),), (1,), align=8)
         rows = compat.fake_tensor(cutlass.Int32, (sym(),), (1,), align=4)
@@ -249,7 +251,9 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
 def launch(x, wa, sa, wb, sb, out, experts, rows, groups, **params) -> None:
     """One compiled launch (CUDA tensors, contiguous; rows/groups any int32 tensor in pairwise mode)."""
     key, build = builder(**params)
-    compat.compiled(key, build)(x, wa.view(-1), sa.view(-1), wb.view(-1), sb.view(-1), out.view(-1), experts,
+    K = params["K"]
+    compat.compiled(key, build)(x, wa.view(-1, K // 2), sa.view(-1, K // 32), wb.view(-1, K // 2),
+                                sb.view(-1, K // 32), out.view(-1), experts,
                                 rows, groups)
 
 
