@@ -138,7 +138,7 @@ if compat.HAVE_CUTE:
             k_begin = split * self.k_span
 
             acc = cute.make_rmem_tensor((4,), Float32)
-            for tile in cutlass.range(self.n_tiles):
+            for tile in cutlass.range(self.n_tiles, unroll=1):
                 row_a = (block + tile) * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + r
                 w_row_a = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
                 w_row_b = w_row_a + 8 * (K // 2)
@@ -195,7 +195,9 @@ if compat.HAVE_CUTE:
         def _k_loop(self, acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, one_multiply: cutlass.Constexpr):
             """acc += the span's dot products: UNROLL steps of loads, then their mmas."""
             UNROLL: cutlass.Constexpr = self.unroll
-            for s in cutlass.range(0, self.k_span // STEP, UNROLL):
+            # unroll=1: left to itself the compiler unrolls a short span (K = 1536: 12 steps) into ~37 KB
+            # of straight code, which thrashes the instruction cache (docs/perf.md 0i)
+            for s in cutlass.range(0, self.k_span // STEP, UNROLL, unroll=1):
                 wa, wb, sa, sb, xs = [], [], [], [], []
                 for u in cutlass.range_constexpr(UNROLL):
                     step = s + u
