@@ -338,9 +338,10 @@ W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two to
 def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
     loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, one bf16 multiply a register in
-    the loop for ordinary scales and two in the loop for wide ones, no spills, no multicast."""
+    the loop for ordinary scales and two in the loop for wide ones, no spills, no multicast; each k
+    loop is its UNROLL steps once, marked nounroll (ptxas unrolled a 12-step span into straight code
+    that thrashed the instruction cache: docs/perf.md 0i)."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     L, E, k = 3584, 896, 16
@@ -355,7 +356,9 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         muls = len(re.findall(r"mul\.rn\.bf16x2", ptx))
         # per step and loop copy: 8 mmas; the ordinary loop 32 multiplies for them, the wide one 64
-        assert mma > 0 and mma % 16 == 0, where
+        assert mma == 2 * 8 * params["unroll"], (where, mma)  # two loop variants, 8 mmas a step
+        # the two k loops and the tile loop (gate/up's one tile a CTA folds its loop away)
+        assert ptx.count('.pragma "nounroll"') >= (3 if params["n_tiles"] > 1 else 2), where
         assert muls == mma // 2 * (4 + 8), (where, muls, mma)
         # a step: 16 bytes of each of 2 weight rows and 4 x 16 of activations, in each of the two loops
         assert len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx)) == mma // 8 * 6, where
