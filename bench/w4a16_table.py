@@ -216,12 +216,11 @@ def run_w4a16(args) -> int:
                     if extra in res:
                         row[extra] = res[extra]
                 rows.append(row)
+                cute = f"  cute {row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else ""
                 print(f"I={I:>5} {fmt:5} T={T:>3} touched {row['experts_touched']:6.1f} "
                       f"{touched_bytes / 1e6:8.1f} MB  w4a16 {row['w4a16']:8.1f} µs [{res['mode']:8}] "
                       f"{row['w4a16_pct_copy_bw']:5.1f}% of copy  bf16 {_fmt(row['bf16'])} "
-                      f"stock {_fmt(row['stock'])}  humming {_fmt(row['humming'])}"
-                      + (f"  cute {row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else ""),
-                      flush=True)
+                      f"stock {_fmt(row['stock'])}  humming {_fmt(row['humming'])}{cute}", flush=True)
             del packed
             torch.cuda.empty_cache()
             _write(args.json, copy_bw, tables, humming_errors, rows, config, swept)  # a cut-short run keeps it

@@ -346,8 +346,7 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
 
     L, E, k = 3584, 896, 16
     cfg = cute_config(T, E, I, L, k)
-    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, cfg["pairwise"]),
-                "down": w4.down_params(I, L, cfg, cfg["pairwise"])}
+    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg), "down": w4.down_params(I, L, cfg)}
     for name, params in launches.items():
         key, build = w4.builder(**params)
         ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))

@@ -237,10 +237,10 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
         rows = groups = experts.new_empty(4, dtype=torch.int32)
     gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
     cute_kernel.launch(tri.word_order(a), w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
-                       **cute_kernel.gate_up_params(I, L, top_k, cfg, cfg["pairwise"]))
+                       **cute_kernel.gate_up_params(I, L, top_k, cfg))
     h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True)
     cute_kernel.launch(h, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
-                       **cute_kernel.down_params(I, L, cfg, cfg["pairwise"]))
+                       **cute_kernel.down_params(I, L, cfg))
     return z
 
 
@@ -260,8 +260,7 @@ def cute_warmup(shapes) -> None:
              for n, shape in tri.packed_shapes("mxfp4", few, I, L).items()}
         experts = torch.arange(M * k, device=device, dtype=torch.int64) % few
         cute_run(torch.zeros((M, L), dtype=torch.bfloat16, device=device), experts, t["w1"], t["s1"], t["w3"],
-                 t["s3"], t["w2"], t["s2"], k, 1.0, 1.0, "mxfp4",
-                 config=cute_config(M, E, I, L, k))
+                 t["s3"], t["w2"], t["s2"], k, 1.0, 1.0, "mxfp4", config=cute_config(M, E, I, L, k))
 
 
 DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "

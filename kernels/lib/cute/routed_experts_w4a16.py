@@ -2,9 +2,10 @@
 
 The two weight-streaming launches of `routed_experts_w4a16` (kernels/ops/routed_experts_w4a16.py) over
 MXFP4 weights; the op puts the Triton module's grouping and SiTU-GLU around them
-(lib/triton/routed_experts_w4a16.py), whose launch and numerics this matches. Why not Triton: there the dequantized weights reach the MMA
-through layout conversions and a wait on every wgmma (6.4 instructions a weight, docs/perf.md 0g);
-here a thread's packed bytes are its own MMA fragment and nothing else runs in the loop.
+(lib/triton/routed_experts_w4a16.py), whose launch and numerics this matches. Why not Triton: there
+the dequantized weights reach the MMA through layout conversions and a wait on every wgmma
+(docs/perf.md 0g); here a thread's packed bytes are its own MMA fragment and nothing else runs in
+the loop.
 
 Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at a time (the mma's N):
 - a thread (r, t = lane % 4) loads 16 bytes of each of its two rows a step of 128 elements: elements
@@ -195,8 +196,8 @@ if compat.HAVE_CUTE:
         def _k_loop(self, acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, one_multiply: cutlass.Constexpr):
             """acc += the span's dot products: UNROLL steps of loads, then their mmas."""
             UNROLL: cutlass.Constexpr = self.unroll
-            # unroll=1: left to itself the compiler unrolls a short span (K = 1536: 12 steps) into ~37 KB
-            # of straight code, which thrashes the instruction cache (docs/perf.md 0i)
+            # unroll=1: left to itself ptxas unrolls a short span into straight code that thrashes the
+            # instruction cache (docs/perf.md 0i); UNROLL already keeps steps of loads in flight
             for s in cutlass.range(0, self.k_span // STEP, UNROLL, unroll=1):
                 wa, wb, sa, sb, xs = [], [], [], [], []
                 for u in cutlass.range_constexpr(UNROLL):
@@ -255,8 +256,7 @@ def launch(x, wa, sa, wb, sb, out, experts, rows, groups, **params) -> None:
     key, build = builder(**params)
     K = params["K"]
     compat.compiled(key, build)(x, wa.view(-1, K // 2), sa.view(-1, K // 32), wb.view(-1, K // 2),
-                                sb.view(-1, K // 32), out.view(-1), experts,
-                                rows, groups)
+                                sb.view(-1, K // 32), out.view(-1), experts, rows, groups)
 
 
 WARPS = 4
@@ -288,17 +288,18 @@ def pick_config(groups: float, I: int, L: int) -> dict:
             "n_tiles": n_tiles}
 
 
-def gate_up_params(I: int, L: int, top_k: int, config: dict, pairwise: bool) -> dict:
-    """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]."""
+def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
+    """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]. `config`:
+    pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
-                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=pairwise, warps=WARPS,
+                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
                 unroll=config["gate_up_unroll"], n_tiles=1)
 
 
-def down_params(I: int, L: int, config: dict, pairwise: bool) -> dict:
-    """builder's parameters for w2: bf16 into z [P, L]."""
+def down_params(I: int, L: int, config: dict) -> dict:
+    """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=pairwise, warps=WARPS, unroll=config["down_unroll"], n_tiles=config["n_tiles"])
+                pairwise=config["pairwise"], warps=WARPS, unroll=config["down_unroll"], n_tiles=config["n_tiles"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
