@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=None, help="4-bit expert formats (mxfp4,int4): the W4A16 table")
     ap.add_argument("--humming-inter", default=None, help="widths to time humming at (default: every --inter)")
     ap.add_argument("--arms", default="w4a16,bf16,humming,stock", help="W4A16 table: the arms to time")
+    ap.add_argument("--cute-stages", default="",
+                    help="W4A16 table: CuTe arms at these ring depths besides the default (0: no ring)")
     ap.add_argument("--w4a16-config", default=None, help="W4A16: a GATE_UP/DOWN override (JSON) for both kernels")
     ap.add_argument("--sweep-tokens", default="1,64", help="W4A16 --sweep: token counts")
     ap.add_argument("--sweep-out", default=None, help="W4A16 --sweep: JSON of the sweep")

@@ -18,7 +18,7 @@ from k3fuse import quant
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
-from k3fuse.kernels.ops.routed_experts_w4a16 import cute_run
+from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config, cute_run
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
 
 E, K, L = 896, 16, 3584
@@ -132,6 +132,7 @@ def run_w4a16(args) -> int:
     arms = set(args.arms.split(","))
     inters = [int(i) for i in (args.inter if args.inter != "128,64" else "3072,1536,384").split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
+    cute_depths = [int(d) for d in args.cute_stages.split(",") if d]
     humming_inters = inters if args.humming_inter is None else [int(i) for i in args.humming_inter.split(",") if i]
     copy_bw = copy_bandwidth(torch.device("cuda"), nbytes=2 * COPY_BUFFER)
     print(f"copy bandwidth, {COPY_BUFFER >> 20} MiB buffer: {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -176,6 +177,11 @@ def run_w4a16(args) -> int:
                     results[T]["cute"] = timed(lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table,
                                                                  out=out[i])
                                                         for i in range(STEPS)], r.refill, args.replays)
+                for depth in cute_depths if fmt == "mxfp4" else ():  # the same kernel at other ring depths
+                    cfg = cute_config(T, E, I, L, K, stages=depth)
+                    results[T][f"cute_stages_{depth}"] = timed(
+                        lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
+                                          config=cfg) for i in range(STEPS)], r.refill, args.replays)
                 results[T]["touched"] = statistics.mean(r.touched)
                 results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"
             if I in humming_inters and "humming" in arms:
@@ -212,11 +218,19 @@ def run_w4a16(args) -> int:
                                cute_vs_w4a16=res["w4a16"] / res["cute"],
                                cute_vs_humming=res["humming"] / res["cute"] if res.get("humming") else None,
                                cute_vs_bf16=bf16_us[T] / res["cute"] if T in bf16_us else None)
+                for depth in cute_depths:
+                    if res.get(f"cute_stages_{depth}"):
+                        us = res[f"cute_stages_{depth}"]
+                        row[f"cute_stages_{depth}"] = us
+                        row[f"cute_stages_{depth}_pct_copy_bw"] = 100 * touched_bytes / (us * 1e-6) / copy_bw
                 for extra in ("stock_error", "humming_rel_vs_w4a16"):
                     if extra in res:
                         row[extra] = res[extra]
                 rows.append(row)
                 cute = f"  cute {row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else ""
+                cute += "".join(f"  cute[stages {d}] {row[f'cute_stages_{d}']:8.1f} µs "
+                                f"{row[f'cute_stages_{d}_pct_copy_bw']:5.1f}%" for d in cute_depths
+                                if f"cute_stages_{d}" in row)
                 print(f"I={I:>5} {fmt:5} T={T:>3} touched {row['experts_touched']:6.1f} "
                       f"{touched_bytes / 1e6:8.1f} MB  w4a16 {row['w4a16']:8.1f} µs [{res['mode']:8}] "
                       f"{row['w4a16_pct_copy_bw']:5.1f}% of copy  bf16 {_fmt(row['bf16'])} "

@@ -206,14 +206,18 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
     return None
 
 
-def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None) -> dict:
+def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
+                stages: int | None = None) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
-    then the split and tiles for the groups it expects."""
+    then the split, tiles and ring stages for the groups it expects (`stages`: by default the register
+    loop pairwise, the ring grouped)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
     pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
-    return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L)}
+    if stages is None:
+        stages = 0 if pairwise else cute_kernel.STAGES
+    return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages)}
 
 
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,

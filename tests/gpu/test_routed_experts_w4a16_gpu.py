@@ -218,6 +218,36 @@ def test_crowded_experts_span_several_row_blocks(experts, T, mode):
         _check(_cute_run(experts, a, ids, out, mode["pairwise"]), ref, (experts.fmt, experts.I, T, mode, "cute"))
 
 
+@MODES
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_cute_wide_scales_against_float64(experts, T, mode):
+    """E8M0 scales of 2^1 and more (bytes 128-130) in row blocks of experts 0-2, every token on experts
+    0..K-1: the CTAs over those rows take the two-multiply loop, the rest the one-multiply loop (at
+    64 tokens, 8 chunks of pairs a span); both against float64."""
+    if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
+        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+    wide = range(3)
+    scales = (experts.packed[1], experts.packed[5])  # w1's and w2's
+    saved = [(s[e].clone(), experts.dequantized[j][e].clone()) for j, s in ((0, scales[0]), (2, scales[1]))
+             for e in wide]
+    try:
+        for e in wide:
+            scales[0][e, 16 * e:16 * e + 16] = 128 + e
+            scales[1][e, 64:80] = 129
+            for j, idx in ((0, 0), (2, 2)):
+                experts.dequantized[j][e] = quant.dequantize(experts.packed[2 * idx][e:e + 1],
+                                                             experts.packed[2 * idx + 1][e:e + 1], "mxfp4", BF16)[0]
+        a, ids = tokens(T, seed=300 + T, crowded=True)
+        out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
+        _check(_cute_run(experts, a, ids, out, mode["pairwise"]), experts.reference(a, ids),
+               (experts.I, T, mode, "wide scales"))
+    finally:
+        for (scale, deq), (j, s, e) in zip(saved, [(j, s, e) for j, s in ((0, scales[0]), (2, scales[1]))
+                                                   for e in wide]):
+            s[e] = scale
+            experts.dequantized[j][e] = deq
+
+
 def test_op_strict_counts_the_kernel(experts):
     dispatch.load_gpu_impls()
     a, ids = tokens(8, seed=7)

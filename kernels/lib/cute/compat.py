@@ -208,6 +208,46 @@ if HAVE_CUTE:
                       "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
         return unpack(st, 4, Float32, loc, ip)
 
+    # ---------------- cp.async into a thread's own shared-memory slots (the W4A16 kernel's ring) -----
+    # side-effecting asm: the compiler keeps them, and the shared loads, in program order, so a slot
+    # is read before the copy that reuses it is issued
+    @dsl_user_op
+    def smem_address(ptr, *, loc=None, ip=None) -> Int32:
+        """A shared-memory pointer's 32-bit address in the shared window (cp.async / ld.shared operand)."""
+        return Int32(ptr.toint(loc=loc, ip=ip))
+
+    @dsl_user_op
+    def cp_async_16(smem, addr, *, loc=None, ip=None) -> None:
+        """16 bytes global -> shared, L2 only (the weights are read once)."""
+        _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int64(addr).ir_value(loc=loc, ip=ip)],
+             "cp.async.cg.shared.global [$0], [$1], 16;", "r,l")
+
+    @dsl_user_op
+    def cp_async_4(smem, addr, *, loc=None, ip=None) -> None:
+        """4 bytes global -> shared; addr 4-byte aligned."""
+        _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int64(addr).ir_value(loc=loc, ip=ip)],
+             "cp.async.ca.shared.global [$0], [$1], 4;", "r,l")
+
+    @dsl_user_op
+    def cp_async_commit(*, loc=None, ip=None) -> None:
+        _asm(None, [], "cp.async.commit_group;", "")
+
+    @dsl_user_op
+    def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
+        """Wait until at most `pending` of this thread's committed groups are still in flight."""
+        _asm(None, [], f"cp.async.wait_group {int(pending)};", "")
+
+    @dsl_user_op
+    def ld_shared_v4(smem, *, loc=None, ip=None):
+        """16 bytes from shared memory as four 32-bit words; 16-byte aligned."""
+        st = _asm(struct_type(4, "i32"), [Int32(smem).ir_value(loc=loc, ip=ip)],
+                  "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r")
+        return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
+    def ld_shared_u8(smem, *, loc=None, ip=None) -> Int32:
+        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.u8 $0, [$1];", "=r,r"))
+
     @dsl_user_op
     def st_f32(addr, v, *, loc=None, ip=None) -> None:
         _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],

@@ -16,7 +16,14 @@ Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at
 - the activations come in `word_order` (lib/triton/routed_experts_w4a16.py: position 8w + 2j + h holds
   element 8w + j + 4h), so a 32-bit load is the B fragment that register j meets: the dot's sum over
   k is the same, in another order;
-- m16n8k16 bf16 mma.sync, fp32 accumulation; the k loop is UNROLL steps of loads, then their mmas.
+- m16n8k16 bf16 mma.sync, fp32 accumulation.
+
+Two ways to keep the weights in flight (`stages`):
+- the ring (grouped mode): the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs),
+  and each thread keeps `stages - 1` steps of its own weight and scale bytes in flight by cp.async into
+  its own shared-memory slots, across span boundaries; it reads back only what it copied, so no
+  barrier is needed, and the loads no longer wait on the mmas;
+- the register loop (pairwise, stages 0): UNROLL steps of loads into registers, then their mmas.
 
 Launch (one class, both projections): grid (groups, row blocks, SPLIT_K). gate/up: blocks of w1 then of
 w3 (`blocks_a` of each), fp32 partials over a K span into gu [SPLIT_K, P, 2I]; down: N_TILES row
@@ -72,11 +79,14 @@ if compat.HAVE_CUTE:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
-                     blocks_a: int, col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int):
+                     blocks_a: int, col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int,
+                     stages: int = 0):
             assert K % STEP == 0 and k_span % (STEP * unroll) == 0 and N % (ROWS_PER_WARP * warps) == 0
+            assert stages == 0 or stages >= 2
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
             self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
             self.pairwise, self.warps, self.unroll, self.n_tiles = pairwise, warps, unroll, n_tiles
+            self.stages = stages
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -135,62 +145,204 @@ if compat.HAVE_CUTE:
                     col_off = Int32(self.col_b)
             x_base = compat.address(mX.iterator)
             o_base = compat.address(mOut.iterator)
-            o_size: cutlass.Constexpr = 4 if self.out_fp32 else 2
             k_begin = split * self.k_span
 
             acc = cute.make_rmem_tensor((4,), Float32)
-            for tile in cutlass.range(self.n_tiles, unroll=1):
-                row_a = (block + tile) * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + r
-                w_row_a = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
-                w_row_b = w_row_a + 8 * (K // 2)
-                s_row_a = s_base + (e * N + row_a) * (K // 32) + (k_begin // 32 + t)
-                s_row_b = s_row_a + 8 * (K // 32)
-                # real checkpoints' scales are far below 2^1: one bf16 multiply a register unless a
-                # scale of the warp's rows in this span is 2^1 or more (a warp-uniform choice of loop)
-                wide = Int32(0)
+            if const_expr(self.stages > 0):
                 if size > 0:
-                    wide = self._any_wide_scale(s_base + (e * N + row_a) * (K // 32) + k_begin // 32, t)
-                for m0 in cutlass.range(0, size, PAIRS_PER_MMA):
-                    # the B column this thread loads: pair m0 + r of the group
-                    has_n = Int32(0)
-                    x_row = Int64(0)
-                    if m0 + r < size:
-                        has_n = Int32(1)
-                        pair = first + m0 + r
-                        if const_expr(not self.pairwise):
-                            pair = mRows[first + m0 + r]
-                        x_row = Int64(pair // self.top_k)
-                    x_at = x_base + (x_row * K + k_begin + 32 * t) * 2
-                    for i in cutlass.range_constexpr(4):
-                        acc[i] = Float32(0.0)
-                    if wide == 0:
-                        self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, True)
-                    else:
-                        self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, False)
-                    # c0, c1: row_a x pairs m0 + 2t, m0 + 2t + 1; c2, c3: row_a + 8, same pairs
-                    for j in cutlass.range_constexpr(2):
-                        if m0 + 2 * t + j < size:
-                            pair = first + m0 + 2 * t + j
+                    self._ring(acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size,
+                               split, P, mRows, tidx)
+            else:
+                for tile in cutlass.range(self.n_tiles, unroll=1):
+                    row_a = (block + tile) * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + r
+                    w_row_a = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
+                    w_row_b = w_row_a + 8 * (K // 2)
+                    s_row_a = s_base + (e * N + row_a) * (K // 32) + (k_begin // 32 + t)
+                    s_row_b = s_row_a + 8 * (K // 32)
+                    # real checkpoints' scales are far below 2^1: one bf16 multiply a register unless a
+                    # scale of the warp's rows in this span is 2^1 or more (a warp-uniform choice of loop)
+                    wide = Int32(0)
+                    if size > 0:
+                        wide = self._any_wide_scale(s_base + (e * N + row_a) * (K // 32) + k_begin // 32, t)
+                    for m0 in cutlass.range(0, size, PAIRS_PER_MMA):
+                        # the B column this thread loads: pair m0 + r of the group
+                        has_n = Int32(0)
+                        x_row = Int64(0)
+                        if m0 + r < size:
+                            has_n = Int32(1)
+                            pair = first + m0 + r
                             if const_expr(not self.pairwise):
-                                pair = mRows[first + m0 + 2 * t + j]
-                            at = o_base + ((Int64(split) * P + pair) * self.out_stride + col_off + row_a) * o_size
-                            if const_expr(self.out_fp32):
-                                compat.st_f32(at, acc[j])
-                                compat.st_f32(at + 8 * o_size, acc[2 + j])
-                            else:
-                                compat.st_bf16(at, acc[j])
-                                compat.st_bf16(at + 8 * o_size, acc[2 + j])
-
+                                pair = mRows[first + m0 + r]
+                            x_row = Int64(pair // self.top_k)
+                        x_at = x_base + (x_row * K + k_begin + 32 * t) * 2
+                        for i in cutlass.range_constexpr(4):
+                            acc[i] = Float32(0.0)
+                        if wide == 0:
+                            self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, True)
+                        else:
+                            self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, False)
+                        self._store(acc, o_base, split, P, col_off, row_a, first, m0, size, t, mRows)
 
         @cute.jit
-        def _any_wide_scale(self, s_row_a, t):
-            """1 on every lane if any E8M0 byte of the warp's 16 rows over the span is >= 128, else 0:
-            the quad reads each row's span as 32-bit words, lane t every fourth."""
+        def _ring(self, acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
+                  mRows, tidx):
+            """The CTA's work as a stream of spans (a tile's rows by a chunk of 8 pairs, K steps each), the
+            weights and scales `stages - 1` steps ahead in flight by cp.async, across span boundaries:
+            each thread copies its own bytes into its own shared-memory slots and reads them back, so no
+            barrier is needed."""
+            D: cutlass.Constexpr = self.stages
+            N: cutlass.Constexpr = self.N
+            K: cutlass.Constexpr = self.K
+            SLOT: cutlass.Constexpr = self._slot()
+            lane = tidx % 32
+            t = lane % 4
+            row_a = block * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + lane // 4
+            smem = compat.SmemAllocator()
+            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, D * SLOT))  # 1 KB aligned
+            # this thread's bytes of row a at the span's first step (row b is 8 rows on)
+            w_at = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
+            s_at = s_base + (e * N + row_a) * (K // 32) + k_begin // 32
+            for i in cutlass.range_constexpr(D - 1):  # the first span's first steps (D - 1 <= its steps)
+                self._issue(ring + i * SLOT, tidx, w_at + i * (STEP // 2), s_at + i * (STEP // 32))
+                compat.cp_async_commit()
+
+            # one bf16 multiply a register unless a scale of the CTA's rows is 2^1 or more (real
+            # checkpoints' are far below): read while the first stages land, a warp-uniform choice of loop
+            bits = Int32(0)
+            for tile in cutlass.range(self.n_tiles, unroll=1):
+                row = row_a + tile * (ROWS_PER_WARP * self.warps)
+                bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
+            if compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
+                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                             ring, w_at, s_at, True)
+            else:
+                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                             ring, w_at, s_at, False)
+
+        @cute.jit
+        def _stream(self, acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a, ring,
+                    w_at, s_at, one_multiply: cutlass.Constexpr):
+            """Span by span: its B column and zeroed accumulators, its steps (each issuing the step
+            `stages - 1` ahead: of this span, then of the next), its outputs."""
+            D: cutlass.Constexpr = self.stages
+            S: cutlass.Constexpr = self.k_span // STEP
+            K: cutlass.Constexpr = self.K
+            SLOT: cutlass.Constexpr = self._slot()
+            TILE_ROWS: cutlass.Constexpr = ROWS_PER_WARP * self.warps
+            lane = tidx % 32
+            r = lane // 4
+            t = lane % 4
+            chunks = (size + PAIRS_PER_MMA - 1) // PAIRS_PER_MMA
+            spans = self.n_tiles * chunks
+            chunk = Int32(0)
+            row = row_a
+            p_slot = Int32((D - 1) * SLOT)
+            c_slot = Int32(0)
+            for g in cutlass.range(spans, unroll=1):
+                m0 = chunk * PAIRS_PER_MMA
+                # lanes past the group read its last pair: their column is computed, never stored
+                n = first + cutlass.min(m0 + r, size - 1)
+                pair = n
+                if const_expr(not self.pairwise):
+                    pair = mRows[n]
+                x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + 32 * t) * 2
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = Float32(0.0)
+                # the next span: the same rows for the next chunk, else the next tile's
+                next_chunk = chunk + 1
+                next_w = w_at
+                next_s = s_at
+                next_row = row
+                if next_chunk == chunks:
+                    next_chunk = Int32(0)
+                    next_w = w_at + TILE_ROWS * (K // 2)
+                    next_s = s_at + TILE_ROWS * (K // 32)
+                    next_row = row + TILE_ROWS
+                has_next = g + 1 < spans
+                for s in cutlass.range(S - (D - 1), unroll=1):  # issuing this span's later steps
+                    self._issue(ring + p_slot, tidx, w_at + (s + D - 1) * (STEP // 2), s_at + (s + D - 1) * (STEP // 32))
+                    p_slot, c_slot = self._step(acc, x_at + s * (STEP * 2), ring, tidx, t, p_slot, c_slot, one_multiply)
+                for s in cutlass.range(S - (D - 1), S, unroll=1):  # issuing the next span's first steps
+                    if has_next:
+                        q = s - (S - (D - 1))
+                        self._issue(ring + p_slot, tidx, next_w + q * (STEP // 2), next_s + q * (STEP // 32))
+                    p_slot, c_slot = self._step(acc, x_at + s * (STEP * 2), ring, tidx, t, p_slot, c_slot, one_multiply)
+                self._store(acc, o_base, split, P, col_off, row, first, m0, size, t, mRows)
+                chunk = next_chunk
+                w_at = next_w
+                s_at = next_s
+                row = next_row
+
+        @cute.jit
+        def _step(self, acc, x_at, ring, tidx, t, p_slot, c_slot, one_multiply: cutlass.Constexpr):
+            """Commit what was issued, load the step's activations, wait for its stage, its 8 mmas; the
+            two slots move on."""
+            D: cutlass.Constexpr = self.stages
+            THREADS: cutlass.Constexpr = 32 * self.warps
+            SLOT: cutlass.Constexpr = self._slot()
+            compat.cp_async_commit()
+            xs = [compat.ld_nc_v4(x_at + 16 * q) for q in range(4)]
+            compat.cp_async_wait(D - 1)  # this step's group has landed
+            slot = ring + c_slot
+            wa = compat.ld_shared_v4(slot + tidx * 16)
+            wb = compat.ld_shared_v4(slot + THREADS * 16 + tidx * 16)
+            sa = compat.ld_shared_u8(slot + THREADS * 32 + tidx * 4 + t)
+            sb = compat.ld_shared_u8(slot + THREADS * 36 + tidx * 4 + t)
+            self._mmas(acc, wa, wb, sa, sb, xs, one_multiply)
+            p_slot = p_slot + SLOT
+            if p_slot == D * SLOT:
+                p_slot = Int32(0)
+            c_slot = c_slot + SLOT
+            if c_slot == D * SLOT:
+                c_slot = Int32(0)
+            return p_slot, c_slot
+
+        def _slot(self) -> int:
+            """Bytes of a ring stage: every thread's 16 bytes of row a, then of row b, then its scale words."""
+            return 32 * self.warps * (2 * 16 + 2 * 4)
+
+        @cute.jit
+        def _issue(self, slot, tidx, w_at, s_at):
+            """cp.async of one step into this thread's part of a stage: 16 weight bytes of rows a and a + 8,
+            and each row's 4-byte scale word (the quad's 4 groups; this thread's at byte t)."""
+            K: cutlass.Constexpr = self.K
+            THREADS: cutlass.Constexpr = 32 * self.warps
+            compat.cp_async_16(slot + tidx * 16, w_at)
+            compat.cp_async_16(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2))
+            compat.cp_async_4(slot + THREADS * 32 + tidx * 4, s_at)
+            compat.cp_async_4(slot + THREADS * 36 + tidx * 4, s_at + 8 * (K // 32))
+
+        @cute.jit
+        def _store(self, acc, o_base, split, P, col_off, row_a, first, m0, size, t, mRows):
+            """c0, c1: row_a x pairs m0 + 2t, m0 + 2t + 1; c2, c3: row_a + 8, same pairs."""
+            o_size: cutlass.Constexpr = 4 if self.out_fp32 else 2
+            for j in cutlass.range_constexpr(2):
+                if m0 + 2 * t + j < size:
+                    pair = first + m0 + 2 * t + j
+                    if const_expr(not self.pairwise):
+                        pair = mRows[first + m0 + 2 * t + j]
+                    at = o_base + ((Int64(split) * P + pair) * self.out_stride + col_off + row_a) * o_size
+                    if const_expr(self.out_fp32):
+                        compat.st_f32(at, acc[j])
+                        compat.st_f32(at + 8 * o_size, acc[2 + j])
+                    else:
+                        compat.st_bf16(at, acc[j])
+                        compat.st_bf16(at + 8 * o_size, acc[2 + j])
+
+        @cute.jit
+        def _scale_bits(self, s_row, t):
+            """The OR of the E8M0 bytes of this lane's rows (s_row, its row a, and row b) over the span, the
+            quad reading each row's 32-bit words, lane t every fourth: bit 7 of a byte set for a scale >= 2^1."""
             words: cutlass.Constexpr = self.k_span // 128  # scale bytes per row / 4
             bits = Int32(0)
             for w in cutlass.range(t, words, 4):
-                bits = bits | compat.ld_nc_b32(s_row_a + 4 * w) | compat.ld_nc_b32(s_row_a + 8 * (self.K // 32) + 4 * w)
-            return compat.warp_any(bits & -2139062144)  # 0x80808080: bit 7 of each byte
+                bits = bits | compat.ld_nc_b32(s_row + 4 * w) | compat.ld_nc_b32(s_row + 8 * (self.K // 32) + 4 * w)
+            return bits
+
+        @cute.jit
+        def _any_wide_scale(self, s_row_a, t):
+            """1 on every lane if any E8M0 byte of the warp's 16 rows over the span is >= 128, else 0."""
+            return compat.warp_any(self._scale_bits(s_row_a, t) & -2139062144)  # 0x80808080: bit 7 of each byte
 
         @cute.jit
         def _k_loop(self, acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, one_multiply: cutlass.Constexpr):
@@ -228,10 +380,11 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int):
+            col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int, stages: int = 0):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
-                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, unroll=unroll, n_tiles=n_tiles)
+                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, unroll=unroll, n_tiles=n_tiles,
+                  stages=stages)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -265,13 +418,24 @@ TARGET_CTAS = 1056  # ~8 per SM on H200 (132 SMs): each CTA keeps 4 warps' loads
 MAX_N_TILES = 8
 
 
+#: ring stages in grouped mode: a thread keeps STAGES - 1 steps of weights in flight (5 KB of shared
+#: memory a stage); pairwise (a few tokens, few CTAs) the register loop, whose CTAs fit 8 an SM, was
+#: faster on the H200 (docs/perf.md 0j)
+STAGES = 8
+
+
 def _unroll(steps: int) -> int:
     return 2 if steps % 2 == 0 else 1
 
 
-def pick_config(groups: float, I: int, L: int) -> dict:
+def _stages(steps: int, stages: int) -> int:
+    return min(stages, steps + 1) if stages else 0  # the prologue fills stages - 1 steps of one span
+
+
+def pick_config(groups: float, I: int, L: int, stages: int = STAGES) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
-    CTAs to cover the SMs, no more. I and L whole 128-element steps (the op's predicate)."""
+    CTAs to cover the SMs, no more; `stages` for the ring (0: the register loop). I and L whole
+    128-element steps (the op's predicate)."""
     steps = L // STEP
     split = 1
     for cand in range(1, steps + 1):  # the smallest divisor of the steps that reaches the target
@@ -285,7 +449,8 @@ def pick_config(groups: float, I: int, L: int) -> dict:
            and groups * blocks / (n_tiles * 2) >= TARGET_CTAS):
         n_tiles *= 2
     return {"split": split, "gate_up_unroll": _unroll(steps // split), "down_unroll": _unroll(I // STEP),
-            "n_tiles": n_tiles}
+            "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
+            "down_stages": _stages(I // STEP, stages)}
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
@@ -293,13 +458,14 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
-                unroll=config["gate_up_unroll"], n_tiles=1)
+                unroll=config["gate_up_unroll"], n_tiles=1, stages=config["gate_up_stages"])
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=config["pairwise"], warps=WARPS, unroll=config["down_unroll"], n_tiles=config["n_tiles"])
+                pairwise=config["pairwise"], warps=WARPS, unroll=config["down_unroll"], n_tiles=config["n_tiles"],
+                stages=config["down_stages"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
