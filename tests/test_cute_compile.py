@@ -335,7 +335,8 @@ W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two to
 
 @needs_cute
 @pytest.mark.parametrize("T,I", W4A16_CASES)
-def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
+@pytest.mark.parametrize("depth", [None, 0], ids=["ring", "register_loop"])
+def test_w4a16_expert_gemms_compile_to_ptx(T, I, depth, tmp_path):
     """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
     loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, one bf16 multiply a register in
     the loop for ordinary scales and two in the loop for wide ones, no spills, no multicast; each k
@@ -346,7 +347,7 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     L, E, k = 3584, 896, 16
-    cfg = cute_config(T, E, I, L, k)
+    cfg = cute_config(T, E, I, L, k, stages=depth)
     launches = {"gate_up": w4.gate_up_params(I, L, k, cfg), "down": w4.down_params(I, L, cfg)}
     for name, params in launches.items():
         key, build = w4.builder(**params)
@@ -356,7 +357,7 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         muls = len(re.findall(r"mul\.rn\.bf16x2", ptx))
         stages = params["stages"]
-        assert (stages > 0) == (not cfg["pairwise"]), where  # the ring grouped, the register loop pairwise
+        assert stages == (min(w4.STAGES, params["k_span"] // w4.STEP + 1) if depth is None else 0), where
         # the ring's step loops a span: this span's later steps (none if the prologue filled them all),
         # then the next span's first
         ring_loops = 2 if params["k_span"] // w4.STEP > stages - 1 else 1
@@ -371,7 +372,8 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
             # words by cp.async (the prologue's stages - 1 steps and one a step loop), read from shared
             assert v4 == mma // 8 * 4, (where, v4)
             cp16 = len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
-            assert cp16 == 2 * (stages - 1 + 2 * ring_loops), (where, cp16)
+            # (pairwise one tile a CTA has one span: the compiler drops the next span's copies)
+            assert 2 * (stages - 1 + 2) <= cp16 <= 2 * (stages - 1 + 2 * ring_loops), (where, cp16)
             assert f"cp.async.wait_group {stages - 1};" in ptx and "bar.sync" not in ptx, where
             assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 2, where
         else:

@@ -209,14 +209,13 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
 def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
                 stages: int | None = None) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
-    then the split, tiles and ring stages for the groups it expects (`stages`: by default the register
-    loop pairwise, the ring grouped)."""
+    then the split, tiles and ring stages for the groups it expects (`stages`: the kernel's STAGES;
+    0 the register loop)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
     pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
-    if stages is None:
-        stages = 0 if pairwise else cute_kernel.STAGES
+    stages = cute_kernel.STAGES if stages is None else stages
     return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages)}
 
 

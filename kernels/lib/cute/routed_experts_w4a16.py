@@ -19,11 +19,12 @@ Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at
 - m16n8k16 bf16 mma.sync, fp32 accumulation.
 
 Two ways to keep the weights in flight (`stages`):
-- the ring (grouped mode): the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs),
+- the ring (the default): the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs),
   and each thread keeps `stages - 1` steps of its own weight and scale bytes in flight by cp.async into
   its own shared-memory slots, across span boundaries; it reads back only what it copied, so no
   barrier is needed, and the loads no longer wait on the mmas;
-- the register loop (pairwise, stages 0): UNROLL steps of loads into registers, then their mmas.
+- the register loop (stages 0, the ring's baseline in the benchmark): UNROLL steps of loads into
+  registers, then their mmas.
 
 Launch (one class, both projections): grid (groups, row blocks, SPLIT_K). gate/up: blocks of w1 then of
 w3 (`blocks_a` of each), fp32 partials over a K span into gu [SPLIT_K, P, 2I]; down: N_TILES row
@@ -418,10 +419,10 @@ TARGET_CTAS = 1056  # ~8 per SM on H200 (132 SMs): each CTA keeps 4 warps' loads
 MAX_N_TILES = 8
 
 
-#: ring stages in grouped mode: a thread keeps STAGES - 1 steps of weights in flight (5 KB of shared
-#: memory a stage); pairwise (a few tokens, few CTAs) the register loop, whose CTAs fit 8 an SM, was
-#: faster on the H200 (docs/perf.md 0j)
-STAGES = 8
+#: ring stages: a thread keeps STAGES - 1 steps of weights in flight (5 KB of shared memory a stage);
+#: 3 was the fastest depth on the H200 at every width and token count (docs/perf.md 0j): its CTAs
+#: still fit 8 an SM, deeper rings cost CTAs
+STAGES = 3
 
 
 def _unroll(steps: int) -> int:
