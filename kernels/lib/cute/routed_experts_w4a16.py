@@ -420,8 +420,8 @@ MAX_N_TILES = 8
 
 
 #: ring stages: a thread keeps STAGES - 1 steps of weights in flight (5 KB of shared memory a stage);
-#: 3 was the fastest depth on the H200 at every width and token count (docs/perf.md 0j): its CTAs
-#: still fit 8 an SM, deeper rings cost CTAs
+#: 3 was the fastest depth on the H200 at all but one width and token count, and within 4% there
+#: (docs/perf.md 0j): its CTAs still fit 8 an SM, deeper rings cost CTAs
 STAGES = 3
 
 
