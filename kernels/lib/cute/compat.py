@@ -217,16 +217,12 @@ if HAVE_CUTE:
         return Int32(ptr.toint(loc=loc, ip=ip))
 
     @dsl_user_op
-    def cp_async_16(smem, addr, *, loc=None, ip=None) -> None:
-        """16 bytes global -> shared, L2 only (the weights are read once)."""
+    def cp_async(smem, addr, nbytes: int, *, loc=None, ip=None) -> None:
+        """nbytes (4, 8 or 16) global -> shared, addr aligned to them; 16 bytes skip L1 (`.cg`: the
+        weights are read once), smaller copies must go through it (`.ca`)."""
+        cache = "cg" if nbytes == 16 else "ca"
         _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int64(addr).ir_value(loc=loc, ip=ip)],
-             "cp.async.cg.shared.global [$0], [$1], 16;", "r,l")
-
-    @dsl_user_op
-    def cp_async_4(smem, addr, *, loc=None, ip=None) -> None:
-        """4 bytes global -> shared; addr 4-byte aligned."""
-        _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int64(addr).ir_value(loc=loc, ip=ip)],
-             "cp.async.ca.shared.global [$0], [$1], 4;", "r,l")
+             f"cp.async.{cache}.shared.global [$0], [$1], {int(nbytes)};", "r,l")
 
     @dsl_user_op
     def cp_async_commit(*, loc=None, ip=None) -> None:

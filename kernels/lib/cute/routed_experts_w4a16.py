@@ -308,10 +308,10 @@ if compat.HAVE_CUTE:
             and each row's 4-byte scale word (the quad's 4 groups; this thread's at byte t)."""
             K: cutlass.Constexpr = self.K
             THREADS: cutlass.Constexpr = 32 * self.warps
-            compat.cp_async_16(slot + tidx * 16, w_at)
-            compat.cp_async_16(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2))
-            compat.cp_async_4(slot + THREADS * 32 + tidx * 4, s_at)
-            compat.cp_async_4(slot + THREADS * 36 + tidx * 4, s_at + 8 * (K // 32))
+            compat.cp_async(slot + tidx * 16, w_at, 16)
+            compat.cp_async(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2), 16)
+            compat.cp_async(slot + THREADS * 32 + tidx * 4, s_at, 4)
+            compat.cp_async(slot + THREADS * 36 + tidx * 4, s_at + 8 * (K // 32), 4)
 
         @cute.jit
         def _store(self, acc, o_base, split, P, col_off, row_a, first, m0, size, t, mRows):
