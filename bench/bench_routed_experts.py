@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="w4a16,bf16,humming,stock", help="W4A16 table: the arms to time")
     ap.add_argument("--cute-stages", default="",
                     help="W4A16 table: CuTe arms at these ring depths besides the default (0: no ring)")
+    ap.add_argument("--cute-choices", default=None,
+                    help='W4A16 table: CuTe arms with imposed launch choices, JSON {"name": {"split": 2, '
+                         '"n_tiles": 1, "down_stages": 4}}')
+    ap.add_argument("--profile", action="store_true",
+                    help="W4A16 table: the CuTe arm's kernels in one profiled replay (the middle call)")
     ap.add_argument("--w4a16-config", default=None, help="W4A16: a GATE_UP/DOWN override (JSON) for both kernels")
     ap.add_argument("--sweep-tokens", default="1,64", help="W4A16 --sweep: token counts")
     ap.add_argument("--sweep-out", default=None, help="W4A16 --sweep: JSON of the sweep")

@@ -15,6 +15,7 @@ import time
 import torch
 
 from k3fuse import quant
+from k3fuse.tools.bench.profile import profile_steps
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
@@ -90,6 +91,22 @@ def timed(steps, refill, replays: int) -> float:
     return us
 
 
+def profiled(steps, refill) -> list[dict]:
+    """The middle call's kernels in one profiled replay: [{name, start_us, dur_us}], start from its first."""
+    graph = capture(steps, warmup=2)
+    refill()
+    timeline = profile_steps(graph.replay, STEPS)["timeline"]
+    del graph
+    return [{"name": k["name"], "start_us": round(k["start_us"], 2), "dur_us": round(k["dur_us"], 2)}
+            for k in timeline]
+
+
+def _short(names: list[str]) -> list[str]:
+    """Kernel names for the profile line: the CuTe launches in their order (gate/up, then down)."""
+    cute = iter(("cute.gate_up", "cute.down"))
+    return [next(cute, "cute") if "W4A16RowsDot" in n else n.split("(")[0].replace("void ", "")[:28] for n in names]
+
+
 #: the launch configurations --sweep times (kernels/lib/triton/routed_experts_w4a16.py GATE_UP / DOWN):
 #: rows by elements a step, warps, stages; "_wo": WORD_ORDER (the activations permuted to the
 #: dequantized weights' register order)
@@ -133,6 +150,7 @@ def run_w4a16(args) -> int:
     inters = [int(i) for i in (args.inter if args.inter != "128,64" else "3072,1536,384").split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
     cute_depths = [int(d) for d in args.cute_stages.split(",") if d]
+    cute_choices = json.loads(args.cute_choices) if args.cute_choices else {}
     humming_inters = inters if args.humming_inter is None else [int(i) for i in args.humming_inter.split(",") if i]
     copy_bw = copy_bandwidth(torch.device("cuda"), nbytes=2 * COPY_BUFFER)
     print(f"copy bandwidth, {COPY_BUFFER >> 20} MiB buffer: {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -182,6 +200,15 @@ def run_w4a16(args) -> int:
                     results[T][f"cute_stages_{depth}"] = timed(
                         lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
                                           config=cfg) for i in range(STEPS)], r.refill, args.replays)
+                for name, choice in cute_choices.items() if fmt == "mxfp4" else ():  # imposed launch choices
+                    cfg = cute_config(T, E, I, L, K, **choice)
+                    us = timed(lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
+                                                 config=cfg) for i in range(STEPS)], r.refill, args.replays)
+                    results[T].setdefault("cute_choices", {})[name] = {"us": us, "config": cfg}
+                if args.profile and "cute" in arms and fmt == "mxfp4":
+                    results[T]["cute_profile"] = profiled(
+                        lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i])
+                                 for i in range(STEPS)], r.refill)
                 results[T]["touched"] = statistics.mean(r.touched)
                 results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"
             if I in humming_inters and "humming" in arms:
@@ -223,7 +250,10 @@ def run_w4a16(args) -> int:
                         us = res[f"cute_stages_{depth}"]
                         row[f"cute_stages_{depth}"] = us
                         row[f"cute_stages_{depth}_pct_copy_bw"] = 100 * touched_bytes / (us * 1e-6) / copy_bw
-                for extra in ("stock_error", "humming_rel_vs_w4a16"):
+                for name, arm in res.get("cute_choices", {}).items():
+                    row.setdefault("cute_choices", {})[name] = {
+                        **arm, "pct_copy_bw": 100 * touched_bytes / (arm["us"] * 1e-6) / copy_bw}
+                for extra in ("stock_error", "humming_rel_vs_w4a16", "cute_profile"):
                     if extra in res:
                         row[extra] = res[extra]
                 rows.append(row)
@@ -231,10 +261,17 @@ def run_w4a16(args) -> int:
                 cute += "".join(f"  cute[stages {d}] {row[f'cute_stages_{d}']:8.1f} µs "
                                 f"{row[f'cute_stages_{d}_pct_copy_bw']:5.1f}%" for d in cute_depths
                                 if f"cute_stages_{d}" in row)
+                cute += "".join(f"  cute[{n}] {a['us']:8.1f} µs {a['pct_copy_bw']:5.1f}%"
+                                for n, a in row.get("cute_choices", {}).items())
                 print(f"I={I:>5} {fmt:5} T={T:>3} touched {row['experts_touched']:6.1f} "
                       f"{touched_bytes / 1e6:8.1f} MB  w4a16 {row['w4a16']:8.1f} µs [{res['mode']:8}] "
                       f"{row['w4a16_pct_copy_bw']:5.1f}% of copy  bf16 {_fmt(row['bf16'])} "
                       f"stock {_fmt(row['stock'])}  humming {_fmt(row['humming'])}{cute}", flush=True)
+                if "cute_profile" in row:
+                    kernels = row["cute_profile"]
+                    print("    cute kernels (start+µs): " + "  ".join(
+                        f"{n} {k['start_us']:.1f}+{k['dur_us']:.1f}"
+                        for n, k in zip(_short([k["name"] for k in kernels]), kernels)), flush=True)
             del packed
             torch.cuda.empty_cache()
             _write(args.json, copy_bw, tables, humming_errors, rows, config, swept)  # a cut-short run keeps it

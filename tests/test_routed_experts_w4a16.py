@@ -438,3 +438,26 @@ def test_pick_config_splits_k_when_the_grid_is_small():
     assert not many["pairwise"] and many["gate_up"]["SPLIT_K"] == 1
     forced = K.pick_config(1, 896, 384, 3584, 16, {"pairwise": False, "gate_up": {"SPLIT_K": 1}})
     assert not forced["pairwise"] and forced["gate_up"]["SPLIT_K"] == 1
+
+
+def test_cute_config_covers_the_sms_and_takes_imposed_choices():
+    """The CuTe launches' choice at K3's widths (a K split for few pairs, row tiles for many), and the
+    benchmark's imposed split / tiles / down depth, with the unroll and ring depth that follow; a
+    split or tiling that does not divide the steps or row blocks is refused by name."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    few = cute_config(1, E, 384, L, k)  # 16 pairs x 12 row blocks: split until ~8 CTAs an SM
+    assert few["pairwise"] and few["split"] > 1 and (L // w4.STEP) % few["split"] == 0
+    assert 16 * 12 * few["split"] >= w4.TARGET_CTAS and few["n_tiles"] == 1
+    many = cute_config(64, E, 3072, L, k)
+    assert not many["pairwise"] and many["split"] == 1 and many["n_tiles"] > 1
+    assert many["gate_up_stages"] == many["down_stages"] == w4.STAGES
+    imposed = cute_config(1, E, 3072, L, k, split=7, n_tiles=2, down_stages=4)
+    assert imposed["split"] == 7 and imposed["n_tiles"] == 2
+    assert imposed["gate_up_unroll"] == 2 and imposed["gate_up_stages"] == w4.STAGES  # 4 steps a span
+    assert imposed["down_stages"] == 4 and imposed["down_unroll"] == 2
+    assert cute_config(1, E, 3072, L, k, split=1)["split"] == 1
+    with pytest.raises(ValueError, match="split 3 / n_tiles 1 do not divide the 28 steps / 56 row blocks"):
+        cute_config(1, E, 3072, L, k, split=3)

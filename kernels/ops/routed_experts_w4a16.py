@@ -207,16 +207,17 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
 
 
 def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
-                stages: int | None = None) -> dict:
+                stages: int | None = None, **choices: int) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
     then the split, tiles and ring stages for the groups it expects (`stages`: the kernel's STAGES;
-    0 the register loop)."""
+    0 the register loop; `choices`: pick_config's split / n_tiles / down_stages, imposed)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
     pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
     stages = cute_kernel.STAGES if stages is None else stages
-    return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages)}
+    return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages,
+                                                                  **choices)}
 
 
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,

@@ -433,25 +433,32 @@ def _stages(steps: int, stages: int) -> int:
     return min(stages, steps + 1) if stages else 0  # the prologue fills stages - 1 steps of one span
 
 
-def pick_config(groups: float, I: int, L: int, stages: int = STAGES) -> dict:
+def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
+                n_tiles: int | None = None, down_stages: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring (0: the register loop). I and L whole
-    128-element steps (the op's predicate)."""
+    128-element steps (the op's predicate). `split`, `n_tiles` and `down_stages` (the down's ring
+    depth; default `stages`) impose a choice instead (the benchmark's A/B arms)."""
     steps = L // STEP
-    split = 1
-    for cand in range(1, steps + 1):  # the smallest divisor of the steps that reaches the target
-        if steps % cand == 0:
-            split = cand
-            if groups * 2 * (I // BLOCK_ROWS) * cand >= TARGET_CTAS or cand >= 8:
-                break
+    if split is None:
+        split = 1
+        for cand in range(1, steps + 1):  # the smallest divisor of the steps that reaches the target
+            if steps % cand == 0:
+                split = cand
+                if groups * 2 * (I // BLOCK_ROWS) * cand >= TARGET_CTAS or cand >= 8:
+                    break
     blocks = L // BLOCK_ROWS
-    n_tiles = 1
-    while (n_tiles * 2 <= MAX_N_TILES and blocks % (n_tiles * 2) == 0
-           and groups * blocks / (n_tiles * 2) >= TARGET_CTAS):
-        n_tiles *= 2
+    if n_tiles is None:
+        n_tiles = 1
+        while (n_tiles * 2 <= MAX_N_TILES and blocks % (n_tiles * 2) == 0
+               and groups * blocks / (n_tiles * 2) >= TARGET_CTAS):
+            n_tiles *= 2
+    if steps % split or blocks % n_tiles:
+        raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
+    down_stages = stages if down_stages is None else down_stages
     return {"split": split, "gate_up_unroll": _unroll(steps // split), "down_unroll": _unroll(I // STEP),
             "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
-            "down_stages": _stages(I // STEP, stages)}
+            "down_stages": _stages(I // STEP, down_stages)}
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
