@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--humming-inter", default=None, help="widths to time humming at (default: every --inter)")
     ap.add_argument("--arms", default="w4a16,bf16,humming,stock", help="W4A16 table: the arms to time")
     ap.add_argument("--cute-stages", default="",
-                    help="W4A16 table: CuTe arms at these ring depths besides the default (0: no ring)")
+                    help="W4A16 table: CuTe arms at these ring depths besides the default (2 or more)")
     ap.add_argument("--cute-choices", default=None,
                     help='W4A16 table: CuTe arms with imposed launch choices, JSON {"name": {"split": 2, '
                          '"n_tiles": 1, "down_stages": 4}}')

@@ -335,19 +335,18 @@ W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two to
 
 @needs_cute
 @pytest.mark.parametrize("T,I", W4A16_CASES)
-@pytest.mark.parametrize("depth", [None, 0], ids=["ring", "register_loop"])
-def test_w4a16_expert_gemms_compile_to_ptx(T, I, depth, tmp_path):
+def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
     loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, one bf16 multiply a register in
     the loop for ordinary scales and two in the loop for wide ones, no spills, no multicast; each k
     loop is its steps once, marked nounroll (ptxas unrolled a 12-step span into straight code that
-    thrashed the instruction cache: docs/perf.md 0i). Grouped, the ring: the weights and scales by
-    cp.async into shared memory, waited for `stages - 1` groups behind, no barrier."""
+    thrashed the instruction cache: docs/perf.md 0i). The ring: the weights and scales by cp.async
+    into shared memory, waited for `stages - 1` groups behind, no barrier."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     L, E, k = 3584, 896, 16
-    cfg = cute_config(T, E, I, L, k, stages=depth)
+    cfg = cute_config(T, E, I, L, k)
     launches = {"gate_up": w4.gate_up_params(I, L, k, cfg), "down": w4.down_params(I, L, cfg)}
     for name, params in launches.items():
         key, build = w4.builder(**params)
@@ -357,29 +356,23 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, depth, tmp_path):
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         muls = len(re.findall(r"mul\.rn\.bf16x2", ptx))
         stages = params["stages"]
-        assert stages == (min(w4.STAGES, params["k_span"] // w4.STEP + 1) if depth is None else 0), where
+        assert stages == min(w4.STAGES, params["k_span"] // w4.STEP + 1), where
         # the ring's step loops a span: this span's later steps (none if the prologue filled them all),
         # then the next span's first
         ring_loops = 2 if params["k_span"] // w4.STEP > stages - 1 else 1
         # per step and loop copy: 8 mmas; the ordinary loop 32 multiplies for them, the wide one 64
-        # (two loop variants: the register loop's UNROLL steps, or the ring's step loops)
-        assert mma == 2 * 8 * (ring_loops if stages else params["unroll"]), (where, mma)
-        assert ptx.count('.pragma "nounroll"') >= (3 if params["n_tiles"] > 1 or stages else 2), where
+        assert mma == 2 * 8 * ring_loops, (where, mma)
+        assert ptx.count('.pragma "nounroll"') >= 3, where
         assert muls == mma // 2 * (4 + 8), (where, muls, mma)
+        # a step: the activations' 4 x 16 bytes from global, the weights' 2 x 16 bytes and the scale
+        # words by cp.async (the prologue's stages - 1 steps and one a step loop), read from shared
         v4 = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
-        if stages:
-            # a step: the activations' 4 x 16 bytes from global, the weights' 2 x 16 bytes and the scale
-            # words by cp.async (the prologue's stages - 1 steps and one a step loop), read from shared
-            assert v4 == mma // 8 * 4, (where, v4)
-            cp16 = len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
-            # (pairwise one tile a CTA has one span: the compiler drops the next span's copies)
-            assert 2 * (stages - 1 + 2) <= cp16 <= 2 * (stages - 1 + 2 * ring_loops), (where, cp16)
-            assert f"cp.async.wait_group {stages - 1};" in ptx and "bar.sync" not in ptx, where
-            assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 2, where
-        else:
-            # a step: 16 bytes of each of 2 weight rows and 4 x 16 of activations, in each of the two loops
-            assert v4 == mma // 8 * 6, where
-            assert "cp.async" not in ptx, where
+        assert v4 == mma // 8 * 4, (where, v4)
+        cp16 = len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
+        # (pairwise one tile a CTA has one span: the compiler drops the next span's copies)
+        assert 2 * (stages - 1 + 2) <= cp16 <= 2 * (stages - 1 + 2 * ring_loops), (where, cp16)
+        assert f"cp.async.wait_group {stages - 1};" in ptx and "bar.sync" not in ptx, where
+        assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 2, where
         assert "vote.sync.any.pred" in ptx, where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
         assert ("st.global.f32" in ptx) == (name == "gate_up") and ("cvt.rn.bf16.f32" in ptx) == (name == "down")

@@ -281,8 +281,8 @@ def test_cute_kernel_takes_mxfp4_bf16_at_k3_widths_and_names_what_it_leaves_to_t
             assert cute_accepts(spec(T, I)) is None, (I, T)
             cfg = cute_config(T, 896, I, 3584, 16)
             steps = 3584 // C.STEP
-            assert steps % cfg["split"] == 0 and (steps // cfg["split"]) % cfg["gate_up_unroll"] == 0, (I, T, cfg)
-            assert (I // C.STEP) % cfg["down_unroll"] == 0 and (3584 // C.BLOCK_ROWS) % cfg["n_tiles"] == 0
+            assert steps % cfg["split"] == 0 and (3584 // C.BLOCK_ROWS) % cfg["n_tiles"] == 0, (I, T, cfg)
+            assert 2 <= cfg["gate_up_stages"] <= steps // cfg["split"] + 1 and 2 <= cfg["down_stages"], (I, T, cfg)
             assert cfg["pairwise"] == (T <= 2)
     assert cute_config(1, 896, 384, 3584, 16)["split"] > 1  # 16 pairs x 12 row blocks: the K split fills the SMs
     assert cute_config(64, 896, 3072, 3584, 16)["split"] == 1
@@ -442,8 +442,9 @@ def test_pick_config_splits_k_when_the_grid_is_small():
 
 def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     """The CuTe launches' choice at K3's widths (a K split for few pairs, row tiles for many), and the
-    benchmark's imposed split / tiles / down depth, with the unroll and ring depth that follow; a
-    split or tiling that does not divide the steps or row blocks is refused by name."""
+    benchmark's imposed split / tiles / down depth, with the ring depth that follows; a split or
+    tiling that does not divide the steps or row blocks, and a ring of fewer than 2 stages, are
+    refused by name."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
@@ -454,10 +455,12 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     many = cute_config(64, E, 3072, L, k)
     assert not many["pairwise"] and many["split"] == 1 and many["n_tiles"] > 1
     assert many["gate_up_stages"] == many["down_stages"] == w4.STAGES
-    imposed = cute_config(1, E, 3072, L, k, split=7, n_tiles=2, down_stages=4)
-    assert imposed["split"] == 7 and imposed["n_tiles"] == 2
-    assert imposed["gate_up_unroll"] == 2 and imposed["gate_up_stages"] == w4.STAGES  # 4 steps a span
-    assert imposed["down_stages"] == 4 and imposed["down_unroll"] == 2
+    imposed = cute_config(1, E, 3072, L, k, split=14, n_tiles=2, down_stages=4)
+    assert imposed["split"] == 14 and imposed["n_tiles"] == 2
+    assert imposed["gate_up_stages"] == 3 and imposed["down_stages"] == 4  # 2 steps a span: a ring of 3 at most
     assert cute_config(1, E, 3072, L, k, split=1)["split"] == 1
     with pytest.raises(ValueError, match="split 3 / n_tiles 1 do not divide the 28 steps / 56 row blocks"):
         cute_config(1, E, 3072, L, k, split=3)
+    with pytest.raises(ValueError, match="a ring of 1 stages"):
+        cute_config(8, E, 3072, L, k, stages=1)
+

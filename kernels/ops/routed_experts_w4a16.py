@@ -210,7 +210,7 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
                 stages: int | None = None, **choices: int) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
     then the split, tiles and ring stages for the groups it expects (`stages`: the kernel's STAGES;
-    0 the register loop; `choices`: pick_config's split / n_tiles / down_stages, imposed)."""
+    `choices`: pick_config's split / n_tiles / down_stages, imposed)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 

@@ -168,22 +168,6 @@ if HAVE_CUTE:
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
-    def ld_nc_v4_if(addr, pred, *, loc=None, ip=None):
-        """ld_nc_v4 where pred != 0, else four zero words (no memory access)."""
-        st = asm_pure(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip),
-                                              Int32(pred).ir_value(loc=loc, ip=ip)],
-                      "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
-                      "mov.b32 $2, 0;\nmov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
-                      "=r,=r,=r,=r,l,r")
-        return unpack(st, 4, Int32, loc, ip)
-
-    @dsl_user_op
-    def ld_nc_u8(addr, *, loc=None, ip=None) -> Int32:
-        """One read-only byte, zero-extended."""
-        return Int32(asm_pure(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                              "ld.global.nc.u8 $0, [$1];", "=r,l"))
-
-    @dsl_user_op
     def ld_nc_b32(addr, *, loc=None, ip=None) -> Int32:
         """One read-only 32-bit word; addr 4-byte aligned."""
         return Int32(asm_pure(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.b32 $0, [$1];",

@@ -18,13 +18,10 @@ Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at
   k is the same, in another order;
 - m16n8k16 bf16 mma.sync, fp32 accumulation.
 
-Two ways to keep the weights in flight (`stages`):
-- the ring (the default): the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs),
-  and each thread keeps `stages - 1` steps of its own weight and scale bytes in flight by cp.async into
-  its own shared-memory slots, across span boundaries; it reads back only what it copied, so no
-  barrier is needed, and the loads no longer wait on the mmas;
-- the register loop (stages 0, the ring's baseline in the benchmark): UNROLL steps of loads into
-  registers, then their mmas.
+The weights in flight: the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs), and
+each thread keeps `stages - 1` steps of its own weight and scale bytes in flight by cp.async into its
+own shared-memory slots, across span boundaries (a ring); it reads back only what it copied, so no
+barrier is needed, and the loads do not wait on the mmas.
 
 Launch (one class, both projections): grid (groups, row blocks, SPLIT_K). gate/up: blocks of w1 then of
 w3 (`blocks_a` of each), fp32 partials over a K span into gu [SPLIT_K, P, 2I]; down: N_TILES row
@@ -80,13 +77,12 @@ if compat.HAVE_CUTE:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
-                     blocks_a: int, col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int,
-                     stages: int = 0):
-            assert K % STEP == 0 and k_span % (STEP * unroll) == 0 and N % (ROWS_PER_WARP * warps) == 0
-            assert stages == 0 or stages >= 2
+                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
+            assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
+            assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
             self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
-            self.pairwise, self.warps, self.unroll, self.n_tiles = pairwise, warps, unroll, n_tiles
+            self.pairwise, self.warps, self.n_tiles = pairwise, warps, n_tiles
             self.stages = stages
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
@@ -110,13 +106,8 @@ if compat.HAVE_CUTE:
                    mGroups: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             gid, col, split = cute.arch.block_idx()
-            N: cutlass.Constexpr = self.N
-            K: cutlass.Constexpr = self.K
             P = mExperts.shape[0]
-            E = mSa.shape[0] // N
-            lane = tidx % 32
-            r = lane // 4
-            t = lane % 4
+            E = mSa.shape[0] // self.N
 
             e = Int64(0)
             first = Int32(0)
@@ -149,40 +140,9 @@ if compat.HAVE_CUTE:
             k_begin = split * self.k_span
 
             acc = cute.make_rmem_tensor((4,), Float32)
-            if const_expr(self.stages > 0):
-                if size > 0:
-                    self._ring(acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size,
-                               split, P, mRows, tidx)
-            else:
-                for tile in cutlass.range(self.n_tiles, unroll=1):
-                    row_a = (block + tile) * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + r
-                    w_row_a = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
-                    w_row_b = w_row_a + 8 * (K // 2)
-                    s_row_a = s_base + (e * N + row_a) * (K // 32) + (k_begin // 32 + t)
-                    s_row_b = s_row_a + 8 * (K // 32)
-                    # real checkpoints' scales are far below 2^1: one bf16 multiply a register unless a
-                    # scale of the warp's rows in this span is 2^1 or more (a warp-uniform choice of loop)
-                    wide = Int32(0)
-                    if size > 0:
-                        wide = self._any_wide_scale(s_base + (e * N + row_a) * (K // 32) + k_begin // 32, t)
-                    for m0 in cutlass.range(0, size, PAIRS_PER_MMA):
-                        # the B column this thread loads: pair m0 + r of the group
-                        has_n = Int32(0)
-                        x_row = Int64(0)
-                        if m0 + r < size:
-                            has_n = Int32(1)
-                            pair = first + m0 + r
-                            if const_expr(not self.pairwise):
-                                pair = mRows[first + m0 + r]
-                            x_row = Int64(pair // self.top_k)
-                        x_at = x_base + (x_row * K + k_begin + 32 * t) * 2
-                        for i in cutlass.range_constexpr(4):
-                            acc[i] = Float32(0.0)
-                        if wide == 0:
-                            self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, True)
-                        else:
-                            self._k_loop(acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, False)
-                        self._store(acc, o_base, split, P, col_off, row_a, first, m0, size, t, mRows)
+            if size > 0:
+                self._ring(acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
+                           mRows, tidx)
 
         @cute.jit
         def _ring(self, acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
@@ -341,29 +301,6 @@ if compat.HAVE_CUTE:
             return bits
 
         @cute.jit
-        def _any_wide_scale(self, s_row_a, t):
-            """1 on every lane if any E8M0 byte of the warp's 16 rows over the span is >= 128, else 0."""
-            return compat.warp_any(self._scale_bits(s_row_a, t) & -2139062144)  # 0x80808080: bit 7 of each byte
-
-        @cute.jit
-        def _k_loop(self, acc, w_row_a, w_row_b, s_row_a, s_row_b, x_at, has_n, one_multiply: cutlass.Constexpr):
-            """acc += the span's dot products: UNROLL steps of loads, then their mmas."""
-            UNROLL: cutlass.Constexpr = self.unroll
-            # unroll=1: left to itself ptxas unrolls a short span into straight code that thrashes the
-            # instruction cache (docs/perf.md 0i); UNROLL already keeps steps of loads in flight
-            for s in cutlass.range(0, self.k_span // STEP, UNROLL, unroll=1):
-                wa, wb, sa, sb, xs = [], [], [], [], []
-                for u in cutlass.range_constexpr(UNROLL):
-                    step = s + u
-                    wa.append(compat.ld_nc_v4(w_row_a + step * (STEP // 2)))
-                    wb.append(compat.ld_nc_v4(w_row_b + step * (STEP // 2)))
-                    sa.append(compat.ld_nc_u8(s_row_a + step * (STEP // 32)))
-                    sb.append(compat.ld_nc_u8(s_row_b + step * (STEP // 32)))
-                    xs.append([compat.ld_nc_v4_if(x_at + step * (STEP * 2) + 16 * q, has_n) for q in range(4)])
-                for u in cutlass.range_constexpr(UNROLL):
-                    self._mmas(acc, wa[u], wb[u], sa[u], sb[u], xs[u], one_multiply)
-
-        @cute.jit
         def _mmas(self, acc, wa, wb, sa, sb, xs, one_multiply: cutlass.Constexpr):
             """One step's 8 mmas: rows a and b's four words each, dequantized, against the x words."""
             factor_a = e8m0_bf16x2(sa, one_multiply)
@@ -381,11 +318,10 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, unroll: int, n_tiles: int, stages: int = 0):
+            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
-                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, unroll=unroll, n_tiles=n_tiles,
-                  stages=stages)
+                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -425,20 +361,18 @@ MAX_N_TILES = 8
 STAGES = 3
 
 
-def _unroll(steps: int) -> int:
-    return 2 if steps % 2 == 0 else 1
-
-
 def _stages(steps: int, stages: int) -> int:
-    return min(stages, steps + 1) if stages else 0  # the prologue fills stages - 1 steps of one span
+    if stages < 2:
+        raise ValueError(f"a ring of {stages} stages (needs 2 or more: stages - 1 steps in flight)")
+    return min(stages, steps + 1)  # the prologue fills stages - 1 steps of one span
 
 
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
                 n_tiles: int | None = None, down_stages: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
-    CTAs to cover the SMs, no more; `stages` for the ring (0: the register loop). I and L whole
-    128-element steps (the op's predicate). `split`, `n_tiles` and `down_stages` (the down's ring
-    depth; default `stages`) impose a choice instead (the benchmark's A/B arms)."""
+    CTAs to cover the SMs, no more; `stages` for the ring. I and L whole 128-element steps (the op's
+    predicate). `split`, `n_tiles` and `down_stages` (the down's ring depth; default `stages`) impose
+    a choice instead (the benchmark's A/B arms)."""
     steps = L // STEP
     if split is None:
         split = 1
@@ -456,8 +390,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: i
     if steps % split or blocks % n_tiles:
         raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
     down_stages = stages if down_stages is None else down_stages
-    return {"split": split, "gate_up_unroll": _unroll(steps // split), "down_unroll": _unroll(I // STEP),
-            "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
+    return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
             "down_stages": _stages(I // STEP, down_stages)}
 
 
@@ -465,15 +398,14 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]. `config`:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
-                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
-                unroll=config["gate_up_unroll"], n_tiles=1, stages=config["gate_up_stages"])
+                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
+                stages=config["gate_up_stages"])
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=config["pairwise"], warps=WARPS, unroll=config["down_unroll"], n_tiles=config["n_tiles"],
-                stages=config["down_stages"])
+                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
