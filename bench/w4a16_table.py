@@ -191,24 +191,22 @@ def run_w4a16(args) -> int:
                 results[T]["w4a16"] = timed(lambda: [kernel.run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table,
                                                                 out=out[i], config=config) for i in range(STEPS)],
                                             r.refill, args.replays)
-                if "cute" in arms and fmt == "mxfp4":  # the CuTe expert GEMMs (MXFP4, bf16 only)
-                    results[T]["cute"] = timed(lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table,
-                                                                 out=out[i])
-                                                        for i in range(STEPS)], r.refill, args.replays)
+
+                def cute_steps(cfg=None):  # the CuTe op's STEPS calls (MXFP4, bf16 only); cfg: cute_config's
+                    return lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
+                                             config=cfg) for i in range(STEPS)]
+
+                if "cute" in arms and fmt == "mxfp4":
+                    results[T]["cute"] = timed(cute_steps(), r.refill, args.replays)
                 for depth in cute_depths if fmt == "mxfp4" else ():  # the same kernel at other ring depths
-                    cfg = cute_config(T, E, I, L, K, stages=depth)
-                    results[T][f"cute_stages_{depth}"] = timed(
-                        lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
-                                          config=cfg) for i in range(STEPS)], r.refill, args.replays)
+                    results[T][f"cute_stages_{depth}"] = timed(cute_steps(cute_config(T, E, I, L, K, stages=depth)),
+                                                               r.refill, args.replays)
                 for name, choice in cute_choices.items() if fmt == "mxfp4" else ():  # imposed launch choices
                     cfg = cute_config(T, E, I, L, K, **choice)
-                    us = timed(lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
-                                                 config=cfg) for i in range(STEPS)], r.refill, args.replays)
-                    results[T].setdefault("cute_choices", {})[name] = {"us": us, "config": cfg}
+                    results[T].setdefault("cute_choices", {})[name] = {
+                        "us": timed(cute_steps(cfg), r.refill, args.replays), "config": cfg}
                 if args.profile and "cute" in arms and fmt == "mxfp4":
-                    results[T]["cute_profile"] = profiled(
-                        lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i])
-                                 for i in range(STEPS)], r.refill)
+                    results[T]["cute_profile"] = profiled(cute_steps(), r.refill)
                 results[T]["touched"] = statistics.mean(r.touched)
                 results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"
             if I in humming_inters and "humming" in arms:
