@@ -442,9 +442,9 @@ def test_pick_config_splits_k_when_the_grid_is_small():
 
 def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     """The CuTe launches' choice at K3's widths (a K split for few pairs, row tiles for many), and the
-    benchmark's imposed split / tiles / down depth / dequantization, with the ring depth that follows; a split or
-    tiling that does not divide the steps or row blocks, a ring of fewer than 2 stages and an unknown
-    dequantization are refused by name."""
+    benchmark's imposed split / tiles / down depth, with the ring depth that follows; a split or
+    tiling that does not divide the steps or row blocks, and a ring of fewer than 2 stages, are
+    refused by name."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
@@ -463,8 +463,4 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
         cute_config(1, E, 3072, L, k, split=3)
     with pytest.raises(ValueError, match="a ring of 1 stages"):
         cute_config(8, E, 3072, L, k, stages=1)
-    assert many["dequant"] == w4.DEQUANTS[0] and cute_config(8, E, 3072, L, k, dequant="shift")["dequant"] == "shift"
-    assert w4.down_params(3072, L, cute_config(8, E, 3072, L, k, dequant="shift"))["dequant"] == "shift"
-    with pytest.raises(ValueError, match="dequant 'lut': one of"):
-        cute_config(8, E, 3072, L, k, dequant="lut")
 

@@ -12,7 +12,8 @@ Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at
   32t .. 32t + 31, one E8M0 group, so one scale byte a row a step;
 - each int32 word (8 nibbles) dequantizes to four bf16x2 registers, register j holding elements j and
   j + 4 (mask, multiply, mask: the E2M1 value * 2^-126 as a bf16 pattern; then a bf16x2 multiply by
-  2^(s - 1), or two for a scale of 2^1 and more; exact, the model's dequantized weight bit for bit); word i feeds mmas 2i and 2i + 1;
+  2^(s - 1), or two for a scale of 2^1 and more; exact, the model's dequantized weight bit for bit);
+  word i feeds mmas 2i and 2i + 1;
 - the activations come in `word_order` (lib/triton/routed_experts_w4a16.py: position 8w + 2j + h holds
   element 8w + j + 4h), so a 32-bit load is the B fragment that register j meets: the dot's sum over
   k is the same, in another order;
@@ -35,8 +36,6 @@ from .compat import SELF as compat
 STEP = 128  # elements of a row a thread quad covers per step (4 threads x 32: one group each)
 ROWS_PER_WARP = 16
 PAIRS_PER_MMA = 8
-#: the dequantization's spellings (e2m1x8_bf16x2), the first the default; the others for A/B arms
-DEQUANTS = ("spread", "spread_hi", "shift")
 
 if compat.HAVE_CUTE:
     import cutlass
@@ -49,42 +48,32 @@ if compat.HAVE_CUTE:
     ONE_MULTIPLY_BELOW = 128
 
     @dsl_user_op
-    def e8m0_bf16x2(s, one_multiply: bool, dequant: str, *, loc=None, ip=None) -> Int32:
+    def e8m0_bf16x2(s, one_multiply: bool, *, loc=None, ip=None) -> Int32:
         """E8M0 byte s -> a bf16 factor in both halves: one_multiply, 2^(s - 1) = 2^(s - 127) * 2^126 (bits
         (s + 126) << 7, for s < 128: one multiply-add, both halves at once); else 2^(s - 127) (bits s << 7;
         s = 0 the subnormal 0x0040)."""
-        if one_multiply and dequant != "shift":
+        if one_multiply:
             text = "{\nmad.lo.u32 $0, $1, 0x00800080, 0x3F003F00;\n}"  # (s + 126) * (2^7 + 2^23)
-        elif one_multiply:
-            text = "{\nadd.u32 $0, $1, 126;\nshl.b32 $0, $0, 7;\nprmt.b32 $0, $0, $0, 0x1010;\n}"
         else:
             text = ("{\n.reg .pred z;\nshl.b32 $0, $1, 7;\nsetp.eq.u32 z, $1, 0;\n@z mov.b32 $0, 0x40;\n"
                     "prmt.b32 $0, $0, $0, 0x1010;\n}")
         return Int32(compat.asm_pure(T.i32(), [Int32(s).ir_value(loc=loc, ip=ip)], text, "=r,r"))
 
     @dsl_user_op
-    def e2m1x8_bf16x2(word, factor2, one_multiply: bool, dequant: str, *, loc=None, ip=None):
+    def e2m1x8_bf16x2(word, factor2, one_multiply: bool, *, loc=None, ip=None):
         """Eight E2M1 nibbles -> four bf16x2 registers, register j = (element j, element j + 4), scaled:
         (sign << 15 | magnitude << 6) is E2M1 * 2^-126 as a bf16 pattern; one_multiply, * 2^(s - 1); else
         * 2^126 (exact), then * 2^(s - 127). Each weight exact: the dequantized value, rounded once.
 
-        dequant "spread": the pattern by one multiply (IMAD, the FMA pipe) of the isolated nibble pair by
-        2^6 + 2^12 (or 2^2 + 2^8), whose two copies put the magnitude at bits 6-8 and the sign at 15,
-        then a mask: 3 integer instructions a register, 2 on the ALU pipe ("spread_hi": the elements
-        2, 3, 6, 7 brought down by a multiply-high, also the FMA pipe). "shift": two shifts and two
-        masks (3 on the ALU pipe), the loop's bound (docs/perf.md 0l)."""
-        lines = [".reg .b32 q, m, c;", "mov.b32 c, 0x7E807E80;"]
-        spread = dequant != "shift"
-        if spread:
-            down8 = "mul.hi.u32 w8, $4, 0x1000000;" if dequant == "spread_hi" else "shr.u32 w8, $4, 8;"
-            lines += [".reg .b32 w8;", down8]  # elements 2, 3, 6, 7 where 0, 1, 4, 5 are
+        The pattern: the nibble pair isolated, one integer multiply (the FMA pipe) by 2^6 + 2^12 (or
+        2^2 + 2^8) whose two copies put the magnitude at bits 6-8 and the sign at bit 15, a mask: 3
+        integer instructions a register, 2 of them on the ALU pipe, which bounds the loop with the
+        issue rate (docs/perf.md 0l: two shifts and two masks ran 4-9% slower)."""
+        lines = [".reg .b32 q, c, w8;", "mov.b32 c, 0x7E807E80;",
+                 "shr.u32 w8, $4, 8;"]  # elements 2, 3, 6, 7 where 0, 1, 4, 5 are
         for j in range(4):
-            if spread:
-                lines += [f"and.b32 q, {'$4' if j < 2 else 'w8'}, {0x000F000F << 4 * (j % 2):#010x};",
-                          f"mul.lo.u32 q, q, {260 if j % 2 else 4160};", "and.b32 q, q, 0x81C081C0;"]
-            else:
-                lines += [f"shl.b32 q, $4, {12 - 4 * j};", "and.b32 m, q, 0x80008000;", "shr.u32 q, q, 6;",
-                          "and.b32 q, q, 0x01C001C0;", "or.b32 q, q, m;"]
+            lines += [f"and.b32 q, {'$4' if j < 2 else 'w8'}, {0x000F000F << 4 * (j % 2):#010x};",
+                      f"mul.lo.u32 q, q, {260 if j % 2 else 4160};", "and.b32 q, q, 0x81C081C0;"]
             lines += [f"mul.rn.bf16x2 ${j}, q, $5;"] if one_multiply else [
                 "mul.rn.bf16x2 q, q, c;", f"mul.rn.bf16x2 ${j}, q, $5;"]
         st = compat.asm_pure(compat.struct_type(4, "i32"),
@@ -96,15 +85,13 @@ if compat.HAVE_CUTE:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
-                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     dequant: str = DEQUANTS[0]):
+                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
             self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
             self.pairwise, self.warps, self.n_tiles = pairwise, warps, n_tiles
-            assert dequant in DEQUANTS
-            self.stages, self.dequant = stages, dequant
+            self.stages = stages
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -324,11 +311,11 @@ if compat.HAVE_CUTE:
         @cute.jit
         def _mmas(self, acc, wa, wb, sa, sb, xs, one_multiply: cutlass.Constexpr):
             """One step's 8 mmas: rows a and b's four words each, dequantized, against the x words."""
-            factor_a = e8m0_bf16x2(sa, one_multiply, self.dequant)
-            factor_b = e8m0_bf16x2(sb, one_multiply, self.dequant)
+            factor_a = e8m0_bf16x2(sa, one_multiply)
+            factor_b = e8m0_bf16x2(sb, one_multiply)
             for i in cutlass.range_constexpr(4):
-                ra = e2m1x8_bf16x2(wa[i], factor_a, one_multiply, self.dequant)
-                rb = e2m1x8_bf16x2(wb[i], factor_b, one_multiply, self.dequant)
+                ra = e2m1x8_bf16x2(wa[i], factor_a, one_multiply)
+                rb = e2m1x8_bf16x2(wb[i], factor_b, one_multiply)
                 for h in cutlass.range_constexpr(2):
                     # register j = 2h, 2h + 1 meets x words 4i + 2h, 4i + 2h + 1 of the thread's 16
                     c = compat.mma_m16n8k16_bf16((ra[2 * h], rb[2 * h], ra[2 * h + 1], rb[2 * h + 1]),
@@ -339,11 +326,10 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, dequant: str = DEQUANTS[0]):
+            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
-                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
-                  dequant=dequant)
+                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -390,11 +376,11 @@ def _stages(steps: int, stages: int) -> int:
 
 
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
-                n_tiles: int | None = None, down_stages: int | None = None, dequant: str = DEQUANTS[0]) -> dict:
+                n_tiles: int | None = None, down_stages: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring. I and L whole 128-element steps (the op's
     predicate). `split`, `n_tiles` and `down_stages` (the down's ring depth; default `stages`) impose
-    a choice instead (the benchmark's A/B arms); `dequant`: one of DEQUANTS (e2m1x8_bf16x2)."""
+    a choice instead (the benchmark's A/B arms)."""
     steps = L // STEP
     if split is None:
         split = 1
@@ -409,13 +395,11 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: i
         while (n_tiles * 2 <= MAX_N_TILES and blocks % (n_tiles * 2) == 0
                and groups * blocks / (n_tiles * 2) >= TARGET_CTAS):
             n_tiles *= 2
-    if dequant not in DEQUANTS:
-        raise ValueError(f"dequant {dequant!r}: one of {DEQUANTS}")
     if steps % split or blocks % n_tiles:
         raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
     down_stages = stages if down_stages is None else down_stages
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
-            "down_stages": _stages(I // STEP, down_stages), "dequant": dequant}
+            "down_stages": _stages(I // STEP, down_stages)}
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
@@ -423,14 +407,13 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
-                stages=config["gate_up_stages"], dequant=config.get("dequant", DEQUANTS[0]))
+                stages=config["gate_up_stages"])
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
-                dequant=config.get("dequant", DEQUANTS[0]))
+                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
