@@ -455,7 +455,6 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     many = cute_config(64, E, 3072, L, k)
     assert not many["pairwise"] and many["split"] == 1 and many["n_tiles"] > 1
     assert many["gate_up_stages"] == many["down_stages"] == w4.STAGES
-    assert w4.down_params(3072, L, many)["l2_prefetch"] == w4.gate_up_params(3072, L, k, many)["l2_prefetch"] == w4.L2_PREFETCH
     imposed = cute_config(1, E, 3072, L, k, split=14, n_tiles=2, down_stages=4)
     assert imposed["split"] == 14 and imposed["n_tiles"] == 2
     assert imposed["gate_up_stages"] == 3 and imposed["down_stages"] == 4  # 2 steps a span: a ring of 3 at most

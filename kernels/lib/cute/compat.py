@@ -201,14 +201,12 @@ if HAVE_CUTE:
         return Int32(ptr.toint(loc=loc, ip=ip))
 
     @dsl_user_op
-    def cp_async(smem, addr, nbytes: int, l2_prefetch: int = 0, *, loc=None, ip=None) -> None:
+    def cp_async(smem, addr, nbytes: int, *, loc=None, ip=None) -> None:
         """nbytes (4, 8 or 16) global -> shared, addr aligned to them; 16 bytes skip L1 (`.cg`: the
-        weights are read once), smaller copies must go through it (`.ca`). l2_prefetch (64, 128 or
-        256): the L2 fetches that many bytes around addr (the PTX prefetch-size hint); 0 leaves it out."""
+        weights are read once), smaller copies must go through it (`.ca`)."""
         cache = "cg" if nbytes == 16 else "ca"
-        hint = f".L2::{int(l2_prefetch)}B" if l2_prefetch else ""
         _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int64(addr).ir_value(loc=loc, ip=ip)],
-             f"cp.async.{cache}.shared.global{hint} [$0], [$1], {int(nbytes)};", "r,l")
+             f"cp.async.{cache}.shared.global [$0], [$1], {int(nbytes)};", "r,l")
 
     @dsl_user_op
     def cp_async_commit(*, loc=None, ip=None) -> None:

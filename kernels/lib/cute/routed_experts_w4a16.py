@@ -85,14 +85,13 @@ if compat.HAVE_CUTE:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
-                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     l2_prefetch: int = 0):
+                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
             self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
             self.pairwise, self.warps, self.n_tiles = pairwise, warps, n_tiles
-            self.stages, self.l2_prefetch = stages, l2_prefetch
+            self.stages = stages
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -277,8 +276,8 @@ if compat.HAVE_CUTE:
             and each row's 4-byte scale word (the quad's 4 groups; this thread's at byte t)."""
             K: cutlass.Constexpr = self.K
             THREADS: cutlass.Constexpr = 32 * self.warps
-            compat.cp_async(slot + tidx * 16, w_at, 16, self.l2_prefetch)
-            compat.cp_async(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2), 16, self.l2_prefetch)
+            compat.cp_async(slot + tidx * 16, w_at, 16)
+            compat.cp_async(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2), 16)
             compat.cp_async(slot + THREADS * 32 + tidx * 4, s_at, 4)
             compat.cp_async(slot + THREADS * 36 + tidx * 4, s_at + 8 * (K // 32), 4)
 
@@ -327,11 +326,10 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, l2_prefetch: int = 0):
+            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
-                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
-                  l2_prefetch=l2_prefetch)
+                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -370,10 +368,6 @@ MAX_N_TILES = 8
 #: (docs/perf.md 0j): its CTAs still fit 8 an SM, deeper rings cost CTAs
 STAGES = 3
 
-#: the L2's fetch around each 16-byte weight copy (cp.async's prefetch-size hint; 0: none, which ptxas
-#: builds as 128): a quad's 64 bytes of a row a step, so 256 fetches 4 steps of the row at once
-L2_PREFETCH = 256
-
 
 def _stages(steps: int, stages: int) -> int:
     if stages < 2:
@@ -382,8 +376,7 @@ def _stages(steps: int, stages: int) -> int:
 
 
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
-                n_tiles: int | None = None, down_stages: int | None = None,
-                l2_prefetch: int = L2_PREFETCH) -> dict:
+                n_tiles: int | None = None, down_stages: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring. I and L whole 128-element steps (the op's
     predicate). `split`, `n_tiles` and `down_stages` (the down's ring depth; default `stages`) impose
@@ -406,7 +399,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: i
         raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
     down_stages = stages if down_stages is None else down_stages
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
-            "down_stages": _stages(I // STEP, down_stages), "l2_prefetch": l2_prefetch}
+            "down_stages": _stages(I // STEP, down_stages)}
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
@@ -414,14 +407,13 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
-                stages=config["gate_up_stages"], l2_prefetch=config.get("l2_prefetch", L2_PREFETCH))
+                stages=config["gate_up_stages"])
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
-                l2_prefetch=config.get("l2_prefetch", L2_PREFETCH))
+                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
