@@ -85,15 +85,13 @@ if compat.HAVE_CUTE:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
-                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     halves: bool = False):
+                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
-            piece = k_span // STEP // (2 if halves else 1)
-            assert 2 <= stages <= piece + 1 and not (halves and (k_span // STEP) % 2)  # the prologue: stages - 1 steps of a piece
+            assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
             self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
             self.pairwise, self.warps, self.n_tiles = pairwise, warps, n_tiles
-            self.stages, self.halves = stages, halves
+            self.stages = stages
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -152,11 +150,11 @@ if compat.HAVE_CUTE:
             acc = cute.make_rmem_tensor((4,), Float32)
             if size > 0:
                 self._ring(acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
-                           mRows, tidx, (gid + col + split) % 2)
+                           mRows, tidx)
 
         @cute.jit
         def _ring(self, acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
-                  mRows, tidx, rot):
+                  mRows, tidx):
             """The CTA's work as a stream of spans (a tile's rows by a chunk of 8 pairs, K steps each), the
             weights and scales `stages - 1` steps ahead in flight by cp.async, across span boundaries:
             each thread copies its own bytes into its own shared-memory slots and reads them back, so no
@@ -173,13 +171,8 @@ if compat.HAVE_CUTE:
             # this thread's bytes of row a at the span's first step (row b is 8 rows on)
             w_at = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
             s_at = s_base + (e * N + row_a) * (K // 32) + k_begin // 32
-            # halves: CTAs of odd rot walk a span's second half first, so CTAs side by side read other columns
-            first_step = Int32(0)
-            if const_expr(self.halves):
-                first_step = rot * (self.k_span // STEP // 2)
             for i in cutlass.range_constexpr(D - 1):  # the first span's first steps (D - 1 <= its steps)
-                self._issue(ring + i * SLOT, tidx, w_at + (first_step + i) * (STEP // 2),
-                            s_at + (first_step + i) * (STEP // 32))
+                self._issue(ring + i * SLOT, tidx, w_at + i * (STEP // 2), s_at + i * (STEP // 32))
                 compat.cp_async_commit()
 
             # one bf16 multiply a register unless a scale of the CTA's rows is 2^1 or more (real
@@ -188,21 +181,12 @@ if compat.HAVE_CUTE:
             for tile in cutlass.range(self.n_tiles, unroll=1):
                 row = row_a + tile * (ROWS_PER_WARP * self.warps)
                 bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
-            ordinary = compat.warp_any(bits & -2139062144) == 0  # 0x80808080: bit 7 of each byte
-            if const_expr(self.halves):
-                if ordinary:
-                    self._stream_halves(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx,
-                                        row_a, ring, w_at, s_at, rot, True)
-                else:
-                    self._stream_halves(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx,
-                                        row_a, ring, w_at, s_at, rot, False)
+            if compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
+                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                             ring, w_at, s_at, True)
             else:
-                if ordinary:
-                    self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                                 ring, w_at, s_at, True)
-                else:
-                    self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                                 ring, w_at, s_at, False)
+                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                             ring, w_at, s_at, False)
 
         @cute.jit
         def _stream(self, acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a, ring,
@@ -257,67 +241,6 @@ if compat.HAVE_CUTE:
                 w_at = next_w
                 s_at = next_s
                 row = next_row
-
-        @cute.jit
-        def _stream_halves(self, acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                           ring, w_at, s_at, rot, one_multiply: cutlass.Constexpr):
-            """_stream with each span walked as two pieces of half its steps, the half `rot` first: the
-            ring runs across the pieces as across spans, the accumulators stay, the outputs after both."""
-            D: cutlass.Constexpr = self.stages
-            H: cutlass.Constexpr = self.k_span // STEP // 2
-            K: cutlass.Constexpr = self.K
-            TILE_ROWS: cutlass.Constexpr = ROWS_PER_WARP * self.warps
-            lane = tidx % 32
-            r = lane // 4
-            t = lane % 4
-            chunks = (size + PAIRS_PER_MMA - 1) // PAIRS_PER_MMA
-            pieces = 2 * self.n_tiles * chunks
-            chunk = Int32(0)
-            row = row_a
-            m0 = Int32(0)
-            x_span = Int64(0)
-            p_slot = Int32((D - 1) * self._slot())
-            c_slot = Int32(0)
-            for g in cutlass.range(pieces, unroll=1):
-                j = g % 2  # this span's first piece (0) or second (1)
-                h = (j + rot) % 2  # which half of the span's steps
-                if j == 0:
-                    m0 = chunk * PAIRS_PER_MMA
-                    n = first + cutlass.min(m0 + r, size - 1)
-                    pair = n
-                    if const_expr(not self.pairwise):
-                        pair = mRows[n]
-                    x_span = x_base + (Int64(pair // self.top_k) * K + k_begin + 32 * t) * 2
-                    for i in cutlass.range_constexpr(4):
-                        acc[i] = Float32(0.0)
-                base = h * H  # the piece's first step in the span
-                # the next piece's first bytes, from this span's: its other half, else the next span's half
-                # `rot` (the next chunk, or the next tile's rows); one offset of the weights, the scales' / 16
-                off = (1 - h) * (H * (STEP // 2))
-                if j == 1:
-                    off = rot * (H * (STEP // 2))
-                    if chunk + 1 == chunks:
-                        off = off + TILE_ROWS * (K // 2)
-                has_next = g + 1 < pieces
-                for s in cutlass.range(H - (D - 1), unroll=1):  # issuing this piece's later steps
-                    self._issue(ring + p_slot, tidx, w_at + (base + s + D - 1) * (STEP // 2),
-                                s_at + (base + s + D - 1) * (STEP // 32))
-                    p_slot, c_slot = self._step(acc, x_span + (base + s) * (STEP * 2), ring, tidx, t, p_slot, c_slot,
-                                                one_multiply)
-                for s in cutlass.range(H - (D - 1), H, unroll=1):  # issuing the next piece's first steps
-                    if has_next:
-                        q = off + (s - (H - (D - 1))) * (STEP // 2)
-                        self._issue(ring + p_slot, tidx, w_at + q, s_at + q // 16)
-                    p_slot, c_slot = self._step(acc, x_span + (base + s) * (STEP * 2), ring, tidx, t, p_slot, c_slot,
-                                                one_multiply)
-                if j == 1:
-                    self._store(acc, o_base, split, P, col_off, row, first, m0, size, t, mRows)
-                    chunk = chunk + 1
-                    if chunk == chunks:
-                        chunk = Int32(0)
-                        w_at = w_at + TILE_ROWS * (K // 2)
-                        s_at = s_at + TILE_ROWS * (K // 32)
-                        row = row + TILE_ROWS
 
         @cute.jit
         def _step(self, acc, x_at, ring, tidx, t, p_slot, c_slot, one_multiply: cutlass.Constexpr):
@@ -403,11 +326,10 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, halves: bool = False):
+            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
-                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
-                  halves=halves)
+                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -453,14 +375,8 @@ def _stages(steps: int, stages: int) -> int:
     return min(stages, steps + 1)  # the prologue fills stages - 1 steps of one span
 
 
-def _halves(steps: int, stages: int) -> bool:
-    """A span of `steps` can be walked as two halves: an even count, each half filling the ring's prologue."""
-    return steps % 2 == 0 and steps // 2 >= stages - 1
-
-
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
-                n_tiles: int | None = None, down_stages: int | None = None, gate_up_halves: bool = False,
-                down_halves: bool = True) -> dict:
+                n_tiles: int | None = None, down_stages: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring. I and L whole 128-element steps (the op's
     predicate). `split`, `n_tiles` and `down_stages` (the down's ring depth; default `stages`) impose
@@ -482,12 +398,8 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: i
     if steps % split or blocks % n_tiles:
         raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
     down_stages = stages if down_stages is None else down_stages
-    gate_up_halves = gate_up_halves and _halves(steps // split, stages)
-    down_halves = down_halves and _halves(I // STEP, down_stages)
-    return {"split": split, "n_tiles": n_tiles,
-            "gate_up_stages": _stages(steps // split // (2 if gate_up_halves else 1), stages),
-            "down_stages": _stages(I // STEP // (2 if down_halves else 1), down_stages),
-            "gate_up_halves": gate_up_halves, "down_halves": down_halves}
+    return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
+            "down_stages": _stages(I // STEP, down_stages)}
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
@@ -495,14 +407,13 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
-                stages=config["gate_up_stages"], halves=config.get("gate_up_halves", False))
+                stages=config["gate_up_stages"])
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
-                halves=config.get("down_halves", False))
+                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
