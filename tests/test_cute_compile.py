@@ -337,8 +337,9 @@ W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two to
 @pytest.mark.parametrize("T,I", W4A16_CASES)
 def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
-    loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, one bf16 multiply a register in
-    the loop for ordinary scales and two in the loop for wide ones, no spills, no multicast; each k
+    loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, the E2M1 pattern by one integer
+    multiply a register, one bf16 multiply a register in the loop for ordinary scales and two in the
+    loop for wide ones, no spills, no multicast; each k
     loop is its steps once, marked nounroll (ptxas unrolled a 12-step span into straight code that
     thrashed the instruction cache: docs/perf.md 0i). The ring: the weights and scales by cp.async
     into shared memory, waited for `stages - 1` groups behind, no barrier."""
@@ -364,6 +365,10 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
         assert mma == 2 * 8 * ring_loops, (where, mma)
         assert ptx.count('.pragma "nounroll"') >= 3, where
         assert muls == mma // 2 * (4 + 8), (where, muls, mma)
+        # the E2M1 pattern by mask, multiply, mask: one integer multiply a register (32 a step), no shifts
+        # but the word's one by 8 (docs/perf.md 0l)
+        spreads = len(re.findall(r"mul\.lo\.u32 q, q, (?:4160|260);", ptx))
+        assert spreads == mma * 4 and "shl.b32 q" not in ptx, (where, spreads)
         # a step: the activations' 4 x 16 bytes from global, the weights' 2 x 16 bytes and the scale
         # words by cp.async (the prologue's stages - 1 steps and one a step loop), read from shared
         v4 = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))

@@ -68,7 +68,7 @@ if compat.HAVE_CUTE:
         The pattern: the nibble pair isolated, one integer multiply (the FMA pipe) by 2^6 + 2^12 (or
         2^2 + 2^8) whose two copies put the magnitude at bits 6-8 and the sign at bit 15, a mask: 3
         integer instructions a register, 2 of them on the ALU pipe, which bounds the loop with the
-        issue rate (docs/perf.md 0l: two shifts and two masks ran 4-9% slower)."""
+        issue rate (docs/perf.md 0l: two shifts and two masks ran 4-10% slower)."""
         lines = [".reg .b32 q, c, w8;", "mov.b32 c, 0x7E807E80;",
                  "shr.u32 w8, $4, 8;"]  # elements 2, 3, 6, 7 where 0, 1, 4, 5 are
         for j in range(4):
