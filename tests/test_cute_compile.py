@@ -339,9 +339,9 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
     loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, the E2M1 pattern by one integer
     multiply a register, one bf16 multiply a register in the loop for ordinary scales and two in the
-    loop for wide ones, no spills, no multicast; each k
-    loop is its steps once, marked nounroll (ptxas unrolled a 12-step span into straight code that
-    thrashed the instruction cache: docs/perf.md 0i). The ring: the weights and scales by cp.async
+    loop for wide ones, no spills, no multicast; each k loop is its steps once, marked nounroll
+    (ptxas unrolled a 12-step span into straight code that thrashed the instruction cache:
+    docs/perf.md 0i). The ring: the weights and scales by cp.async
     into shared memory, waited for `stages - 1` groups behind, no barrier."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
