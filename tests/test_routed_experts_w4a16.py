@@ -441,8 +441,9 @@ def test_pick_config_splits_k_when_the_grid_is_small():
 
 
 def test_cute_config_covers_the_sms_and_takes_imposed_choices():
-    """The CuTe launches' choice at K3's widths (a K split for few pairs, row tiles for many), and the
-    benchmark's imposed split / tiles / down depth, with the ring depth that follows; a split or
+    """The CuTe launches' choice at K3's widths (a K split for few pairs, row tiles for many, a group's
+    row blocks side by side), and the benchmark's imposed split / tiles / down depth / grid order, with
+    the ring depth that follows; a split or
     tiling that does not divide the steps or row blocks, and a ring of fewer than 2 stages, are
     refused by name."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
@@ -459,6 +460,7 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     assert imposed["split"] == 14 and imposed["n_tiles"] == 2
     assert imposed["gate_up_stages"] == 3 and imposed["down_stages"] == 4  # 2 steps a span: a ring of 3 at most
     assert cute_config(1, E, 3072, L, k, split=1)["split"] == 1
+    assert many["rows_first"] and not cute_config(64, E, 3072, L, k, rows_first=False)["rows_first"]
     with pytest.raises(ValueError, match="split 3 / n_tiles 1 do not divide the 28 steps / 56 row blocks"):
         cute_config(1, E, 3072, L, k, split=3)
     with pytest.raises(ValueError, match="a ring of 1 stages"):

@@ -207,10 +207,10 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
 
 
 def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
-                stages: int | None = None, **choices: int) -> dict:
+                stages: int | None = None, **choices: int | bool) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
-    then the split, tiles and ring stages for the groups it expects (`stages`: the kernel's STAGES;
-    `choices`: pick_config's split / n_tiles / down_stages, imposed)."""
+    then the split, tiles, ring stages and grid order for the groups it expects (`stages`: the kernel's
+    STAGES; `choices`: pick_config's split / n_tiles / down_stages / rows_first, imposed)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 

@@ -248,6 +248,25 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
             experts.dequantized[j][e] = deq
 
 
+#: CuTe launch choices besides the default (pick_config's imposed ones), each against float64; the
+#: benchmark's A/B arms run the same choices
+CUTE_CHOICES = {"groups_first": {"rows_first": False}}
+
+
+@pytest.mark.parametrize("choice", list(CUTE_CHOICES))
+@pytest.mark.parametrize("T", [1, 2, 5, 17, 64])
+def test_cute_launch_choices_against_float64(experts, T, choice):
+    """Each choice in both modes, NaN-poisoned, crowded experts at 17 tokens (several chunks a span)."""
+    if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
+        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+    a, ids = tokens(T, seed=500 + T, crowded=T == 17)
+    ref = experts.reference(a, ids)
+    for pairwise in (True, False):
+        cfg = cute_config(T, E, experts.I, L, K, pairwise=pairwise, **CUTE_CHOICES[choice])
+        out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
+        _check(cute_run(*experts.args(a, ids), out=out, config=cfg), ref, (experts.I, T, choice, cfg))
+
+
 def test_op_strict_counts_the_kernel(experts):
     dispatch.load_gpu_impls()
     a, ids = tokens(8, seed=7)

@@ -24,7 +24,8 @@ each thread keeps `stages - 1` steps of its own weight and scale bytes in flight
 own shared-memory slots, across span boundaries (a ring); it reads back only what it copied, so no
 barrier is needed, and the loads do not wait on the mmas.
 
-Launch (one class, both projections): grid (groups, row blocks, SPLIT_K). gate/up: blocks of w1 then of
+Launch (one class, both projections): grid (row blocks, groups, SPLIT_K), a group's row blocks side by
+side (or, `rows_first` off, (groups, row blocks, SPLIT_K)). gate/up: blocks of w1 then of
 w3 (`blocks_a` of each), fp32 partials over a K span into gu [SPLIT_K, P, 2I]; down: N_TILES row
 blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own group) or grouped
 (`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out.
@@ -85,13 +86,15 @@ if compat.HAVE_CUTE:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
-                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
+                     blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
+                     rows_first: bool):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
             self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
             self.pairwise, self.warps, self.n_tiles = pairwise, warps, n_tiles
             self.stages = stages
+            self.rows_first = rows_first
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -105,8 +108,10 @@ if compat.HAVE_CUTE:
             groups = P
             if const_expr(not self.pairwise):
                 groups = cutlass.min(P, E)
+            grid = (self.grid_y, groups, self.K // self.k_span) if const_expr(self.rows_first) else (
+                groups, self.grid_y, self.K // self.k_span)
             self.kernel(mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups).launch(
-                grid=(groups, self.grid_y, self.K // self.k_span), block=(32 * self.warps, 1, 1), stream=stream)
+                grid=grid, block=(32 * self.warps, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
@@ -114,6 +119,8 @@ if compat.HAVE_CUTE:
                    mGroups: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
             gid, col, split = cute.arch.block_idx()
+            if const_expr(self.rows_first):  # a group's row blocks launched side by side (docs/perf.md 0m)
+                col, gid, split = cute.arch.block_idx()
             P = mExperts.shape[0]
             E = mSa.shape[0] // self.N
 
@@ -326,10 +333,11 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int):
+            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
-                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages)
+                  blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
+                  rows_first=rows_first)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -367,6 +375,9 @@ MAX_N_TILES = 8
 #: 3 was the fastest depth on the H200 at all but one width and token count, and within 4% there
 #: (docs/perf.md 0j): its CTAs still fit 8 an SM, deeper rings cost CTAs
 STAGES = 3
+#: the grid's order: a group's row blocks launched side by side (rows first) rather than each row
+#: block over every group; faster at 12 of 12 points on the H200, if by 0.2-4.9% (docs/perf.md 0m)
+ROWS_FIRST = True
 
 
 def _stages(steps: int, stages: int) -> int:
@@ -376,11 +387,11 @@ def _stages(steps: int, stages: int) -> int:
 
 
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
-                n_tiles: int | None = None, down_stages: int | None = None) -> dict:
+                n_tiles: int | None = None, down_stages: int | None = None, rows_first: bool = ROWS_FIRST) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
-    CTAs to cover the SMs, no more; `stages` for the ring. I and L whole 128-element steps (the op's
-    predicate). `split`, `n_tiles` and `down_stages` (the down's ring depth; default `stages`) impose
-    a choice instead (the benchmark's A/B arms)."""
+    CTAs to cover the SMs, no more; `stages` for the ring; the grid's order. I and L whole 128-element
+    steps (the op's predicate). `split`, `n_tiles`, `down_stages` (the down's ring depth; default
+    `stages`) and `rows_first` impose a choice instead (the benchmark's A/B arms)."""
     steps = L // STEP
     if split is None:
         split = 1
@@ -399,7 +410,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: i
         raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
     down_stages = stages if down_stages is None else down_stages
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
-            "down_stages": _stages(I // STEP, down_stages)}
+            "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first}
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
@@ -407,13 +418,14 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
-                stages=config["gate_up_stages"])
+                stages=config["gate_up_stages"], rows_first=config["rows_first"])
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"])
+                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
+                rows_first=config["rows_first"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
