@@ -1,11 +1,11 @@
 """The K3 decode math, written once (docs/architecture.md "Reference model spelling").
 
 The reference model (k3fuse/model/layers.py) computes with these functions, the rules trace them
-(patterns/_pattern_tools.py re-exports them; kda_delta_rule traces `delta_rule`, fused_routing traces
-`route`), the stock sequences run them (kernels/lib/reference/stock.py) and the shared-expert reference
-evaluates SiTU with them (kernels/lib/reference/shared_expert.py). One definition, so the model, the
-patterns and the fallbacks cannot drift apart: changing a function here changes what every rule
-matches, so change the rules with it.
+(patterns/_pattern_tools.py re-exports them; kda_delta_rule traces `delta_rule`, kda_short_conv traces
+`short_conv`, fused_routing traces `route`), the stock sequences run them (kernels/lib/reference/stock.py)
+and the shared-expert reference evaluates SiTU with them (kernels/lib/reference/shared_expert.py). One
+definition, so the model, the patterns and the fallbacks cannot drift apart: changing a function here
+changes what every rule matches, so change the rules with it.
 
 A leaf module: it imports torch and k3fuse.quant (itself a leaf: the checkpoint formats'
 dequantization) only, so anything may import it.
@@ -67,6 +67,21 @@ def delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kc:
     S = S + kc.unsqueeze(-1) * e.unsqueeze(-2)
     o = torch.einsum("thkv,thk->thv", S, qc)
     return S, o
+
+
+def short_conv(conv_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               conv_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA's short causal depthwise conv over [q; k; v] with a rolling window of K-1 past inputs.
+
+    conv_state [T, C, K-1] (oldest first) in the trunk dtype, q/k/v [T, C/3], conv_weight fp32
+    [C, K]. Returns (silu of the K-tap conv, fp32 [T, C]; the new state [T, C, K-1], contiguous).
+    The rule `kda_short_conv` traces this very function (patterns/kda_conv_rule.py).
+    """
+    u = torch.cat([q, k, v], dim=-1)  # [T, C]
+    window = torch.cat([conv_state, u.unsqueeze(-1)], dim=-1)  # [T, C, K], newest last
+    new_state = window[..., 1:].contiguous()  # the input's layout: one compiled graph per shape
+    conv = F.silu((window.float() * conv_weight).sum(-1))
+    return conv, new_state
 
 
 def use_grouped_mm(a: torch.Tensor) -> bool:
@@ -200,6 +215,18 @@ def routed_experts_quantized(a: torch.Tensor, experts: torch.Tensor, w1_packed: 
                    linear_beta, fmt, table)
 
 
+def moe_combine(z: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The routed experts' weighted combine: fp32 [T, L], row t = sum over slots j of
+    weights[t, j] * z[t * top_k + j].
+
+    z [T*top_k, L] in pair order (the routed experts' output), weights fp32 [T, top_k] (`route`'s).
+    The model casts the result to its trunk dtype; the rule `moe_combine` traces this function with
+    that cast (patterns/moe_combine.py).
+    """
+    T, L = weights.shape[0], z.shape[-1]
+    return (z.float().view(T, top_k, L) * weights.unsqueeze(-1)).sum(1)
+
+
 #: the guard against an all-zero sum in the router's renormalisation
 ROUTE_EPS = 1e-20
 
@@ -219,6 +246,6 @@ def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling
 
 
 __all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
-           "situ_glu", "delta_rule", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
+           "situ_glu", "delta_rule", "short_conv", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
            "routed_experts_gathered", "slot_count", "expert_slots", "dequantize_experts", "routed_experts_quantized",
-           "routed_experts_quantized_grouped", "routed_experts_quantized_gathered"]
+           "routed_experts_quantized_grouped", "routed_experts_quantized_gathered", "moe_combine"]

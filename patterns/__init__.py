@@ -6,21 +6,27 @@
 3. moe_front_sharded         replicated router + latent down-projection -> sharded GEMM + all-gather
 4. fused_routing             router tail (sigmoid, bias, top-k, renormalise, scale) -> one kernel
 5. routed_experts            routed experts (grouped GEMMs or gathered bmm over the pairs) -> one op
-6. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
-7. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
-8. decode_gemm               remaining static-weight projections -> decode GEMM
-9. weight_prefetch           native collectives left -> L2 prefetch of the next static weights
+6. moe_combine               routed experts' weighted sum over the slots + cast -> one coalesced kernel
+7. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
+8. kda_short_conv            KDA short conv over [q; k; v] (window, taps, silu, new state) -> one kernel
+9. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
+10. decode_gemm              remaining static-weight projections -> decode GEMM
+11. weight_prefetch          native collectives left -> L2 prefetch of the next static weights
 
-The order matters: 1 takes the shared down-projection into the MoE reduction before 6 moves the
+The order matters: 1 takes the shared down-projection into the MoE reduction before 7 moves the
 rest of the shared MLP to the side stream; 2 runs after 1 (1's patterns start at a linear and go
 through a residual add, the latent all-reduce has neither, so 1 never takes 2's site) and touches
 only the latent all-reduce and its norm; 4 runs after 3 (3 finds the router by walking back from
 the expert top-k, which 4 replaces) and reads the logits 3 produces; 5 runs after 4 and reads the
-expert ids 4 produces (it touches no linear or collective); 6 anchors its join on the routed output
-downstream of 5's op, which still reads the MoE input; 7 touches no projection or collective, so it
-does not interact with the others; 8 takes only what 1-6 left (W_up reads 2's normed output); 9 runs
-last so it sees the final ops after each remaining wait (e.g. decode_gemm(W_up) after the latent
-all-reduce, when 2 is off).
+expert ids 4 produces (it touches no linear or collective); 6 reads 5's z and 4's weights and its
+output feeds the latent all-reduce (2's op reads it from 6's op when 2 is on: a match's output is
+rewired); 7 anchors its join on the routed output downstream of 5's and 6's ops (after the latent
+all-reduce, norm and W_up), which still reads the MoE input, so 6 and 7 find their sites in either
+order; 8 and 9 touch no projection or collective, so they do not interact with the others (8 reads
+the q, k, v projections' outputs and 9's operands are computed from 8's conv output: either order
+finds both sites); 10 takes only what 1-7 left (W_up reads 2's normed output); 11 runs last so it
+sees the final ops after each remaining wait (e.g. decode_gemm(W_up) after the latent all-reduce,
+when 2 is off).
 """
 from __future__ import annotations
 
@@ -28,7 +34,9 @@ from k3fuse.rule import Rule
 
 from .decode_gemm import DecodeGemm
 from .fused_routing import FusedRouting
+from .kda_conv_rule import KDAShortConv
 from .kda_delta_rule import KDADeltaRule
+from .moe_combine import MoECombine
 from .moe_front_sharded import MoEFrontSharded
 from .moe_tail_rule import MoETailAllReduceNorm
 from .oproj_allreduce_residual import OProjAllReduceResidual
@@ -37,7 +45,8 @@ from .shared_expert_stream import SharedExpertStream
 from .weight_prefetch import WeightPrefetch
 
 RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoETailAllReduceNorm, MoEFrontSharded, FusedRouting,
-                                        RoutedExperts, SharedExpertStream, KDADeltaRule, DecodeGemm, WeightPrefetch)
+                                        RoutedExperts, MoECombine, SharedExpertStream, KDAShortConv, KDADeltaRule,
+                                        DecodeGemm, WeightPrefetch)
 
 
 def all_rules() -> list[Rule]:
@@ -47,4 +56,5 @@ def all_rules() -> list[Rule]:
 
 __all__ = ["all_rules", "RULE_CLASSES", "OProjAllReduceResidual", "MoETailAllReduceNorm",
            "MoEFrontSharded",
-           "FusedRouting", "RoutedExperts", "SharedExpertStream", "KDADeltaRule", "DecodeGemm", "WeightPrefetch"]
+           "FusedRouting", "RoutedExperts", "MoECombine", "SharedExpertStream", "KDAShortConv", "KDADeltaRule",
+           "DecodeGemm", "WeightPrefetch"]

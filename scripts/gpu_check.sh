@@ -15,7 +15,7 @@
 #                                                      collective guard's, test-guard alone: world 1 + 2)
 #   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
-#   test-moe: the routed-experts (BF16 and W4A16) and route top-k kernels, bench-moe their benchmarks,
+#   test-moe: the routed-experts (BF16 and W4A16), route top-k and combine kernels, bench-moe their benchmarks,
 #   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths), ncu-w4a16 the CuTe
 #   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --inter / --tokens)
 #   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from
@@ -128,7 +128,7 @@ for s in "${STEPS[@]}"; do
     sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" bench/sweep_decode_gemm.py \
                   --json "$OUT/sweep.json" --emit "$OUT/splitk_tuned.py" ;;
     test-moe)  step pytest_moe "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_routed_experts_gpu.py \
-                 tests/gpu/test_route_topk_gpu.py
+                 tests/gpu/test_route_topk_gpu.py tests/gpu/test_moe_combine_gpu.py
                step pytest_moe_w4a16 "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" tests/gpu/test_routed_experts_w4a16_gpu.py ;;
     bench-moe) step bench_routed_experts "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_routed_experts.py \
                  --json "$OUT/bench_routed_experts.json"

@@ -17,7 +17,8 @@ from k3fuse.tools.bench.runner import weight_floor
 from k3fuse.model import K3DecodeStack, get_config
 
 RULES = ["oproj_allreduce_residual", "moe_tail_allreduce_norm", "moe_front_sharded", "fused_routing",
-         "routed_experts", "shared_expert_stream", "kda_delta_rule", "decode_gemm", "weight_prefetch"]
+         "routed_experts", "moe_combine", "shared_expert_stream", "kda_short_conv", "kda_delta_rule", "decode_gemm",
+         "weight_prefetch"]
 # measured slower (docs/perf.md) / not measured yet
 OFF_BY_DEFAULT = {"weight_prefetch", "moe_tail_allreduce_norm"}
 

@@ -19,7 +19,9 @@ Expected applied rewrites per layer (tiny K3 stack, residual "plain" and "attnre
     rule                      TP=1  TP=2  TP=4  variant per layer
     oproj_allreduce_residual    0     2     2   plain: plain+norm, moe+norm | attnres: attnres, moe
     moe_front_sharded           0     1     1   router+latent
+    moe_combine                 1     1     1   the routed experts' weighted combine (reads z and the weights only)
     shared_expert_stream        1     1     1   TP>=2: gate_up (rule 1 took W_down) | TP=1: mlp
+    kda_short_conv              1     1     1   the KDA short conv over [q; k; v] (independent of the others)
     kda_delta_rule              1     1     1   the KDA delta-rule step (independent of the other rules)
     decode_gemm                11     8     8   q k v g f_a f_b(+dt_bias) b W_up; TP=1 also W_o, router, W_down
     weight_prefetch             0     1     1   the routed-latent all-reduce (the only one left)
@@ -45,8 +47,8 @@ from k3fuse.dist import launch
 pytestmark = pytest.mark.usefixtures("with_weight_prefetch")
 
 
-RULES = ("oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "kda_delta_rule", "decode_gemm",
-         "weight_prefetch")
+RULES = ("oproj_allreduce_residual", "moe_front_sharded", "moe_combine", "shared_expert_stream", "kda_short_conv",
+         "kda_delta_rule", "decode_gemm", "weight_prefetch")
 N_LAYERS = 2
 BATCH = 3
 STEPS = 8
@@ -58,22 +60,23 @@ def expected_per_layer(tp: int, disabled: str | None = None) -> dict[str, int]:
     """Applied rewrites per K3 layer (KDA + LatentMoE) of the reference stack.
 
     TP >= 2, all rules:  oproj 2 (KDA out-proj + MoE final reduction), moe_front 1, shared 1 (gate/up/SiTU,
-                         the down projection went into the MoE reduction), kda_delta_rule 1, decode_gemm 8
-                         (q, k, v, g, f_a, f_b[+dt_bias], b, W_up), weight_prefetch 1 (the routed-latent
-                         all-reduce).
-    TP = 1:              oproj 0 and moe_front 0 (contract: tp >= 2), shared 1 (whole MLP), kda_delta_rule 1,
-                         decode_gemm 11 (+ W_o, router, W_down), prefetch 0 (no collective).
-    kda_delta_rule touches no projection or collective: 1 per layer whichever other rule is disabled.
+                         the down projection went into the MoE reduction), kda_short_conv 1, kda_delta_rule 1,
+                         decode_gemm 8 (q, k, v, g, f_a, f_b[+dt_bias], b, W_up), weight_prefetch 1 (the
+                         routed-latent all-reduce).
+    TP = 1:              oproj 0 and moe_front 0 (contract: tp >= 2), shared 1 (whole MLP), kda_short_conv 1,
+                         kda_delta_rule 1, decode_gemm 11 (+ W_o, router, W_down), prefetch 0 (no collective).
+    kda_short_conv and kda_delta_rule touch no projection or collective: 1 per layer whichever other rule is
+    disabled; moe_combine (1 per layer at every TP) neither: it reads the routed experts' z and the weights.
     Disabling one rule at TP >= 2 hands its projections to decode_gemm:
       -oproj: decode_gemm +1 (W_o), shared takes the whole MLP, prefetch 3 (KDA, latent, shared all-reduce)
       -moe_front: decode_gemm +2 (router, W_down);  -shared: decode_gemm +2 (gate, up).
     """
     if tp == 1:
-        table = {"oproj_allreduce_residual": 0, "moe_front_sharded": 0, "shared_expert_stream": 1,
-                 "kda_delta_rule": 1, "decode_gemm": 11, "weight_prefetch": 0}
+        table = {"oproj_allreduce_residual": 0, "moe_front_sharded": 0, "moe_combine": 1, "shared_expert_stream": 1,
+                 "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 11, "weight_prefetch": 0}
     else:
-        table = {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "shared_expert_stream": 1,
-                 "kda_delta_rule": 1, "decode_gemm": 8, "weight_prefetch": 1}
+        table = {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 1,
+                 "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 8, "weight_prefetch": 1}
         if disabled == "oproj_allreduce_residual":
             table.update(decode_gemm=9, weight_prefetch=3)
         elif disabled in ("moe_front_sharded", "shared_expert_stream"):
@@ -107,16 +110,19 @@ def expected_total(tp: int, n_layers: int, disabled: str | None = None) -> dict[
 
 #: rejections per layer when the graph has 65 tokens (static): nothing fuses, so decode_gemm sees
 #: every projection (14: KDA 7, W_o, router, W_down, W_up, shared gate/up/down), prefetch every
-#: all-reduce (3: KDA out-proj, routed latent, shared) and kda_delta_rule the delta-rule step (1)
-TOKENS65_REJECTED_PER_LAYER = {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "shared_expert_stream": 1,
-                               "kda_delta_rule": 1, "decode_gemm": 14, "weight_prefetch": 3}
+#: all-reduce (3: KDA out-proj, routed latent, shared), kda_short_conv the short conv (1) and kda_delta_rule
+#: the delta-rule step (1), moe_combine the routed experts' combine (1)
+TOKENS65_REJECTED_PER_LAYER = {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "moe_combine": 1,
+                               "shared_expert_stream": 1,
+                               "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 14, "weight_prefetch": 3}
 
 
 def _expected_op_calls(tp: int, residual: str, n_layers: int) -> dict[str, int]:
     """k3fuse ops per decode step with every rule on (what runtime.stats() counts per step)."""
     per = expected_per_layer(tp)
     calls = {"decode_gemm": per["decode_gemm"], "shared_expert_fork": 1, "shared_expert_join": 1,
-             "kda_delta_rule": per["kda_delta_rule"], "route_topk": 1, "routed_experts": 1}
+             "kda_short_conv": per["kda_short_conv"], "kda_delta_rule": per["kda_delta_rule"], "route_topk": 1,
+             "routed_experts": 1, "moe_combine": per["moe_combine"]}
     if tp > 1:
         fused = "gemm_ar_residual_rmsnorm" if residual == "plain" else "gemm_ar_residual"
         calls.update({fused: 2, "moe_front_sharded": 1, "l2_prefetch": 1})
@@ -431,9 +437,11 @@ def test_bf16_trunk_cast_spellings(tp2):
         variants = {rule: s["variants"] for rule, s in res["summary"].items() if s["variants"]}
         assert variants == {"oproj_allreduce_residual": {"plain+norm[bfloat16]": 1, "moe+norm[bfloat16]": 1},
                             "moe_front_sharded": {"router+latent[bfloat16]": 1},
-                            "shared_expert_stream": {"gate_up[bfloat16]": 1}, "kda_delta_rule": {"tokens": 1},
+                            "shared_expert_stream": {"gate_up[bfloat16]": 1},
+                            "kda_short_conv": {"window[bfloat16]": 1}, "kda_delta_rule": {"tokens": 1},
                             "decode_gemm": {"linear": 8}, "weight_prefetch": {"all_reduce": 1},
-                            "fused_routing": {"sigmoid": 1}, "routed_experts": {"gathered[bfloat16]": 1}}
+                            "fused_routing": {"sigmoid": 1}, "routed_experts": {"gathered[bfloat16]": 1},
+                            "moe_combine": {"combine[bfloat16]": 1}}
         assert max(res["err"]) < 0.05, res["err"]  # bf16: the fused ops round once where the model rounds often
 
 

@@ -18,7 +18,7 @@ from k3fuse.patterns import _pattern_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 SPELLING = ROOT / "k3fuse" / "spelling.py"
-MATH = {"rms_norm", "situ", "situ_glu", "delta_rule"}
+MATH = {"rms_norm", "situ", "situ_glu", "delta_rule", "short_conv"}
 #: kernels computing the same function (not torch spellings of it), checked against it in their tests
 KERNELS = {"kernels/lib/triton/glu_act.py": {"situ_glu"}}  # the one-launch Triton SiTU-GLU
 
@@ -28,6 +28,8 @@ def test_model_patterns_stock_and_references_share_the_functions():
     assert layers.situ_glu is _pattern_tools.situ_glu is shared_expert.situ_glu is spelling.situ_glu
     assert shared_expert.situ is spelling.situ
     assert layers.delta_rule is spelling.delta_rule  # the KDA rule traces layers.delta_rule
+    assert layers.short_conv is stock.short_conv is spelling.short_conv  # kda_short_conv traces it
+    assert layers.moe_combine is spelling.moe_combine  # the moe_combine rule traces it (with the model's cast)
     assert _pattern_tools.linear is spelling.linear and _pattern_tools.all_reduce_sum is spelling.all_reduce_sum
 
 

@@ -13,6 +13,8 @@ Expected applied rewrites per decoder layer (mixer + MoE), TP 2:
     deepseek  2 (plain+norm, moe+norm)  1 router         1 (SiLU-gated)        1 (mixer in)       1 (routed AR)
     nemotron  2 (plain+norm, moe+norm)  1 router+latent  1 (relu^2, ungated)   2 (mixer in, fc2)  1 (latent AR)
     softmax   1 (plain+norm: mixer)     1 router         0 (none)              1 (mixer in)       1 (routed AR)
+Every model also has one moe_combine per layer (at TP 1 and 2): its experts' weighted sum over the slots,
+`(y.view(T, k, width) * weights.unsqueeze(-1)).sum(1).type(x.dtype)`, is K3's combine spelling.
 The shared expert's gate/up projections go to the side stream with it (its down projection into the
 fused MoE reduction), so decode_gemm takes only what is left. weight_prefetch is off by default and
 named here (K3FUSE_RULES=+weight_prefetch) so its rewrites stay covered.
@@ -35,7 +37,8 @@ from k3fuse.dist import launch
 # weight_prefetch is off by default; these tests cover its rewrites too (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("with_weight_prefetch")
 
-RULES = ("oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "decode_gemm", "weight_prefetch")
+RULES = ("oproj_allreduce_residual", "moe_front_sharded", "moe_combine", "shared_expert_stream", "decode_gemm",
+         "weight_prefetch")
 N_LAYERS = 2
 TOKENS = 3
 STEPS = 3
@@ -46,12 +49,12 @@ DOORS = ("export", "compile.eager", "compile.inductor", "inductor_pass")
 def expected_per_layer(kind: str, tp: int) -> dict[str, int]:
     shared = 0 if kind == "softmax" else 1
     if tp == 1:
-        return {"oproj_allreduce_residual": 0, "moe_front_sharded": 0, "shared_expert_stream": shared,
+        return {"oproj_allreduce_residual": 0, "moe_front_sharded": 0, "moe_combine": 1, "shared_expert_stream": shared,
                 "decode_gemm": {"deepseek": 3, "nemotron": 5, "softmax": 3}[kind], "weight_prefetch": 0}
     if kind == "softmax":  # no shared expert: the MoE output is the reduced routed sum (no oproj site)
-        return {"oproj_allreduce_residual": 1, "moe_front_sharded": 1, "shared_expert_stream": 0, "decode_gemm": 1,
-                "weight_prefetch": 1}
-    return {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "shared_expert_stream": 1,
+        return {"oproj_allreduce_residual": 1, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 0,
+                "decode_gemm": 1, "weight_prefetch": 1}
+    return {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 1,
             "decode_gemm": {"deepseek": 1, "nemotron": 2}[kind], "weight_prefetch": 1}
 
 
@@ -162,7 +165,7 @@ def _check(res: dict, kind: str, tp: int, n_layers: int) -> None:
             assert res["oproj"] == {"plain+norm": n_layers, "moe+norm": n_layers}
     calls = Counter()
     for op, n in (("decode_gemm", expected["decode_gemm"]), ("moe_front_sharded", expected["moe_front_sharded"]),
-                  ("l2_prefetch", expected["weight_prefetch"])):
+                  ("l2_prefetch", expected["weight_prefetch"]), ("moe_combine", expected["moe_combine"])):
         if n:
             calls[op] = n * STEPS
     fused = expected["oproj_allreduce_residual"] * STEPS

@@ -25,7 +25,8 @@ from torch import nn
 # the K3 math, written once (rms_norm, situ_glu, delta_rule are this module's names too: the rules
 # and the tests import them from here)
 from .. import quant
-from ..spelling import all_reduce_sum, delta_rule, rms_norm, route, routed_experts, routed_experts_quantized, situ_glu
+from ..spelling import (all_reduce_sum, delta_rule, moe_combine, rms_norm, route, routed_experts,
+                        routed_experts_quantized, short_conv, situ_glu)
 from .config import K3Config
 
 #: the spread of the drawn E8M0 exponents around their centre (-1, 0, +1) and of int4 scales (x0.5 to x1.5)
@@ -221,11 +222,9 @@ class KDADecode(nn.Module):
         z = F.linear(F.linear(x, self.w_fa), self.w_fb).float() + self.dt_bias
         b = F.linear(x, self.w_b).float()
 
-        # short causal depthwise conv over [q; k; v] with a rolling window of K-1 past inputs
-        u = torch.cat([q, k, v], dim=-1)  # [T, 3P/tp]
-        window = torch.cat([conv_state, u.unsqueeze(-1)], dim=-1)  # [T, 3P/tp, K]
-        new_conv_state = window[..., 1:].contiguous()  # the input's layout: one compiled graph per shape
-        conv = F.silu((window.float() * self.conv_weight).sum(-1))  # fp32 [T, 3P/tp]
+        # short causal depthwise conv over [q; k; v] with a rolling window of K-1 past inputs (the
+        # spelling patterns/kda_conv_rule.py traces)
+        conv, new_conv_state = short_conv(conv_state, q, k, v, self.conv_weight)  # fp32 [T, 3P/tp]
         qc, kc, vc = conv.view(T, 3, h, d).unbind(1)  # each [T, h, d]
         qc = qc * torch.rsqrt(qc.pow(2).sum(-1, keepdim=True) + cfg.l2_eps) * d ** -0.5
         kc = kc * torch.rsqrt(kc.pow(2).sum(-1, keepdim=True) + cfg.l2_eps)
@@ -319,7 +318,7 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        T, k, L = x.shape[0], cfg.top_k, cfg.latent
+        k = cfg.top_k
         weights, idx = self.router(x)
         a = F.linear(x, self.w_down)  # [T, L]
         experts = idx.reshape(-1)  # [T*k], pair p = (token p // k, slot p % k)
@@ -329,7 +328,8 @@ class LatentMoE(nn.Module):
                                          self.expert_format, self.e2m1_table)
         else:
             z = routed_experts(a, experts, self.w1, self.w3, self.w2, k, cfg.situ_beta, cfg.situ_linear_beta)
-        partial = (z.float().view(T, k, L) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        # the weighted combine over the slots (the spelling patterns/moe_combine.py traces)
+        partial = moe_combine(z, weights, k).to(x.dtype)
         r = self.tp.all_reduce(partial)
         r = self.latent_norm(r)
         return F.linear(r, self.w_up)

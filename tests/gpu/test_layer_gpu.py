@@ -86,9 +86,10 @@ def _layer_rank(rank: int, world: int) -> dict:
 
 #: the default rules that must rewrite the reference layer at each TP size (weight_prefetch is off by
 #: default: measured slower in the layer, docs/perf.md; moe_tail_allreduce_norm too, until measured)
-LIVE_RULES = {1: ("shared_expert_stream", "kda_delta_rule", "decode_gemm", "fused_routing", "routed_experts"),
-              2: ("oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "kda_delta_rule",
-                  "decode_gemm", "fused_routing", "routed_experts")}
+LIVE_RULES = {1: ("shared_expert_stream", "kda_short_conv", "kda_delta_rule", "decode_gemm", "fused_routing",
+                  "routed_experts", "moe_combine"),
+              2: ("oproj_allreduce_residual", "moe_front_sharded", "shared_expert_stream", "kda_short_conv",
+                  "kda_delta_rule", "decode_gemm", "fused_routing", "routed_experts", "moe_combine")}
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from k3fuse import compat
-from k3fuse.spelling import ROUTE_EPS, delta_rule, rms_norm, route
+from k3fuse import spelling
+from k3fuse.spelling import ROUTE_EPS, delta_rule, rms_norm, route, short_conv
 
 from ... import streams
 from . import shared_expert
@@ -91,7 +92,19 @@ def kda_delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     return delta_rule(recurrent, g, beta, k, v, q)
 
 
+def kda_short_conv(conv_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock: the model's short conv (k3fuse.spelling `short_conv`), op for op."""
+    return short_conv(conv_state, q, k, v, weight)
+
+
 def route_topk(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling: float,
                eps: float = ROUTE_EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock: the model's `route` (k3fuse.spelling), op for op; ties go to torch.topk's order."""
     return route(logits, b_corr, top_k, routed_scaling, eps)
+
+
+def moe_combine(z: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Stock: the model's weighted combine (k3fuse.spelling `moe_combine`), then its cast to the trunk
+    dtype (z's)."""
+    return spelling.moe_combine(z, weights, top_k).to(z.dtype)

@@ -1,5 +1,6 @@
 """Triton kernel bodies: split-K GEMM (and its tuned table), Lamport push, the MoE front's gather,
-routing, routed experts, KDA delta rule, L2 prefetch, the SiTU-GLU activation.
+routing, routed experts, the MoE combine, KDA short conv, KDA delta rule, L2 prefetch, the SiTU-GLU
+activation.
 
 `HAVE_TRITON` is decided here once; every module imports triton only under it.
 """
