@@ -376,7 +376,7 @@ MAX_N_TILES = 8
 #: (docs/perf.md 0j): its CTAs still fit 8 an SM, deeper rings cost CTAs
 STAGES = 3
 #: the grid's order: a group's row blocks launched side by side (rows first) rather than each row
-#: block over every group; faster at 12 of 12 points on the H200, if by 0.2-4.9% (docs/perf.md 0m)
+#: block over every group; the faster of the two at every measured point (docs/perf.md 0m)
 ROWS_FIRST = True
 
 
