@@ -17,7 +17,7 @@
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
 #   test-moe: the routed-experts (BF16 and W4A16), route top-k and combine kernels, bench-moe their benchmarks,
 #   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths), ncu-w4a16 the CuTe
-#   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --inter / --tokens)
+#   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --inter / --tokens / --choices)
 #   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from
 #   .whl/humming_kernels-*.whl; W4A16_ARGS adds options, e.g. --humming-inter 1536); test-front /
 #   bench-front: the sharded MoE front, test-tail / bench-tail: the MoE tail (latent all-reduce +

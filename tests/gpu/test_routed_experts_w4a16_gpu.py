@@ -248,8 +248,8 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
             experts.dequantized[j][e] = deq
 
 
-#: CuTe launch choices besides the default (pick_config's imposed ones), each against float64; the
-#: benchmark's A/B arms run the same choices
+#: CuTe launch choices besides the default (pick_config's imposed ones, which the benchmark's
+#: --cute-choices arms time), each against float64
 CUTE_CHOICES = {"groups_first": {"rows_first": False}}
 
 
