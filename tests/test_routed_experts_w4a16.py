@@ -383,6 +383,33 @@ def test_triton_kernel_in_the_interpreter_against_float64():
         assert r["rel"] < 3e-3 and r["rel"] < 2 * r["rel_fp16"] + 1e-4, r  # fp16 rounding, as the spelling's
 
 
+def test_word_order_and_quad_order_put_each_element_where_the_cute_kernel_reads_it():
+    """word_order: position 8w + 2j + h holds element 8w + j + 4h; quads also moves word 4t + i of each
+    128-element step to 4i + t (a thread quad's loads of word i contiguous); the SiTU-GLU kernel in the
+    interpreter stores its columns in both orders as word_order puts them."""
+    from k3fuse.kernels.lib.triton.routed_experts_w4a16 import word_order
+
+    x = torch.arange(2 * 256).reshape(2, 256)
+    words, quads = word_order(x), word_order(x, quads=True)
+    for pos in range(256):
+        w, j, h = pos // 8, (pos % 8) // 2, pos % 2
+        assert words[1, pos] == 256 + 8 * w + j + 4 * h
+        step, i, t = pos // 128, (pos % 128) // 32, (pos % 32) // 8
+        assert quads[1, pos] == 256 + 128 * step + 8 * (4 * t + i) + j + 4 * h
+    results = run_in_interpreter(textwrap.dedent("""
+        import json, torch
+        from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
+        gu = torch.randn(2, 3, 2 * 256, generator=torch.Generator().manual_seed(0))
+        natural = K.act(gu, torch.float16, 1.5, 2.5, word_ordered=False)
+        out = {}
+        for quads in (False, True):
+            got = K.act(gu, torch.float16, 1.5, 2.5, word_ordered=True, quads=quads)
+            out[str(quads)] = bool(torch.equal(got, K.word_order(natural, quads)))
+        print("RESULT " + json.dumps(out))
+    """), timeout=300)
+    assert results == {"False": True, "True": True}
+
+
 SM90_TYPES = {"a_ptr": "*bf16", "act_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "w2_ptr": "*i32",
               "s1_ptr": "*u8", "s3_ptr": "*u8", "s2_ptr": "*u8", "gu_ptr": "*fp32", "z_ptr": "*bf16",
               "experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "P": "i32", "E": "i32"}
@@ -461,6 +488,7 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     assert imposed["gate_up_stages"] == 3 and imposed["down_stages"] == 4  # 2 steps a span: a ring of 3 at most
     assert cute_config(1, E, 3072, L, k, split=1)["split"] == 1
     assert many["rows_first"] and not cute_config(64, E, 3072, L, k, rows_first=False)["rows_first"]
+    assert many["x_quads"] and not cute_config(64, E, 3072, L, k, x_quads=False)["x_quads"]
     with pytest.raises(ValueError, match="split 3 / n_tiles 1 do not divide the 28 steps / 56 row blocks"):
         cute_config(1, E, 3072, L, k, split=3)
     with pytest.raises(ValueError, match="a ring of 1 stages"):

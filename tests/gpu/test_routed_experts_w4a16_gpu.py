@@ -250,7 +250,7 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
 
 #: CuTe launch choices besides the default (pick_config's imposed ones, which the benchmark's
 #: --cute-choices arms time), each against float64
-CUTE_CHOICES = {"groups_first": {"rows_first": False}}
+CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": False}}
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))

@@ -16,7 +16,9 @@ Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at
   word i feeds mmas 2i and 2i + 1;
 - the activations come in `word_order` (lib/triton/routed_experts_w4a16.py: position 8w + 2j + h holds
   element 8w + j + 4h), so a 32-bit load is the B fragment that register j meets: the dot's sum over
-  k is the same, in another order;
+  k is the same, in another order; with `x_quads`, each step's words also in quad order (word 4t + i
+  at 4i + t), so that a quad's 16-byte loads of word i are 64 contiguous bytes: half the L1 sectors
+  of four 64-byte-strided loads, where L1 bandwidth bounds the loop (docs/perf.md 0n);
 - m16n8k16 bf16 mma.sync, fp32 accumulation.
 
 The weights in flight: the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs), and
@@ -87,7 +89,7 @@ if compat.HAVE_CUTE:
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     rows_first: bool):
+                     rows_first: bool, x_quads: bool):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
@@ -95,6 +97,7 @@ if compat.HAVE_CUTE:
             self.pairwise, self.warps, self.n_tiles = pairwise, warps, n_tiles
             self.stages = stages
             self.rows_first = rows_first
+            self.x_quads = x_quads
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -221,7 +224,8 @@ if compat.HAVE_CUTE:
                 pair = n
                 if const_expr(not self.pairwise):
                     pair = mRows[n]
-                x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + 32 * t) * 2
+                # this thread's word 0 of the step: group t's first 8 elements (word_order, quads or not)
+                x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + (8 if self.x_quads else 32) * t) * 2
                 for i in cutlass.range_constexpr(4):
                     acc[i] = Float32(0.0)
                 # the next span: the same rows for the next chunk, else the next tile's
@@ -257,7 +261,7 @@ if compat.HAVE_CUTE:
             THREADS: cutlass.Constexpr = 32 * self.warps
             SLOT: cutlass.Constexpr = self._slot()
             compat.cp_async_commit()
-            xs = [compat.ld_nc_v4(x_at + 16 * q) for q in range(4)]
+            xs = [compat.ld_nc_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
             compat.cp_async_wait(D - 1)  # this step's group has landed
             slot = ring + c_slot
             wa = compat.ld_shared_v4(slot + tidx * 16)
@@ -333,11 +337,11 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool):
+            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
                   blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
-                  rows_first=rows_first)
+                  rows_first=rows_first, x_quads=x_quads)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -378,6 +382,9 @@ STAGES = 3
 #: the grid's order: a group's row blocks launched side by side (rows first) rather than each row
 #: block over every group; the faster of the two at every measured point (docs/perf.md 0m)
 ROWS_FIRST = True
+#: the activations' words in quad order (word_order(x, quads=True)): a quad's loads 64 contiguous
+#: bytes; faster from 8 tokens at I >= 1536, by up to 7% at 64 (docs/perf.md 0n)
+X_QUADS = True
 
 
 def _stages(steps: int, stages: int) -> int:
@@ -387,11 +394,13 @@ def _stages(steps: int, stages: int) -> int:
 
 
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
-                n_tiles: int | None = None, down_stages: int | None = None, rows_first: bool = ROWS_FIRST) -> dict:
+                n_tiles: int | None = None, down_stages: int | None = None, rows_first: bool = ROWS_FIRST,
+                x_quads: bool = X_QUADS) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
-    CTAs to cover the SMs, no more; `stages` for the ring; the grid's order. I and L whole 128-element
-    steps (the op's predicate). `split`, `n_tiles`, `down_stages` (the down's ring depth; default
-    `stages`) and `rows_first` impose a choice instead (the benchmark's A/B arms)."""
+    CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order.
+    I and L whole 128-element steps (the op's predicate). `split`, `n_tiles`, `down_stages` (the down's
+    ring depth; default `stages`), `rows_first` and `x_quads` impose a choice instead (the benchmark's
+    A/B arms)."""
     steps = L // STEP
     if split is None:
         split = 1
@@ -410,7 +419,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: i
         raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
     down_stages = stages if down_stages is None else down_stages
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
-            "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first}
+            "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads}
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
@@ -418,14 +427,14 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
-                stages=config["gate_up_stages"], rows_first=config["rows_first"])
+                stages=config["gate_up_stages"], rows_first=config["rows_first"], x_quads=config["x_quads"])
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
                 pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
-                rows_first=config["rows_first"])
+                rows_first=config["rows_first"], x_quads=config["x_quads"])
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",

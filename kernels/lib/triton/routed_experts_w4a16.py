@@ -254,9 +254,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _act_kernel(gu_ptr, act_ptr, P, beta, linear_beta, I: tl.constexpr, SPLIT_K: tl.constexpr,
-                    BLOCK: tl.constexpr, WORD_ORDER: tl.constexpr):
+                    BLOCK: tl.constexpr, WORD_ORDER: tl.constexpr, QUADS: tl.constexpr):
         """act [P, I] = situ_glu(g, u): the splits summed, g and u rounded to act's dtype, SiTU in fp32;
-        WORD_ORDER: each 8 columns in the dequantized weights' order (word_order)."""
+        WORD_ORDER: each 8 columns in the dequantized weights' order, QUADS: and each 128 columns' words
+        in quad order (word_order)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < P * I
         pair = offs // I
@@ -272,7 +273,10 @@ if HAVE_TRITON:
         u = u.to(dtype).to(tl.float32)
         act = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
         if WORD_ORDER:  # element 8w + j + 4h to position 8w + 2j + h
-            tl.store(act_ptr + pair * I + (col // 8) * 8 + 2 * (col % 4) + (col % 8) // 4, act.to(dtype), mask=ok)
+            word = col // 8
+            if QUADS:  # word 4t + i of a 128-column step to 4i + t
+                word = (word // 16) * 16 + (word % 4) * 4 + (word % 16) // 4
+            tl.store(act_ptr + pair * I + word * 8 + 2 * (col % 4) + (col % 8) // 4, act.to(dtype), mask=ok)
         else:
             tl.store(act_ptr + offs, act.to(dtype), mask=ok)
 
@@ -382,9 +386,13 @@ def packs(dtype: torch.dtype, fmt: str, scale_dtype: torch.dtype) -> bool:
             and not bf16_kernel.INTERPRET)
 
 
-def word_order(x: torch.Tensor) -> torch.Tensor:
+def word_order(x: torch.Tensor, quads: bool = False) -> torch.Tensor:
     """[..., K] -> a copy with each 8 columns in the dequantized weights' WORD_ORDER: position 8w + 2j + h
-    holds element 8w + j + 4h (the dot's sum is the same; the weights' registers need no reordering)."""
+    holds element 8w + j + 4h (the dot's sum is the same; the weights' registers need no reordering).
+    `quads`: also each 128 columns' 16 words in quad order, word 4t + i at 4i + t, so that the 4 threads
+    reading words i of groups t = 0..3 read 64 contiguous bytes (K a multiple of 128)."""
+    if quads:  # [..., step, t, i, h, j] -> [..., step, i, t, j, h]
+        return x.unflatten(-1, (x.shape[-1] // 128, 4, 4, 2, 4)).transpose(-4, -3).transpose(-1, -2).flatten(-5)
     return x.unflatten(-1, (x.shape[-1] // 8, 2, 4)).transpose(-1, -2).flatten(-3)
 
 
@@ -407,13 +415,14 @@ def group(experts: torch.Tensor, E: int, pairwise: bool) -> tuple[torch.Tensor |
 
 
 def act(gu: torch.Tensor, dtype: torch.dtype, situ_beta: float, situ_linear_beta: float,
-        word_ordered: bool) -> torch.Tensor:
-    """act [P, I] in `dtype` from the fp32 partials gu [SPLIT_K, P, 2I] (`_act_kernel`)."""
+        word_ordered: bool, quads: bool = False) -> torch.Tensor:
+    """act [P, I] in `dtype` from the fp32 partials gu [SPLIT_K, P, 2I] (`_act_kernel`), its columns
+    as word_order(act, quads) puts them when word_ordered."""
     split, P, I = gu.shape[0], gu.shape[1], gu.shape[2] // 2
     out = torch.empty((P, I), dtype=dtype, device=gu.device)
     _act_kernel[(triton.cdiv(P * I, ACT_BLOCK),)](gu, out, P, float(situ_beta), float(situ_linear_beta), I=I,
                                                   SPLIT_K=split, BLOCK=ACT_BLOCK, WORD_ORDER=word_ordered,
-                                                  num_warps=4)
+                                                  QUADS=quads, num_warps=4)
     return out
 
 
