@@ -488,7 +488,10 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     assert imposed["gate_up_stages"] == 3 and imposed["down_stages"] == 4  # 2 steps a span: a ring of 3 at most
     assert cute_config(1, E, 3072, L, k, split=1)["split"] == 1
     assert many["rows_first"] and not cute_config(64, E, 3072, L, k, rows_first=False)["rows_first"]
+    # the activations in quad order in grouped mode, in word order pairwise, unless imposed
     assert many["x_quads"] and not cute_config(64, E, 3072, L, k, x_quads=False)["x_quads"]
+    assert few["pairwise"] and not few["x_quads"]
+    assert cute_config(1, E, 384, L, k, pairwise=False)["x_quads"] and cute_config(1, E, 384, L, k, x_quads=True)["x_quads"]
     with pytest.raises(ValueError, match="split 3 / n_tiles 1 do not divide the 28 steps / 56 row blocks"):
         cute_config(1, E, 3072, L, k, split=3)
     with pytest.raises(ValueError, match="a ring of 1 stages"):

@@ -382,9 +382,11 @@ STAGES = 3
 #: the grid's order: a group's row blocks launched side by side (rows first) rather than each row
 #: block over every group; the faster of the two at every measured point (docs/perf.md 0m)
 ROWS_FIRST = True
-#: the activations' words in quad order (word_order(x, quads=True)): a quad's loads 64 contiguous
-#: bytes; faster from 8 tokens at I >= 1536, by up to 7% at 64 (docs/perf.md 0n)
-X_QUADS = True
+#: the activations' words in quad order (word_order(x, quads=True)), a quad's loads 64 contiguous
+#: bytes, in grouped mode, where a load's 8 lanes read up to 8 tokens' rows: faster at 5 of the 6
+#: grouped points of the A/B, by up to 7% at 64 tokens; pairwise (1-2 tokens) the word order was as
+#: fast or faster at 4 of 6 (docs/perf.md 0n)
+X_QUADS_GROUPED, X_QUADS_PAIRWISE = True, False
 
 
 def _stages(steps: int, stages: int) -> int:
@@ -393,14 +395,16 @@ def _stages(steps: int, stages: int) -> int:
     return min(stages, steps + 1)  # the prologue fills stages - 1 steps of one span
 
 
-def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, split: int | None = None,
-                n_tiles: int | None = None, down_stages: int | None = None, rows_first: bool = ROWS_FIRST,
-                x_quads: bool = X_QUADS) -> dict:
+def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise: bool = False,
+                split: int | None = None, n_tiles: int | None = None, down_stages: int | None = None,
+                rows_first: bool = ROWS_FIRST, x_quads: bool | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
-    CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order.
-    I and L whole 128-element steps (the op's predicate). `split`, `n_tiles`, `down_stages` (the down's
-    ring depth; default `stages`), `rows_first` and `x_quads` impose a choice instead (the benchmark's
-    A/B arms)."""
+    CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
+    for the mode (`pairwise`). I and L whole 128-element steps (the op's predicate). `split`,
+    `n_tiles`, `down_stages` (the down's ring depth; default `stages`), `rows_first` and `x_quads`
+    impose a choice instead (the benchmark's A/B arms)."""
+    if x_quads is None:
+        x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
     steps = L // STEP
     if split is None:
         split = 1
