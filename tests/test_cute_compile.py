@@ -381,3 +381,34 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
         assert "vote.sync.any.pred" in ptx, where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
         assert ("st.global.f32" in ptx) == (name == "gate_up") and ("cvt.rn.bf16.f32" in ptx) == (name == "down")
+
+
+@needs_cute
+@pytest.mark.parametrize("T,I", [(1, 3072), (64, 1536), (8, 384)])
+def test_w4a16_scale_blocks_compile_to_ptx(T, I, tmp_path):
+    """scale_steps 4: a row's scale words of 4 steps by one 16-byte cp.async through L1 (`.ca`), issued
+    with a block's first step, read back one byte a step, no barrier; a launch whose K or span is not
+    whole 4-step blocks (I = 384's down: 3 steps, 12-byte scale rows) keeps the 4-byte copies."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    L, E, k = 3584, 896, 16
+    cfg = cute_config(T, E, I, L, k, scale_steps=4)
+    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg), "down": w4.down_params(I, L, cfg)}
+    for name, params in launches.items():
+        where = (name, T, I, params["k_span"])
+        blocks = w4.scale_blocks_fit(params["K"], params["k_span"])
+        assert params["scale_steps"] == (4 if blocks else 1), where
+        key, build = w4.builder(**params)
+        ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
+        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx))
+        scale16 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
+        scale4 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 4;", ptx))
+        if blocks:
+            # the prologue's block and one issue site in each step loop, rows a and b each
+            assert scale16 >= 2 * 2 and scale4 == 0, (where, scale16, scale4)
+        else:
+            assert scale16 == 0 and scale4 >= 2 * 2, (where, scale16, scale4)
+        assert len(re.findall(r"ld\.shared\.u8", ptx)) == mma // 8 * 2, where  # rows a, b a step
+        assert "bar.sync" not in ptx and "bar.warp.sync" not in ptx, where
+    assert launches["down"]["scale_steps"] == (1 if I == 384 else 4)

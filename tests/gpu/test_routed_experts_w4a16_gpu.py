@@ -250,7 +250,8 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
 
 #: CuTe launch choices besides the default (pick_config's imposed ones, which the benchmark's
 #: --cute-choices arms time), each against float64
-CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": False}}
+CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": False},
+                "scale_blocks": {"scale_steps": 4}}
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))

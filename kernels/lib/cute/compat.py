@@ -201,10 +201,12 @@ if HAVE_CUTE:
         return Int32(ptr.toint(loc=loc, ip=ip))
 
     @dsl_user_op
-    def cp_async(smem, addr, nbytes: int, *, loc=None, ip=None) -> None:
-        """nbytes (4, 8 or 16) global -> shared, addr aligned to them; 16 bytes skip L1 (`.cg`: the
-        weights are read once), smaller copies must go through it (`.ca`)."""
-        cache = "cg" if nbytes == 16 else "ca"
+    def cp_async(smem, addr, nbytes: int, cache: str | None = None, *, loc=None, ip=None) -> None:
+        """nbytes (4, 8 or 16) global -> shared, addr aligned to them; by default 16 bytes skip L1 (`.cg`:
+        the weights are read once), smaller copies must go through it (`.ca`); `cache` "ca" keeps a
+        16-byte copy's line in L1 (bytes that neighbouring copies read again)."""
+        cache = cache or ("cg" if nbytes == 16 else "ca")
+        assert cache == "ca" or cache == "cg" and nbytes == 16, (cache, nbytes)
         _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int64(addr).ir_value(loc=loc, ip=ip)],
              f"cp.async.{cache}.shared.global [$0], [$1], {int(nbytes)};", "r,l")
 

@@ -24,7 +24,9 @@ Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at
 The weights in flight: the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs), and
 each thread keeps `stages - 1` steps of its own weight and scale bytes in flight by cp.async into its
 own shared-memory slots, across span boundaries (a ring); it reads back only what it copied, so no
-barrier is needed, and the loads do not wait on the mmas.
+barrier is needed, and the loads do not wait on the mmas. A step's scales are each row's 4-byte word
+(the quad's 4 groups); with `scale_steps` 4 one 16-byte copy brings 4 steps' words into a ring of
+two such blocks beside the weights' (a quarter of the scale copies, each a 16-byte sector piece).
 
 Launch (one class, both projections): grid (row blocks, groups, SPLIT_K), a group's row blocks side by
 side (or, `rows_first` off, (groups, row blocks, SPLIT_K)). gate/up: blocks of w1 then of
@@ -39,6 +41,12 @@ from .compat import SELF as compat
 STEP = 128  # elements of a row a thread quad covers per step (4 threads x 32: one group each)
 ROWS_PER_WARP = 16
 PAIRS_PER_MMA = 8
+
+
+def scale_blocks_fit(K: int, k_span: int) -> bool:
+    """16-byte copies of 4 steps' scale words need 16-byte aligned rows (K / 32 bytes) and block
+    starts (a span of whole blocks: k_span a multiple of 4 steps; then every k_begin is too)."""
+    return K % (4 * STEP) == 0 and k_span % (4 * STEP) == 0
 
 if compat.HAVE_CUTE:
     import cutlass
@@ -89,7 +97,7 @@ if compat.HAVE_CUTE:
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     rows_first: bool, x_quads: bool):
+                     rows_first: bool, x_quads: bool, scale_steps: int):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
@@ -98,6 +106,10 @@ if compat.HAVE_CUTE:
             self.stages = stages
             self.rows_first = rows_first
             self.x_quads = x_quads
+            self.scale_steps = scale_steps
+            # 16-byte scale copies: aligned rows and block starts, blocks that never straddle a span, and
+            # block b + 2 issued (at step 4b + 8 - (stages - 1)) after block b's last read (4b + 3)
+            assert scale_steps == 1 or scale_steps == 4 and scale_blocks_fit(K, k_span) and stages <= 5
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -177,12 +189,16 @@ if compat.HAVE_CUTE:
             t = lane % 4
             row_a = block * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + lane // 4
             smem = compat.SmemAllocator()
-            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, D * SLOT))  # 1 KB aligned
+            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, D * SLOT + 2 * self._scale_block()))
+            scale_ring = ring + D * SLOT  # the 16-byte scale copies' two blocks (scale_steps 4), 16 B aligned
             # this thread's bytes of row a at the span's first step (row b is 8 rows on)
             w_at = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
             s_at = s_base + (e * N + row_a) * (K // 32) + k_begin // 32
             for i in cutlass.range_constexpr(D - 1):  # the first span's first steps (D - 1 <= its steps)
                 self._issue(ring + i * SLOT, tidx, w_at + i * (STEP // 2), s_at + i * (STEP // 32))
+                if const_expr(self.scale_steps > 1 and i % self.scale_steps == 0):
+                    self._issue_scales(scale_ring + (i // self.scale_steps) * self._scale_block(), tidx,
+                                       s_at + i * (STEP // 32))
                 compat.cp_async_commit()
 
             # one bf16 multiply a register unless a scale of the CTA's rows is 2^1 or more (real
@@ -193,17 +209,20 @@ if compat.HAVE_CUTE:
                 bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                             ring, w_at, s_at, True)
+                             ring, scale_ring, w_at, s_at, True)
             else:
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                             ring, w_at, s_at, False)
+                             ring, scale_ring, w_at, s_at, False)
 
         @cute.jit
         def _stream(self, acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a, ring,
-                    w_at, s_at, one_multiply: cutlass.Constexpr):
+                    scale_ring, w_at, s_at, one_multiply: cutlass.Constexpr):
             """Span by span: its B column and zeroed accumulators, its steps (each issuing the step
-            `stages - 1` ahead: of this span, then of the next), its outputs."""
+            `stages - 1` ahead: of this span, then of the next; with scale_steps 4, each block's first
+            also the block's scales), its outputs."""
             D: cutlass.Constexpr = self.stages
+            B: cutlass.Constexpr = self.scale_steps
+            BLOCK: cutlass.Constexpr = self._scale_block()
             S: cutlass.Constexpr = self.k_span // STEP
             K: cutlass.Constexpr = self.K
             SLOT: cutlass.Constexpr = self._slot()
@@ -217,6 +236,8 @@ if compat.HAVE_CUTE:
             row = row_a
             p_slot = Int32((D - 1) * SLOT)
             c_slot = Int32(0)
+            p_block = Int32(((D - 2) // B + 1) % 2 * BLOCK)  # the scale block the next issue fills
+            c_block = Int32(0)  # the one the steps read
             for g in cutlass.range(spans, unroll=1):
                 m0 = chunk * PAIRS_PER_MMA
                 # lanes past the group read its last pair: their column is computed, never stored
@@ -240,13 +261,24 @@ if compat.HAVE_CUTE:
                     next_row = row + TILE_ROWS
                 has_next = g + 1 < spans
                 for s in cutlass.range(S - (D - 1), unroll=1):  # issuing this span's later steps
-                    self._issue(ring + p_slot, tidx, w_at + (s + D - 1) * (STEP // 2), s_at + (s + D - 1) * (STEP // 32))
-                    p_slot, c_slot = self._step(acc, x_at + s * (STEP * 2), ring, tidx, t, p_slot, c_slot, one_multiply)
+                    u = s + D - 1
+                    self._issue(ring + p_slot, tidx, w_at + u * (STEP // 2), s_at + u * (STEP // 32))
+                    if const_expr(B > 1):
+                        if u % B == 0:
+                            self._issue_scales(scale_ring + p_block, tidx, s_at + u * (STEP // 32))
+                            p_block = BLOCK - p_block
+                    p_slot, c_slot, c_block = self._step(acc, x_at + s * (STEP * 2), ring, scale_ring, s, tidx, t,
+                                                         p_slot, c_slot, c_block, one_multiply)
                 for s in cutlass.range(S - (D - 1), S, unroll=1):  # issuing the next span's first steps
                     if has_next:
                         q = s - (S - (D - 1))
                         self._issue(ring + p_slot, tidx, next_w + q * (STEP // 2), next_s + q * (STEP // 32))
-                    p_slot, c_slot = self._step(acc, x_at + s * (STEP * 2), ring, tidx, t, p_slot, c_slot, one_multiply)
+                        if const_expr(B > 1):
+                            if q % B == 0:
+                                self._issue_scales(scale_ring + p_block, tidx, next_s + q * (STEP // 32))
+                                p_block = BLOCK - p_block
+                    p_slot, c_slot, c_block = self._step(acc, x_at + s * (STEP * 2), ring, scale_ring, s, tidx, t,
+                                                         p_slot, c_slot, c_block, one_multiply)
                 self._store(acc, o_base, split, P, col_off, row, first, m0, size, t, mRows)
                 chunk = next_chunk
                 w_at = next_w
@@ -254,9 +286,10 @@ if compat.HAVE_CUTE:
                 row = next_row
 
         @cute.jit
-        def _step(self, acc, x_at, ring, tidx, t, p_slot, c_slot, one_multiply: cutlass.Constexpr):
-            """Commit what was issued, load the step's activations, wait for its stage, its 8 mmas; the
-            two slots move on."""
+        def _step(self, acc, x_at, ring, scale_ring, s, tidx, t, p_slot, c_slot, c_block,
+                  one_multiply: cutlass.Constexpr):
+            """Commit what was issued, load the step's activations, wait for its stage (and, scale_steps
+            4, its scale block: issued with the block's first step), its 8 mmas; the slots move on."""
             D: cutlass.Constexpr = self.stages
             THREADS: cutlass.Constexpr = 32 * self.warps
             SLOT: cutlass.Constexpr = self._slot()
@@ -266,20 +299,32 @@ if compat.HAVE_CUTE:
             slot = ring + c_slot
             wa = compat.ld_shared_v4(slot + tidx * 16)
             wb = compat.ld_shared_v4(slot + THREADS * 16 + tidx * 16)
-            sa = compat.ld_shared_u8(slot + THREADS * 32 + tidx * 4 + t)
-            sb = compat.ld_shared_u8(slot + THREADS * 36 + tidx * 4 + t)
+            scales = slot + THREADS * 32 + tidx * 4 + t  # row a's word, then row b's, in the stage
+            if const_expr(self.scale_steps > 1):  # this step's word in the block's 16 bytes
+                scales = scale_ring + c_block + tidx * 16 + (s % self.scale_steps) * 4 + t
+            sa = compat.ld_shared_u8(scales)
+            sb = compat.ld_shared_u8(scales + THREADS * (4 if self.scale_steps == 1 else 16))
             self._mmas(acc, wa, wb, sa, sb, xs, one_multiply)
+            if const_expr(self.scale_steps > 1):
+                if s % self.scale_steps == self.scale_steps - 1:
+                    c_block = self._scale_block() - c_block
             p_slot = p_slot + SLOT
             if p_slot == D * SLOT:
                 p_slot = Int32(0)
             c_slot = c_slot + SLOT
             if c_slot == D * SLOT:
                 c_slot = Int32(0)
-            return p_slot, c_slot
+            return p_slot, c_slot, c_block
 
         def _slot(self) -> int:
-            """Bytes of a ring stage: every thread's 16 bytes of row a, then of row b, then its scale words."""
-            return 32 * self.warps * (2 * 16 + 2 * 4)
+            """Bytes of a ring stage: every thread's 16 bytes of row a, then of row b, then (scale_steps 1)
+            its scale words."""
+            return 32 * self.warps * (2 * 16 + (2 * 4 if self.scale_steps == 1 else 0))
+
+        def _scale_block(self) -> int:
+            """Bytes of a scale block (scale_steps 4): every thread's 16 bytes of row a's scales, then of
+            row b's; 0 for scale_steps 1."""
+            return 0 if self.scale_steps == 1 else 32 * self.warps * 2 * 16
 
         @cute.jit
         def _issue(self, slot, tidx, w_at, s_at):
@@ -289,8 +334,18 @@ if compat.HAVE_CUTE:
             THREADS: cutlass.Constexpr = 32 * self.warps
             compat.cp_async(slot + tidx * 16, w_at, 16)
             compat.cp_async(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2), 16)
-            compat.cp_async(slot + THREADS * 32 + tidx * 4, s_at, 4)
-            compat.cp_async(slot + THREADS * 36 + tidx * 4, s_at + 8 * (K // 32), 4)
+            if const_expr(self.scale_steps == 1):
+                compat.cp_async(slot + THREADS * 32 + tidx * 4, s_at, 4)
+                compat.cp_async(slot + THREADS * 36 + tidx * 4, s_at + 8 * (K // 32), 4)
+
+        @cute.jit
+        def _issue_scales(self, block, tidx, s_at):
+            """cp.async of a scale block: rows a's and a + 8's words of the 4 steps from s_at, 16 bytes
+            each (the quad's 4 threads copy the same bytes, each into its own slot)."""
+            K: cutlass.Constexpr = self.K
+            THREADS: cutlass.Constexpr = 32 * self.warps
+            compat.cp_async(block + tidx * 16, s_at, 16, cache="ca")
+            compat.cp_async(block + THREADS * 16 + tidx * 16, s_at + 8 * (K // 32), 16, cache="ca")
 
         @cute.jit
         def _store(self, acc, o_base, split, P, col_off, row_a, first, m0, size, t, mRows):
@@ -337,11 +392,12 @@ if compat.HAVE_CUTE:
 
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
-            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool):
+            col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
+            scale_steps: int):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
                   blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
-                  rows_first=rows_first, x_quads=x_quads)
+                  rows_first=rows_first, x_quads=x_quads, scale_steps=scale_steps)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -362,7 +418,10 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
 
 
 def launch(x, wa, sa, wb, sb, out, experts, rows, groups, **params) -> None:
-    """One compiled launch (CUDA tensors, contiguous; rows/groups any int32 tensor in pairwise mode)."""
+    """One compiled launch (CUDA tensors, contiguous; rows/groups any int32 tensor in pairwise mode).
+    Scale tables off 16-byte alignment (views; the op asks 4) take the 4-byte scale copies."""
+    if params["scale_steps"] > 1 and (sa.data_ptr() % 16 or sb.data_ptr() % 16):
+        params = {**params, "scale_steps": 1}
     key, build = builder(**params)
     K = params["K"]
     compat.compiled(key, build)(x, wa.view(-1, K // 2), sa.view(-1, K // 32), wb.view(-1, K // 2),
@@ -387,6 +446,9 @@ ROWS_FIRST = True
 #: grouped points of the A/B, by up to 7% at 64 tokens; pairwise (1-2 tokens) the word order was as
 #: fast or faster at 4 of 6 (docs/perf.md 0n)
 X_QUADS_GROUPED, X_QUADS_PAIRWISE = True, False
+#: steps whose scale words one copy brings: 4 is a quarter of the scale copies (where the widths and
+#: the split allow: scale_blocks_fit), not yet timed against 1 on the H200 (docs/perf.md 0n)
+SCALE_STEPS = 1
 
 
 def _stages(steps: int, stages: int) -> int:
@@ -397,12 +459,15 @@ def _stages(steps: int, stages: int) -> int:
 
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise: bool = False,
                 split: int | None = None, n_tiles: int | None = None, down_stages: int | None = None,
-                rows_first: bool = ROWS_FIRST, x_quads: bool | None = None) -> dict:
+                rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
-    for the mode (`pairwise`). I and L whole 128-element steps (the op's predicate). `split`,
-    `n_tiles`, `down_stages` (the down's ring depth; default `stages`), `rows_first` and `x_quads`
-    impose a choice instead (the benchmark's A/B arms)."""
+    for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1).
+    I and L whole 128-element steps (the op's predicate). `split`, `n_tiles`, `down_stages` (the down's
+    ring depth; default `stages`), `rows_first`, `x_quads` and `scale_steps` impose a choice instead
+    (the benchmark's A/B arms)."""
+    if scale_steps not in (1, 4):
+        raise ValueError(f"scale_steps {scale_steps} (1 or 4: a 4-byte or a 16-byte copy of a row's scale words)")
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
     steps = L // STEP
@@ -423,7 +488,12 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         raise ValueError(f"split {split} / n_tiles {n_tiles} do not divide the {steps} steps / {blocks} row blocks")
     down_stages = stages if down_stages is None else down_stages
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
-            "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads}
+            "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
+            "scale_steps": scale_steps}
+
+
+def _scale_steps(K: int, k_span: int, config: dict) -> int:
+    return config["scale_steps"] if scale_blocks_fit(K, k_span) else 1
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
@@ -431,14 +501,16 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
     pick_config's keys and the grouping's "pairwise"."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
-                stages=config["gate_up_stages"], rows_first=config["rows_first"], x_quads=config["x_quads"])
+                stages=config["gate_up_stages"], rows_first=config["rows_first"], x_quads=config["x_quads"],
+                scale_steps=_scale_steps(L, L // config["split"], config))
 
 
 def down_params(I: int, L: int, config: dict) -> dict:
     """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
                 pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
-                rows_first=config["rows_first"], x_quads=config["x_quads"])
+                rows_first=config["rows_first"], x_quads=config["x_quads"],
+                scale_steps=_scale_steps(I, I, config))
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
