@@ -221,7 +221,6 @@ if compat.HAVE_CUTE:
             `stages - 1` ahead: of this span, then of the next; with scale_steps 4, each block's first
             also the block's scales), its outputs."""
             D: cutlass.Constexpr = self.stages
-            B: cutlass.Constexpr = self.scale_steps
             BLOCK: cutlass.Constexpr = self._scale_block()
             S: cutlass.Constexpr = self.k_span // STEP
             K: cutlass.Constexpr = self.K
@@ -236,7 +235,7 @@ if compat.HAVE_CUTE:
             row = row_a
             p_slot = Int32((D - 1) * SLOT)
             c_slot = Int32(0)
-            p_block = Int32(((D - 2) // B + 1) % 2 * BLOCK)  # the scale block the next issue fills
+            p_block = Int32(((D - 2) // self.scale_steps + 1) % 2 * BLOCK)  # the scale block the next issue fills
             c_block = Int32(0)  # the one the steps read
             for g in cutlass.range(spans, unroll=1):
                 m0 = chunk * PAIRS_PER_MMA
@@ -261,22 +260,13 @@ if compat.HAVE_CUTE:
                     next_row = row + TILE_ROWS
                 has_next = g + 1 < spans
                 for s in cutlass.range(S - (D - 1), unroll=1):  # issuing this span's later steps
-                    u = s + D - 1
-                    self._issue(ring + p_slot, tidx, w_at + u * (STEP // 2), s_at + u * (STEP // 32))
-                    if const_expr(B > 1):
-                        if u % B == 0:
-                            self._issue_scales(scale_ring + p_block, tidx, s_at + u * (STEP // 32))
-                            p_block = BLOCK - p_block
+                    p_block = self._issue_step(ring + p_slot, scale_ring, p_block, tidx, w_at, s_at, s + D - 1)
                     p_slot, c_slot, c_block = self._step(acc, x_at + s * (STEP * 2), ring, scale_ring, s, tidx, t,
                                                          p_slot, c_slot, c_block, one_multiply)
                 for s in cutlass.range(S - (D - 1), S, unroll=1):  # issuing the next span's first steps
                     if has_next:
-                        q = s - (S - (D - 1))
-                        self._issue(ring + p_slot, tidx, next_w + q * (STEP // 2), next_s + q * (STEP // 32))
-                        if const_expr(B > 1):
-                            if q % B == 0:
-                                self._issue_scales(scale_ring + p_block, tidx, next_s + q * (STEP // 32))
-                                p_block = BLOCK - p_block
+                        p_block = self._issue_step(ring + p_slot, scale_ring, p_block, tidx, next_w, next_s,
+                                                   s - (S - (D - 1)))
                     p_slot, c_slot, c_block = self._step(acc, x_at + s * (STEP * 2), ring, scale_ring, s, tidx, t,
                                                          p_slot, c_slot, c_block, one_multiply)
                 self._store(acc, o_base, split, P, col_off, row, first, m0, size, t, mRows)
@@ -325,6 +315,17 @@ if compat.HAVE_CUTE:
             """Bytes of a scale block (scale_steps 4): every thread's 16 bytes of row a's scales, then of
             row b's; 0 for scale_steps 1."""
             return 0 if self.scale_steps == 1 else 32 * self.warps * 2 * 16
+
+        @cute.jit
+        def _issue_step(self, slot, scale_ring, p_block, tidx, w_at, s_at, u):
+            """Issue step u of the span whose first step's bytes are at w_at / s_at into the stage at slot,
+            and with scale_steps 4, at a block's first step, the block's scales; the next block to fill."""
+            self._issue(slot, tidx, w_at + u * (STEP // 2), s_at + u * (STEP // 32))
+            if const_expr(self.scale_steps > 1):
+                if u % self.scale_steps == 0:
+                    self._issue_scales(scale_ring + p_block, tidx, s_at + u * (STEP // 32))
+                    p_block = self._scale_block() - p_block
+            return p_block
 
         @cute.jit
         def _issue(self, slot, tidx, w_at, s_at):
