@@ -491,7 +491,12 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     # the activations in quad order in grouped mode, in word order pairwise, unless imposed
     assert many["x_quads"] and not cute_config(64, E, 3072, L, k, x_quads=False)["x_quads"]
     assert few["pairwise"] and not few["x_quads"]
-    assert cute_config(1, E, 384, L, k, pairwise=False)["x_quads"] and cute_config(1, E, 384, L, k, x_quads=True)["x_quads"]
+    assert cute_config(1, E, 384, L, k, pairwise=False)["x_quads"]
+    assert cute_config(1, E, 384, L, k, x_quads=True)["x_quads"]
+    # one scale word a copy unless 4 imposed (a launch whose widths do not fit 4-step blocks takes 1)
+    assert many["scale_steps"] == 1 and cute_config(64, E, 3072, L, k, scale_steps=4)["scale_steps"] == 4
+    with pytest.raises(ValueError, match="scale_steps 2"):
+        cute_config(64, E, 3072, L, k, scale_steps=2)
     with pytest.raises(ValueError, match="split 3 / n_tiles 1 do not divide the 28 steps / 56 row blocks"):
         cute_config(1, E, 3072, L, k, split=3)
     with pytest.raises(ValueError, match="a ring of 1 stages"):

@@ -209,9 +209,9 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
 def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
                 stages: int | None = None, **choices: int | bool) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
-    then the split, tiles, ring stages, grid order and activations' order for the groups it expects
-    (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / down_stages / rows_first /
-    x_quads, imposed)."""
+    then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
+    it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / down_stages /
+    rows_first / x_quads / scale_steps, imposed)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
@@ -241,8 +241,8 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
     if rows is None:  # pairwise: the launches read neither (empty: no memset in a captured graph)
         rows = groups = experts.new_empty(4, dtype=torch.int32)
     gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
-    cute_kernel.launch(tri.word_order(a, cfg["x_quads"]), w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
-                       **cute_kernel.gate_up_params(I, L, top_k, cfg))
+    cute_kernel.launch(tri.word_order(a, cfg["x_quads"]), w1_packed, w1_scale, w3_packed, w3_scale, gu, experts,
+                       rows, groups, **cute_kernel.gate_up_params(I, L, top_k, cfg))
     h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True, quads=cfg["x_quads"])
     cute_kernel.launch(h, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
                        **cute_kernel.down_params(I, L, cfg))
