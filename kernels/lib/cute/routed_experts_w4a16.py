@@ -443,12 +443,12 @@ STAGES = 3
 #: block over every group; the faster of the two at every measured point (docs/perf.md 0m)
 ROWS_FIRST = True
 #: the activations' words in quad order (word_order(x, quads=True)), a quad's loads 64 contiguous
-#: bytes, in grouped mode, where a load's 8 lanes read up to 8 tokens' rows: faster at 5 of the 6
-#: grouped points of the A/B, by up to 7% at 64 tokens; pairwise (1-2 tokens) the word order was as
-#: fast or faster at 4 of 6 (docs/perf.md 0n)
+#: bytes, in grouped mode, where a load's 8 lanes read up to 8 tokens' rows and the L1 sectors count;
+#: pairwise every lane reads one token's row, and the word order measured as fast (docs/perf.md 0n)
 X_QUADS_GROUPED, X_QUADS_PAIRWISE = True, False
-#: steps whose scale words one copy brings: 4 is a quarter of the scale copies (where the widths and
-#: the split allow: scale_blocks_fit), not yet timed against 1 on the H200 (docs/perf.md 0n)
+#: steps whose scale words one copy brings: 4 is a quarter of the scale copies and their L1 lookups
+#: (where the widths and the split allow: scale_blocks_fit) for 14 more instructions a step; 1 until
+#: an A/B shows the trade pays (docs/perf.md 0n)
 SCALE_STEPS = 1
 
 
