@@ -384,6 +384,48 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
 
 
 @needs_cute
+@pytest.mark.parametrize("T,I", [(1, 3072), (2, 1536), (1, 384)])
+def test_w4a16_one_launch_compiles_to_ptx(T, I, tmp_path):
+    """The pairwise MLP in one launch: a ticket, the word-order tile, the gate/up and down row loops
+    (their activations through L2, `.cg`, since other CTAs of the launch wrote them), each wait on an
+    acquired flag after the weights' first copies, bounded by a trap; a group's count, its SiTU-GLU and
+    its released flag; the exit count whose last CTA zeroes the state. No spills, no multicast."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    L, E, k = 3584, 896, 16
+    cfg = cute_config(T, E, I, L, k, one_launch=True)
+    params = one.params(I, L, k, cfg)
+    key, build = one.builder(**params, beta=4.0, linear_beta=25.0)
+    ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
+    ops = _ops(ptx)
+    where = (T, I, cfg)
+    loops = sum(2 if p["k_span"] // w4.STEP > p["stages"] - 1 else 1 for p in params.values())
+    mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+    assert mma == 2 * 8 * loops, (where, mma)  # each loop in its ordinary and wide-scale copy
+    assert ".target sm_90a" in ptx
+    assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+    # the ticket, a group's gate/up count, the exit count
+    assert len(re.findall(r"atom\.acq_rel\.gpu\.global\.add\.s32", ptx)) == 3, where
+    # two waits (x's flag, a group's), each polled with an acquire, backing off, trapping past its bound
+    assert len(re.findall(r"trap;", ptx)) == 2 and len(re.findall(r"nanosleep", ptx)) == 2, where
+    assert len(re.findall(r"ld\.acquire\.gpu\.global\.s32", ptx)) >= 2, where
+    assert len(re.findall(r"st\.release\.gpu\.global\.s32", ptx)) == 2, where  # x's flag, a group's
+    # the step loops' 4 activation loads and the SiTU-GLU's g and u halves a split, all through L2; the
+    # only read-only 16-byte load is a's, in the word-order tile
+    cg = len(re.findall(r"ld\.global\.cg\.v4\.u32", ptx))
+    assert cg == mma // 8 * 4 + 4 * cfg["split"], (where, cg)
+    assert len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx)) == 1, where
+    assert len(re.findall(r"prmt\.b32 [^;]+0x(5410|7632);", ptx)) == 4, where
+    # the SiTU-GLU: 8 elements a thread a pass, 3 exponentials each, packed in word-order pairs
+    assert len(re.findall(r"ex2\.approx\.ftz\.f32", ptx)) == 24, where
+    assert len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)) == 4, where
+    assert len(re.findall(r"st\.global\.v4\.u32", ptx)) == 2, where  # x's words, h's words
+    assert len(re.findall(r"st\.relaxed\.gpu\.global\.s32", ptx)) == 1, where  # the state's zeroing
+
+
+@needs_cute
 @pytest.mark.parametrize("T,I", [(1, 3072), (64, 1536), (8, 384)])
 def test_w4a16_scale_blocks_compile_to_ptx(T, I, tmp_path):
     """scale_steps 4: a row's scale words of 4 steps by one 16-byte cp.async through L1 (`.ca`), issued

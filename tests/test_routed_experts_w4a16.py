@@ -501,4 +501,28 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
         cute_config(1, E, 3072, L, k, split=3)
     with pytest.raises(ValueError, match="a ring of 1 stages"):
         cute_config(8, E, 3072, L, k, stages=1)
+    # pairwise, four launches unless one imposed; grouped mode has no one-launch form
+    assert not few["one_launch"] and not many["one_launch"]
+    assert cute_config(1, E, 3072, L, k, one_launch=True)["one_launch"]
+    with pytest.raises(ValueError, match="one_launch runs pairwise mode only"):
+        cute_config(64, E, 3072, L, k, one_launch=True)
+
+
+def test_one_launch_params_are_the_two_launches_with_the_4_byte_scale_copies():
+    """The one-launch form runs the two row kernels' tiles as cute_config chose them (split, stages,
+    the activations' order), but with the 4-byte scale copies (its tables are checked 4-byte aligned
+    only), and refuses a pair count its state has no room for."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    cfg = cute_config(1, E, 1536, L, k, one_launch=True, scale_steps=4)
+    p = one.params(1536, L, k, cfg)
+    assert p["gate_up"] == {**w4.gate_up_params(1536, L, k, cfg), "scale_steps": 1}
+    assert p["down"] == {**w4.down_params(1536, L, cfg), "scale_steps": 1}
+    assert p["gate_up"]["pairwise"] and p["gate_up"]["k_span"] == L // cfg["split"]
+    with pytest.raises(AssertionError, match="pairwise"):
+        one.params(1536, L, k, cute_config(64, E, 1536, L, k))
+    assert one.MAX_PAIRS >= 64 * k
 

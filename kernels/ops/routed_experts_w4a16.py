@@ -211,7 +211,7 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
     then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
     it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / down_stages /
-    rows_first / x_quads / scale_steps, imposed)."""
+    rows_first / x_quads / scale_steps / one_launch, imposed)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
@@ -224,8 +224,9 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
              situ_linear_beta, format, table=None, out: torch.Tensor | None = None, config: dict | None = None,
              **_) -> torch.Tensor:
-    """z [T*k, L]: the Triton grouping, the CuTe gate/up, the Triton SiTU-GLU, the CuTe down. `out`: a
-    [T*k, L] buffer to write instead; `config`: cute_config's result to use."""
+    """z [T*k, L]: the Triton grouping, the CuTe gate/up, the Triton SiTU-GLU, the CuTe down; or, with
+    the config's one_launch (pairwise), all of it in one CuTe launch. `out`: a [T*k, L] buffer to write
+    instead; `config`: cute_config's result to use."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
@@ -236,6 +237,15 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
     cfg = config or cute_config(T, E, I, L, top_k)
     z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
     if P == 0:
+        return z
+    if cfg.get("one_launch"):
+        from ..lib.cute import routed_experts_w4a16_one_launch as one
+
+        gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
+        one.launch(a.contiguous(), torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
+                   w3_packed, w3_scale, gu, torch.empty((P, I), dtype=a.dtype, device=a.device), w2_packed,
+                   w2_scale, z, experts, one.state(a.device), **one.params(I, L, top_k, cfg),
+                   beta=float(situ_beta), linear_beta=float(situ_linear_beta))
         return z
     rows, groups = tri.group(experts, E, cfg["pairwise"])
     if rows is None:  # pairwise: the launches read neither (empty: no memset in a captured graph)

@@ -251,7 +251,7 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
 #: CuTe launch choices besides the default (pick_config's imposed ones, which the benchmark's
 #: --cute-choices arms time), each against float64
 CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": False},
-                "scale_blocks": {"scale_steps": 4}}
+                "scale_blocks": {"scale_steps": 4}, "one_launch": {"one_launch": True}}
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))
@@ -262,10 +262,64 @@ def test_cute_launch_choices_against_float64(experts, T, choice):
         pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
     a, ids = tokens(T, seed=500 + T, crowded=T == 17)
     ref = experts.reference(a, ids)
-    for pairwise in (True, False):
+    for pairwise in (True,) if choice == "one_launch" else (True, False):  # (one launch runs pairwise)
         cfg = cute_config(T, E, experts.I, L, K, pairwise=pairwise, **CUTE_CHOICES[choice])
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
         _check(cute_run(*experts.args(a, ids), out=out, config=cfg), ref, (experts.I, T, choice, cfg))
+
+
+def _one_launch_states_are_zero() -> bool:
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
+
+    torch.cuda.synchronize()
+    return bool(one._states) and all(int(st.abs().sum()) == 0 for st in one._states.values())
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_one_launch_graph_replays_leave_its_state_zeroed(experts, T):
+    """The one-launch form under 1000 CUDA-graph replays on changing tokens and experts: each launch
+    zeroes the tickets, counts and flags the next one starts from (a stale one would hang or skip a
+    wait), and its results stay right."""
+    if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
+        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+    cfg = cute_config(T, E, experts.I, L, K, one_launch=True)
+    a_static, e_static = tokens(T, seed=0)
+    z_static = torch.empty(T * K, L, device=DEV, dtype=BF16)
+    cute_run(*experts.args(a_static, e_static), out=z_static, config=cfg)  # compile before capture
+    assert _one_launch_states_are_zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute_run(*experts.args(a_static, e_static), out=z_static, config=cfg)
+    checked = 0
+    for i in range(1000):
+        a, ids = tokens(T, seed=2000 + i, crowded=(i % 97 == 0))
+        a_static.copy_(a)
+        e_static.copy_(ids)
+        z_static.fill_(float("nan"))
+        graph.replay()
+        if i % 100 == 0 or i % 97 == 0:
+            torch.cuda.synchronize()
+            _check(z_static, experts.reference(a, ids), (experts.I, T, "one launch replay", i))
+            checked += 1
+    assert _one_launch_states_are_zero() and checked >= 10
+
+
+def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
+    """Pairs whose expert id is outside [0, E) are left out (no tile of theirs counts or waits); the
+    others are right and the launch still zeroes its state."""
+    if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
+        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+    a, ids = tokens(2, seed=11)
+    bad = torch.tensor([0, 5, 17, 31], device=DEV)
+    outside = ids.clone()
+    outside[bad] = torch.tensor([-1, E, -7, E + 3], device=DEV)
+    out = torch.full((2 * K, L), float("nan"), device=DEV, dtype=BF16)
+    cute_run(*experts.args(a, outside), out=out, config=cute_config(2, E, experts.I, L, K, one_launch=True))
+    keep = torch.ones(2 * K, dtype=torch.bool, device=DEV)
+    keep[bad] = False
+    z64, zbf = experts.reference(a, ids)
+    _check(out[keep], (z64[keep], zbf[keep]), (experts.I, "ids outside the table"))
+    assert _one_launch_states_are_zero()
 
 
 def test_op_strict_counts_the_kernel(experts):

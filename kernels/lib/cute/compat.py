@@ -82,7 +82,10 @@ if HAVE_CUTE:
 
     # ---------------- inline PTX (same in 4.3.5 .. 4.8) -----------------------------------------
     def _addr(ptr, loc, ip):
-        return ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+        """A global pointer's, or an Int64 byte address's, i64 operand."""
+        if hasattr(ptr, "toint"):
+            return ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+        return Int64(ptr).ir_value(loc=loc, ip=ip)
 
     def _asm(ret, args, text, cons):
         return llvm.inline_asm(ret, args, text, cons, has_side_effects=True,
@@ -103,6 +106,17 @@ if HAVE_CUTE:
         """Release store at system scope: publishes this thread's (and, after a barrier, its CTA's) writes."""
         _asm(None, [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
              "st.release.sys.global.s32 [$0], $1;", "l,r")
+
+    @dsl_user_op
+    def ld_acquire_gpu_s32(ptr, *, loc=None, ip=None) -> Int32:
+        """Acquire load at GPU scope: what another CTA released before its flag is visible after."""
+        return Int32(_asm(T.i32(), [_addr(ptr, loc, ip)], "ld.acquire.gpu.global.s32 $0, [$1];", "=r,l"))
+
+    @dsl_user_op
+    def st_release_gpu_s32(ptr, val, *, loc=None, ip=None) -> None:
+        """Release store at GPU scope: publishes this thread's (and, after a barrier, its CTA's) writes."""
+        _asm(None, [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
+             "st.release.gpu.global.s32 [$0], $1;", "l,r")
 
     @dsl_user_op
     def st_relaxed_gpu_s32(ptr, val, *, loc=None, ip=None) -> None:
@@ -138,6 +152,17 @@ if HAVE_CUTE:
         _asm(None, [], "fence.acq_rel.sys;", "")
 
     @dsl_user_op
+    def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
+        """Orders this thread's stores before a later flag or counter (threadfence), and, after one,
+        its later loads."""
+        _asm(None, [], "fence.acq_rel.gpu;", "")
+
+    @dsl_user_op
+    def trap(*, loc=None, ip=None) -> None:
+        """Abort the kernel: the launch fails with a CUDA error (a wait that can never end)."""
+        _asm(None, [], "trap;", "")
+
+    @dsl_user_op
     def globaltimer_ns(*, loc=None, ip=None) -> Int64:
         """%globaltimer in ns, for the debug spin timeout only (coarse, but monotonic)."""
         return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l"))
@@ -166,6 +191,46 @@ if HAVE_CUTE:
         st = asm_pure(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
                       "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
         return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
+    def ld_cg_v4(addr, *, loc=None, ip=None):
+        """16 bytes through L2 (`.cg`) as four 32-bit words: bytes other CTAs of the launch wrote (after
+        an acquire); side-effecting, so never moved above the wait that orders it."""
+        st = _asm(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                  "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+        return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
+    def st_v4_b32(addr, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+        """16 bytes, four 32-bit words, to a 16-byte aligned global address."""
+        words = [Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]
+        _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + words, "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
+             "l,r,r,r,r")
+
+    @dsl_user_op
+    def prmt(a, b, selector: int, *, loc=None, ip=None) -> Int32:
+        """Bytes of (b:a) picked by `selector`'s nibbles (0x5410: both low halves, 0x7632: both high)."""
+        return Int32(asm_pure(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+                              f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r"))
+
+    @dsl_user_op
+    def round_bf16(x, *, loc=None, ip=None) -> Float32:
+        """x rounded to bf16 (nearest even), as fp32."""
+        return Float32(asm_pure(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+                                "{\n.reg .b16 h, z;\nmov.b16 z, 0;\ncvt.rn.bf16.f32 h, $1;\nmov.b32 $0, {z, h};\n}",
+                                "=f,f"))
+
+    @dsl_user_op
+    def bf16x2(lo, hi, *, loc=None, ip=None) -> Int32:
+        """Two fp32 rounded to bf16 (nearest even) in one word, lo in the low half."""
+        return Int32(asm_pure(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                              "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+    @dsl_user_op
+    def exp2(x, *, loc=None, ip=None) -> Float32:
+        """2^x (ex2.approx, as Triton's exp)."""
+        return Float32(asm_pure(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;",
+                                "=f,f"))
 
     @dsl_user_op
     def ld_nc_b32(addr, *, loc=None, ip=None) -> Int32:
@@ -225,6 +290,15 @@ if HAVE_CUTE:
         st = _asm(struct_type(4, "i32"), [Int32(smem).ir_value(loc=loc, ip=ip)],
                   "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r")
         return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
+    def st_shared_b32(smem, v, *, loc=None, ip=None) -> None:
+        _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+             "st.shared.b32 [$0], $1;", "r,r")
+
+    @dsl_user_op
+    def ld_shared_b32(smem, *, loc=None, ip=None) -> Int32:
+        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];", "=r,r"))
 
     @dsl_user_op
     def ld_shared_u8(smem, *, loc=None, ip=None) -> Int32:

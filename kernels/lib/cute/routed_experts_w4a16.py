@@ -92,12 +92,28 @@ if compat.HAVE_CUTE:
                              "{\n" + "\n".join(lines) + "\n}", "=r,=r,=r,=r,r,r")
         return compat.unpack(st, 4, Int32, loc, ip)
 
+    #: a flag wait longer than this traps the launch (a CUDA error, not a hang): the one-launch form's
+    #: waits end within the launch's own run time, microseconds to milliseconds
+    WAIT_TIMEOUT_NS = 2_000_000_000
+
+    @cute.jit
+    def wait_flag(flag, tidx):
+        """The CTA waits until the int32 at address `flag` is nonzero: thread 0 polls it (acquire), a
+        barrier passes what it saw to the others."""
+        if tidx == 0:
+            start = compat.globaltimer_ns()
+            while compat.ld_acquire_gpu_s32(flag) == 0:
+                compat.nanosleep(Int32(32))
+                if compat.globaltimer_ns() - start > WAIT_TIMEOUT_NS:
+                    compat.trap()
+        cute.arch.sync_threads()
+
     class W4A16RowsDot:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     rows_first: bool, x_quads: bool, scale_steps: int):
+                     rows_first: bool, x_quads: bool, scale_steps: int, waits: bool = False):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
@@ -107,6 +123,10 @@ if compat.HAVE_CUTE:
             self.rows_first = rows_first
             self.x_quads = x_quads
             self.scale_steps = scale_steps
+            # the activations are written in this launch, by other CTAs (the one-launch form): each CTA
+            # issues its first weights, then waits for a flag, then reads them through L2, never by the
+            # read-only path (ld.global.nc is for bytes no one writes while the kernel runs)
+            self.waits = waits
             # 16-byte scale copies: aligned rows and block starts, blocks that never straddle a span, and
             # block b + 2 issued (at step 4b + 8 - (stages - 1)) after block b's last read (4b + 3)
             assert scale_steps == 1 or scale_steps == 4 and scale_blocks_fit(K, k_span) and stages <= 5
@@ -136,6 +156,17 @@ if compat.HAVE_CUTE:
             gid, col, split = cute.arch.block_idx()
             if const_expr(self.rows_first):  # a group's row blocks launched side by side (docs/perf.md 0m)
                 col, gid, split = cute.arch.block_idx()
+            smem = compat.SmemAllocator()
+            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.smem_bytes()))
+            self.tile(gid, col, split, tidx, ring, Int64(0), mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups)
+
+        @cute.jit
+        def tile(self, gid, col, split, tidx, ring, flag, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
+                 mWb: cute.Tensor, mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
+                 mGroups: cute.Tensor):
+            """One CTA's work: row block `col` of group `gid` over K span `split`, its ring at shared address
+            `ring` (smem_bytes()); with `waits`, the activations once the int32 at `flag` is nonzero. The
+            group's size (0: an expert id outside [0, E), nothing done)."""
             P = mExperts.shape[0]
             E = mSa.shape[0] // self.N
 
@@ -172,11 +203,12 @@ if compat.HAVE_CUTE:
             acc = cute.make_rmem_tensor((4,), Float32)
             if size > 0:
                 self._ring(acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
-                           mRows, tidx)
+                           mRows, tidx, ring, flag)
+            return size
 
         @cute.jit
         def _ring(self, acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
-                  mRows, tidx):
+                  mRows, tidx, ring, flag):
             """The CTA's work as a stream of spans (a tile's rows by a chunk of 8 pairs, K steps each), the
             weights and scales `stages - 1` steps ahead in flight by cp.async, across span boundaries:
             each thread copies its own bytes into its own shared-memory slots and reads them back, so no
@@ -188,8 +220,6 @@ if compat.HAVE_CUTE:
             lane = tidx % 32
             t = lane % 4
             row_a = block * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + lane // 4
-            smem = compat.SmemAllocator()
-            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, D * SLOT + 2 * self._scale_block()))
             scale_ring = ring + D * SLOT  # the 16-byte scale copies' two blocks (scale_steps 4), 16 B aligned
             # this thread's bytes of row a at the span's first step (row b is 8 rows on)
             w_at = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
@@ -207,6 +237,8 @@ if compat.HAVE_CUTE:
             for tile in cutlass.range(self.n_tiles, unroll=1):
                 row = row_a + tile * (ROWS_PER_WARP * self.warps)
                 bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
+            if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
+                wait_flag(flag, tidx)
             if compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
                              ring, scale_ring, w_at, s_at, True)
@@ -284,7 +316,10 @@ if compat.HAVE_CUTE:
             THREADS: cutlass.Constexpr = 32 * self.warps
             SLOT: cutlass.Constexpr = self._slot()
             compat.cp_async_commit()
-            xs = [compat.ld_nc_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
+            if const_expr(self.waits):
+                xs = [compat.ld_cg_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
+            else:
+                xs = [compat.ld_nc_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
             compat.cp_async_wait(D - 1)  # this step's group has landed
             slot = ring + c_slot
             wa = compat.ld_shared_v4(slot + tidx * 16)
@@ -305,6 +340,10 @@ if compat.HAVE_CUTE:
             if c_slot == D * SLOT:
                 c_slot = Int32(0)
             return p_slot, c_slot, c_block
+
+        def smem_bytes(self) -> int:
+            """The ring's shared memory: `stages` stages and, scale_steps 4, two scale blocks."""
+            return self.stages * self._slot() + 2 * self._scale_block()
 
         def _slot(self) -> int:
             """Bytes of a ring stage: every thread's 16 bytes of row a, then of row b, then (scale_steps 1)
@@ -450,6 +489,9 @@ X_QUADS_GROUPED, X_QUADS_PAIRWISE = True, False
 #: (where the widths and the split allow: scale_blocks_fit) for 14 more instructions a step; 1 until
 #: an A/B shows the trade pays (docs/perf.md 0n)
 SCALE_STEPS = 1
+#: pairwise, the whole MLP in one launch of ticketed tiles (lib/cute/routed_experts_w4a16_one_launch.py)
+#: rather than four launches; off until an A/B shows it pays (docs/perf.md 0o)
+ONE_LAUNCH = False
 
 
 def _stages(steps: int, stages: int) -> int:
@@ -460,15 +502,19 @@ def _stages(steps: int, stages: int) -> int:
 
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise: bool = False,
                 split: int | None = None, n_tiles: int | None = None, down_stages: int | None = None,
-                rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS) -> dict:
+                rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS,
+                one_launch: bool | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
-    for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1).
-    I and L whole 128-element steps (the op's predicate). `split`, `n_tiles`, `down_stages` (the down's
-    ring depth; default `stages`), `rows_first`, `x_quads` and `scale_steps` impose a choice instead
-    (the benchmark's A/B arms)."""
+    for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
+    pairwise, one launch or four. I and L whole 128-element steps (the op's predicate). `split`,
+    `n_tiles`, `down_stages` (the down's ring depth; default `stages`), `rows_first`, `x_quads`,
+    `scale_steps` and `one_launch` impose a choice instead (the benchmark's A/B arms)."""
     if scale_steps not in (1, 4):
         raise ValueError(f"scale_steps {scale_steps} (1 or 4: a 4-byte or a 16-byte copy of a row's scale words)")
+    if one_launch and not pairwise:
+        raise ValueError("one_launch runs pairwise mode only (its tiles wait on a group's gate/up: a pair's)")
+    one_launch = ONE_LAUNCH and pairwise if one_launch is None else one_launch
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
     steps = L // STEP
@@ -490,7 +536,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     down_stages = stages if down_stages is None else down_stages
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
-            "scale_steps": scale_steps}
+            "scale_steps": scale_steps, "one_launch": one_launch}
 
 
 def _scale_steps(K: int, k_span: int, config: dict) -> int:

@@ -1,0 +1,256 @@
+"""The W4A16 expert MLP of a pairwise (1-2 token) decode step in one launch: CTAs take tiles by ticket.
+
+The two-launch form (lib/cute/routed_experts_w4a16.py with the Triton word-order copy and SiTU-GLU
+between) runs, at 1-2 tokens, four launches of about one wave each; the ramp-up and tail of each GEMM,
+the two small launches and the gaps between them are where 1 token loses to the copy bandwidth
+(docs/perf.md 0k, 0n). Here one launch does it all, and a CTA takes the next tile by a ticket (an atomic
+counter), so the down's tiles start while the last gate/up tiles finish, group by group, and no SM
+idles at a launch boundary.
+
+Tiles, in ticket order:
+- 0: the activations a [T, L] put in word order (word_order; quad order with `x_quads`) into x;
+- 1 .. GU: the gate/up, W4A16RowsDot's tiles, a group's row blocks and K splits together, fp32 partials
+  into gu [split, P, 2I]. The group's last tile to finish (a counter a group) computes its SiTU-GLU into
+  h [P, I], in the down's order, and raises the group's flag;
+- GU + 1 .. : the down's tiles, group by group, into z [P, L].
+A gate/up or down tile issues its first weight stages and reads its scales, then waits for its input's
+flag (x's, or its group's): the weight-only rule, static weights cross the synchronization point and
+activations never. No deadlock: a tile waits only for tiles of smaller tickets, all taken by CTAs
+already running, and those never wait for a larger ticket.
+
+The state, int32 [STATE_HEAD + 2 * P]: the ticket, the exits, x's flag, then each group's gate/up count,
+then each group's flag. It is zero before a launch and the launch's last CTA to exit zeroes it, so one
+state serves launches in stream order; launches that could overlap need their own (`state`: one per
+device and stream).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .compat import SELF as compat
+from .routed_experts_w4a16 import down_params, gate_up_params
+# the op's most pairs, a state's room: one size, so that a state a CUDA graph captured is never replaced
+from ..triton.routed_experts import MAX_PAIRS
+
+THREADS = 128  # the row kernels' 4 warps
+STATE_HEAD = 3  # ticket, exits, x's flag
+LOG2E = 1.4426950408889634
+
+if compat.HAVE_CUTE:
+    import cutlass
+    from cutlass import Float32, Int32, Int64, const_expr
+
+    from .routed_experts_w4a16 import W4A16RowsDot, wait_flag
+
+    cute = compat.cute
+
+    @cute.jit
+    def _exp(x):
+        return compat.exp2(x * LOG2E)
+
+    @cute.jit
+    def _tanh(x):
+        return Float32(2.0) / (Float32(1.0) + _exp(x * -2.0)) - Float32(1.0)
+
+    class W4A16OneLaunch:
+        """z [P, L] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // top_k], w3[e_p] @ a[p // top_k]), pairwise."""
+
+        def __init__(self, *, gate_up: dict, down: dict, beta: float, linear_beta: float):
+            assert gate_up["pairwise"] and down["pairwise"] and gate_up["x_quads"] == down["x_quads"]
+            assert gate_up["warps"] == down["warps"] == THREADS // 32
+            self.gu = W4A16RowsDot(**gate_up, waits=True)
+            self.dn = W4A16RowsDot(**down, waits=True)
+            self.I, self.L, self.top_k = gate_up["N"], gate_up["K"], gate_up["top_k"]
+            self.splits = gate_up["K"] // gate_up["k_span"]
+            self.x_quads = gate_up["x_quads"]
+            self.beta, self.linear_beta = beta, linear_beta
+
+        @cute.jit
+        def __call__(self, mA: cute.Tensor, mX: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor,
+                     mW3: cute.Tensor, mS3: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mW2: cute.Tensor,
+                     mS2: cute.Tensor, mZ: cute.Tensor, mExperts: cute.Tensor, mState: cute.Tensor, stream):
+            P = mExperts.shape[0]
+            tiles = 1 + P * (self.gu.grid_y * self.splits + self.dn.grid_y)
+            self.kernel(mA, mX, mW1, mS1, mW3, mS3, mGU, mH, mW2, mS2, mZ, mExperts, mState).launch(
+                grid=(tiles, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, mA: cute.Tensor, mX: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor,
+                   mS3: cute.Tensor, mGU: cute.Tensor, mH: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                   mZ: cute.Tensor, mExperts: cute.Tensor, mState: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            P = mExperts.shape[0]
+            GU: cutlass.Constexpr = self.gu.grid_y * self.splits  # gate/up tiles a group
+            DN: cutlass.Constexpr = self.dn.grid_y
+            tiles = 1 + P * (GU + DN)
+            smem = compat.SmemAllocator()
+            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, max(self.gu.smem_bytes(),
+                                                                              self.dn.smem_bytes())))
+            said = compat.smem_address(smem.allocate_array(Int32, 4))  # thread 0's word to the CTA
+            state = compat.address(mState.iterator)
+            x_flag = state + 4 * 2
+            counts = state + 4 * STATE_HEAD
+            flags = counts + 4 * P
+
+            ticket = self._count(said, tidx, state)
+            if ticket == 0:
+                self._word_order(mA, mX, P // self.top_k, tidx)
+                compat.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    compat.st_release_gpu_s32(x_flag, 1)
+            elif ticket <= P * GU:
+                t = ticket - 1
+                gid = t // GU
+                split = (t % GU) // self.gu.grid_y
+                size = self.gu.tile(gid, t % self.gu.grid_y, split, tidx, ring, x_flag, mX, mW1, mS1, mW3, mS3,
+                                    mGU, mExperts, mExperts, mExperts)
+                if size > 0:  # (an expert id outside [0, E): no tile of its group counts, waits or works)
+                    compat.fence_acq_rel_gpu()  # this thread's partials before the count
+                    last = self._count(said, tidx, counts + 4 * gid)
+                    if last == GU - 1:
+                        compat.fence_acq_rel_gpu()
+                        self._situ_glu(mGU, mH, gid, P, tidx)
+                        compat.fence_acq_rel_gpu()
+                        cute.arch.sync_threads()
+                        if tidx == 0:
+                            compat.st_release_gpu_s32(flags + 4 * gid, 1)
+            else:
+                t = ticket - 1 - P * GU
+                gid = t // DN
+                self.dn.tile(gid, t % DN, 0, tidx, ring, flags + 4 * gid, mH, mW2, mS2, mW2, mS2, mZ, mExperts,
+                             mExperts, mExperts)
+
+            # the last CTA out zeroes the state for the next launch: every other CTA is past its waits
+            exits = self._count(said, tidx, state + 4)
+            if exits == tiles - 1:
+                for i in cutlass.range(tidx, STATE_HEAD + 2 * P, THREADS, unroll=1):
+                    compat.st_relaxed_gpu_s32(state + 4 * i, 0)
+
+        @cute.jit
+        def _count(self, said, tidx, counter):
+            """Thread 0 adds 1 to the int32 at `counter` once the CTA's earlier work is done (a barrier);
+            the old value, to every thread."""
+            cute.arch.sync_threads()
+            if tidx == 0:
+                compat.st_shared_b32(said, compat.atom_add_acq_rel_gpu_s32(counter, 1))
+            cute.arch.sync_threads()
+            return compat.ld_shared_b32(said)
+
+        @cute.jit
+        def _word_order(self, mA: cute.Tensor, mX: cute.Tensor, T, tidx):
+            """x = word_order(a, x_quads): each 16-byte word of 8 elements to 4 registers of (j, j + 4)."""
+            WORDS: cutlass.Constexpr = self.L // 8
+            a_base = compat.address(mA.iterator)
+            x_base = compat.address(mX.iterator)
+            for i in cutlass.range(tidx, T * WORDS, THREADS, unroll=1):
+                row = i // WORDS
+                w = i % WORDS
+                v = compat.ld_nc_v4(a_base + Int64(i) * 16)
+                to = w
+                if const_expr(self.x_quads):  # word 4t + i of a 128-element step to 4i + t
+                    to = w // 16 * 16 + w % 4 * 4 + w % 16 // 4
+                compat.st_v4_b32(x_base + (Int64(row) * WORDS + to) * 16, compat.prmt(v[0], v[2], 0x5410),
+                                 compat.prmt(v[0], v[2], 0x7632), compat.prmt(v[1], v[3], 0x5410),
+                                 compat.prmt(v[1], v[3], 0x7632))
+
+        @cute.jit
+        def _situ_glu(self, mGU: cute.Tensor, mH: cute.Tensor, pair, P, tidx):
+            """h[pair] = situ_glu(g, u) in the down's word order: the splits' partials summed, g and u
+            rounded to bf16, SiTU in fp32 (the Triton SiTU-GLU's numerics), rounded to bf16."""
+            I: cutlass.Constexpr = self.I
+            gu_base = compat.address(mGU.iterator)
+            h_base = compat.address(mH.iterator)
+            for w in cutlass.range(tidx, I // 8, THREADS, unroll=1):
+                g = cute.make_rmem_tensor((8,), Float32)
+                u = cute.make_rmem_tensor((8,), Float32)
+                for j in cutlass.range_constexpr(8):
+                    g[j] = Float32(0.0)
+                    u[j] = Float32(0.0)
+                for s in cutlass.range_constexpr(self.splits):
+                    at = gu_base + ((Int64(s) * P + pair) * (2 * I) + 8 * w) * 4
+                    for half in cutlass.range_constexpr(2):
+                        gv = compat.ld_cg_v4(at + 16 * half)
+                        uv = compat.ld_cg_v4(at + I * 4 + 16 * half)
+                        for j in cutlass.range_constexpr(4):
+                            g[4 * half + j] = g[4 * half + j] + compat.b32_as_f32(gv[j])
+                            u[4 * half + j] = u[4 * half + j] + compat.b32_as_f32(uv[j])
+                act = cute.make_rmem_tensor((8,), Float32)
+                for j in cutlass.range_constexpr(8):
+                    gr = compat.round_bf16(g[j])
+                    ur = compat.round_bf16(u[j])
+                    sigmoid = Float32(1.0) / (Float32(1.0) + _exp(-gr))
+                    act[j] = (self.beta * _tanh(gr / self.beta) * sigmoid
+                              * (self.linear_beta * _tanh(ur / self.linear_beta)))
+                to = w
+                if const_expr(self.x_quads):
+                    to = w // 16 * 16 + w % 4 * 4 + w % 16 // 4
+                compat.st_v4_b32(h_base + (Int64(pair) * I + 8 * to) * 2, compat.bf16x2(act[0], act[4]),
+                                 compat.bf16x2(act[1], act[5]), compat.bf16x2(act[2], act[6]),
+                                 compat.bf16x2(act[3], act[7]))
+
+
+def builder(*, gate_up: dict, down: dict, beta: float, linear_beta: float):
+    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu: gate_up_params and down_params
+    (pairwise), SiTU's two betas; E and the pair count are dynamic."""
+    key = ("w4a16_one_launch", tuple(sorted(gate_up.items())), tuple(sorted(down.items())), float(beta),
+           float(linear_beta))
+
+    def build():
+        sym = cute.sym_int
+        I, L = gate_up["N"], gate_up["K"]
+        bf16 = [compat.fake_tensor(cutlass.BFloat16, (sym(), n), (n, 1)) for n in (L, L, I, L)]  # a, x, h, z
+        packed = [compat.fake_tensor(cutlass.Uint8, (sym(), k // 2), (k // 2, 1)) for k in (L, L, I)]
+        scales = [compat.fake_tensor(cutlass.Uint8, (sym(), k // 32), (k // 32, 1), align=1) for k in (L, L, I)]
+        gu = compat.fake_tensor(cutlass.Float32, (sym(),), (1,), align=16)
+        experts = compat.fake_tensor(cutlass.Int64, (sym(),), (1,), align=8)
+        state = compat.fake_tensor(cutlass.Int32, (sym(),), (1,), align=4)
+        k = W4A16OneLaunch(gate_up=gate_up, down=down, beta=beta, linear_beta=linear_beta)
+        return (k, bf16[0], bf16[1], packed[0], scales[0], packed[1], scales[1], gu, bf16[2], packed[2],
+                scales[2], bf16[3], experts, state, compat.fake_stream())
+
+    return key, build
+
+
+def params(I: int, L: int, top_k: int, config: dict) -> dict:
+    """builder's launch parameters for cute_config's `config` (pairwise, one_launch)."""
+    assert config["pairwise"], "one launch runs pairwise mode"
+    # the scale blocks' 16-byte copies need 16-byte aligned tables: the op's tensors are only 4-byte
+    # checked, so the one-launch form keeps the 4-byte scale copies
+    config = {**config, "scale_steps": 1}
+    return {"gate_up": gate_up_params(I, L, top_k, config), "down": down_params(I, L, config)}
+
+
+_states: dict[tuple[int, int], torch.Tensor] = {}
+_states_lock = threading.Lock()
+
+
+def state(device: torch.device) -> torch.Tensor:
+    """The int32 state for launches on `device`'s current stream: zeroed once here, and left zeroed by
+    each launch. (Allocated in a CUDA-graph capture, its zeroing is captured too.)"""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    with _states_lock:
+        if key not in _states:
+            _states[key] = torch.zeros(STATE_HEAD + 2 * MAX_PAIRS, dtype=torch.int32, device=f"cuda:{index}")
+        return _states[key]
+
+
+def launch(a, x, w1, s1, w3, s3, gu, h, w2, s2, z, experts, state_words, *, gate_up: dict, down: dict,
+           beta: float, linear_beta: float) -> None:
+    """One compiled launch (CUDA tensors, contiguous): a [T, L] bf16 -> z [P, L], through the
+    scratch x [T, L], gu [split, P, 2I] fp32 and h [P, I]."""
+    if not 0 < experts.shape[0] <= MAX_PAIRS or state_words.numel() < STATE_HEAD + 2 * experts.shape[0]:
+        raise ValueError(f"{experts.shape[0]} pairs: one launch takes 1 to {MAX_PAIRS}, with a state of "
+                         f"{STATE_HEAD} + 2 words a pair (got {state_words.numel()})")
+    key, build = builder(gate_up=gate_up, down=down, beta=beta, linear_beta=linear_beta)
+    I, L = gate_up["N"], gate_up["K"]
+    compat.compiled(key, build)(a, x, w1.view(-1, L // 2), s1.view(-1, L // 32), w3.view(-1, L // 2),
+                                s3.view(-1, L // 32), gu.view(-1), h, w2.view(-1, I // 2), s2.view(-1, I // 32), z,
+                                experts, state_words)
+
+
+__all__ = ["STATE_HEAD", "MAX_PAIRS", "builder", "params", "state", "launch"]
