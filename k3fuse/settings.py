@@ -51,6 +51,11 @@ def _flag(name: str, raw: str) -> bool:
     raise SettingsError(f"{name}={raw!r}: expected 1/0 (or true/false, yes/no, on/off)")
 
 
+def _optional_flag(name: str, raw: str) -> bool | None:
+    """Unset or empty: None (the code's default), else a flag."""
+    return _flag(name, raw) if raw.strip() else None
+
+
 def _text(name: str, raw: str) -> str:
     return raw.strip()
 
@@ -129,6 +134,8 @@ VARIABLES: tuple[Variable, ...] = (
              "do not import the Triton kernels"),
     Variable("K3FUSE_GEMV_MAX_M", "gemv_max_m", _positive_int, None,
              "largest token count the CuTe GEMV serves before split-K (default: measured per shape)"),
+    Variable("K3FUSE_W4A16_ONE_LAUNCH", "w4a16_one_launch", _optional_flag, None,
+             "1/0: the MXFP4 routed experts at 1-2 tokens in one CuTe launch, or four (unset: the kernel's default)"),
     Variable("K3FUSE_AR_PROTOCOL", "ar_protocol", _protocol, "lamport",
              "fused all-reduce completion protocol: lamport (sentinels) or flags (acquire/release)"),
     Variable("K3FUSE_AR_PDL", "ar_pdl", _flag, False,
@@ -156,6 +163,7 @@ class Settings:
     disable_cute: bool = False
     disable_triton: bool = False
     gemv_max_m: int | None = None
+    w4a16_one_launch: bool | None = None
     ar_protocol: ArProtocol = "lamport"
     ar_pdl: bool = False
     ar_timeout_s: float | None = None

@@ -467,7 +467,7 @@ def test_pick_config_splits_k_when_the_grid_is_small():
     assert not forced["pairwise"] and forced["gate_up"]["SPLIT_K"] == 1
 
 
-def test_cute_config_covers_the_sms_and_takes_imposed_choices():
+def test_cute_config_covers_the_sms_and_takes_imposed_choices(monkeypatch):
     """The CuTe launches' choice at K3's widths (a K split for few pairs, row tiles for many, a group's
     row blocks side by side), and the benchmark's imposed split / tiles / down depth / grid order, with
     the ring depth that follows; a split or
@@ -506,12 +506,15 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices():
     assert cute_config(1, E, 3072, L, k, one_launch=True)["one_launch"]
     with pytest.raises(ValueError, match="one_launch runs pairwise mode only"):
         cute_config(64, E, 3072, L, k, one_launch=True)
+    monkeypatch.setenv("K3FUSE_W4A16_ONE_LAUNCH", "1")  # the setting decides pairwise mode, never grouped
+    assert cute_config(1, E, 3072, L, k)["one_launch"] and not cute_config(64, E, 3072, L, k)["one_launch"]
+    assert not cute_config(1, E, 3072, L, k, one_launch=False)["one_launch"]
 
 
 def test_one_launch_params_are_the_two_launches_with_the_4_byte_scale_copies():
     """The one-launch form runs the two row kernels' tiles as cute_config chose them (split, stages,
     the activations' order), but with the 4-byte scale copies (its tables are checked 4-byte aligned
-    only), and refuses a pair count its state has no room for."""
+    only)."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
@@ -524,5 +527,4 @@ def test_one_launch_params_are_the_two_launches_with_the_4_byte_scale_copies():
     assert p["gate_up"]["pairwise"] and p["gate_up"]["k_span"] == L // cfg["split"]
     with pytest.raises(AssertionError, match="pairwise"):
         one.params(1536, L, k, cute_config(64, E, 1536, L, k))
-    assert one.MAX_PAIRS >= 64 * k
 

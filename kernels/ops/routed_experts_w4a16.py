@@ -244,7 +244,7 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
         gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
         one.launch(a.contiguous(), torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
                    w3_packed, w3_scale, gu, torch.empty((P, I), dtype=a.dtype, device=a.device), w2_packed,
-                   w2_scale, z, experts, one.state(a.device), **one.params(I, L, top_k, cfg),
+                   w2_scale, z, experts, one.state(a.device, tri.MAX_PAIRS), **one.params(I, L, top_k, cfg),
                    beta=float(situ_beta), linear_beta=float(situ_linear_beta))
         return z
     rows, groups = tri.group(experts, E, cfg["pairwise"])

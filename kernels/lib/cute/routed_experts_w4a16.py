@@ -234,8 +234,8 @@ if compat.HAVE_CUTE:
             # one bf16 multiply a register unless a scale of the CTA's rows is 2^1 or more (real
             # checkpoints' are far below): read while the first stages land, a warp-uniform choice of loop
             bits = Int32(0)
-            for tile in cutlass.range(self.n_tiles, unroll=1):
-                row = row_a + tile * (ROWS_PER_WARP * self.warps)
+            for row_tile in cutlass.range(self.n_tiles, unroll=1):
+                row = row_a + row_tile * (ROWS_PER_WARP * self.warps)
                 bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
@@ -490,7 +490,8 @@ X_QUADS_GROUPED, X_QUADS_PAIRWISE = True, False
 #: an A/B shows the trade pays (docs/perf.md 0n)
 SCALE_STEPS = 1
 #: pairwise, the whole MLP in one launch of ticketed tiles (lib/cute/routed_experts_w4a16_one_launch.py)
-#: rather than four launches; off until an A/B shows it pays (docs/perf.md 0o)
+#: rather than four launches; off until an A/B shows it pays (docs/perf.md 0o); K3FUSE_W4A16_ONE_LAUNCH
+#: overrides it
 ONE_LAUNCH = False
 
 
@@ -514,7 +515,11 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         raise ValueError(f"scale_steps {scale_steps} (1 or 4: a 4-byte or a 16-byte copy of a row's scale words)")
     if one_launch and not pairwise:
         raise ValueError("one_launch runs pairwise mode only (its tiles wait on a group's gate/up: a pair's)")
-    one_launch = ONE_LAUNCH and pairwise if one_launch is None else one_launch
+    if one_launch is None:
+        from k3fuse import settings
+
+        chosen = settings.get("K3FUSE_W4A16_ONE_LAUNCH")
+        one_launch = pairwise and (ONE_LAUNCH if chosen is None else chosen)
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
     steps = L // STEP

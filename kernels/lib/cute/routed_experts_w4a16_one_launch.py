@@ -31,8 +31,6 @@ import torch
 
 from .compat import SELF as compat
 from .routed_experts_w4a16 import down_params, gate_up_params
-# the op's most pairs, a state's room: one size, so that a state a CUDA graph captured is never replaced
-from ..triton.routed_experts import MAX_PAIRS
 
 THREADS = 128  # the row kernels' 4 warps
 STATE_HEAD = 3  # ticket, exits, x's flag
@@ -227,25 +225,32 @@ _states: dict[tuple[int, int], torch.Tensor] = {}
 _states_lock = threading.Lock()
 
 
-def state(device: torch.device) -> torch.Tensor:
-    """The int32 state for launches on `device`'s current stream: zeroed once here, and left zeroed by
-    each launch. (Allocated in a CUDA-graph capture, its zeroing is captured too.)"""
+def state(device: torch.device, max_pairs: int) -> torch.Tensor:
+    """The int32 state for launches on `device`'s current stream, with room for `max_pairs` pairs:
+    zeroed once here, and left zeroed by each launch (allocated in a CUDA-graph capture, its zeroing is
+    captured too). One size a stream: the op always asks its most pairs, so that a state a graph
+    captured is never replaced; asking more than the stream's state holds raises."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     key = (index, torch.cuda.current_stream(index).cuda_stream)
+    words = STATE_HEAD + 2 * max_pairs
     with _states_lock:
-        if key not in _states:
-            _states[key] = torch.zeros(STATE_HEAD + 2 * MAX_PAIRS, dtype=torch.int32, device=f"cuda:{index}")
-        return _states[key]
+        have = _states.get(key)
+        if have is None:
+            have = _states[key] = torch.zeros(words, dtype=torch.int32, device=f"cuda:{index}")
+        elif have.numel() < words:
+            raise ValueError(f"this stream's one-launch state holds {have.numel()} words, not {words}: "
+                             f"ask one size (the most pairs) on a stream")
+        return have
 
 
 def launch(a, x, w1, s1, w3, s3, gu, h, w2, s2, z, experts, state_words, *, gate_up: dict, down: dict,
            beta: float, linear_beta: float) -> None:
     """One compiled launch (CUDA tensors, contiguous): a [T, L] bf16 -> z [P, L], through the
     scratch x [T, L], gu [split, P, 2I] fp32 and h [P, I]."""
-    if not 0 < experts.shape[0] <= MAX_PAIRS or state_words.numel() < STATE_HEAD + 2 * experts.shape[0]:
-        raise ValueError(f"{experts.shape[0]} pairs: one launch takes 1 to {MAX_PAIRS}, with a state of "
-                         f"{STATE_HEAD} + 2 words a pair (got {state_words.numel()})")
+    if not 0 < experts.shape[0] <= (state_words.numel() - STATE_HEAD) // 2:
+        raise ValueError(f"{experts.shape[0]} pairs: one launch takes 1 to its state's room, "
+                         f"{(state_words.numel() - STATE_HEAD) // 2} ({STATE_HEAD} + 2 words a pair)")
     key, build = builder(gate_up=gate_up, down=down, beta=beta, linear_beta=linear_beta)
     I, L = gate_up["N"], gate_up["K"]
     compat.compiled(key, build)(a, x, w1.view(-1, L // 2), s1.view(-1, L // 32), w3.view(-1, L // 2),
@@ -253,4 +258,4 @@ def launch(a, x, w1, s1, w3, s3, gu, h, w2, s2, z, experts, state_words, *, gate
                                 experts, state_words)
 
 
-__all__ = ["STATE_HEAD", "MAX_PAIRS", "builder", "params", "state", "launch"]
+__all__ = ["STATE_HEAD", "builder", "params", "state", "launch"]
