@@ -202,9 +202,13 @@ def run_w4a16(args) -> int:
                     results[T][f"cute_stages_{depth}"] = timed(cute_steps(cute_config(T, E, I, L, K, stages=depth)),
                                                                r.refill, args.replays)
                 for name, choice in cute_choices.items() if fmt == "mxfp4" else ():  # imposed launch choices
-                    cfg = cute_config(T, E, I, L, K, **choice)
-                    results[T].setdefault("cute_choices", {})[name] = {
-                        "us": timed(cute_steps(cfg), r.refill, args.replays), "config": cfg}
+                    arms_here = results[T].setdefault("cute_choices", {})
+                    try:
+                        cfg = cute_config(T, E, I, L, K, **choice)
+                    except ValueError as exc:  # a choice of one mode (one_launch: pairwise), not this one's
+                        arms_here[name] = {"not_run": str(exc)}
+                        continue
+                    arms_here[name] = {"us": timed(cute_steps(cfg), r.refill, args.replays), "config": cfg}
                 if args.profile and "cute" in arms and fmt == "mxfp4":
                     results[T]["cute_profile"] = profiled(cute_steps(), r.refill)
                 results[T]["touched"] = statistics.mean(r.touched)
@@ -249,7 +253,7 @@ def run_w4a16(args) -> int:
                         row[f"cute_stages_{depth}"] = us
                         row[f"cute_stages_{depth}_pct_copy_bw"] = 100 * touched_bytes / (us * 1e-6) / copy_bw
                 for name, arm in res.get("cute_choices", {}).items():
-                    row.setdefault("cute_choices", {})[name] = {
+                    row.setdefault("cute_choices", {})[name] = arm if "not_run" in arm else {
                         **arm, "pct_copy_bw": 100 * touched_bytes / (arm["us"] * 1e-6) / copy_bw}
                 for extra in ("stock_error", "humming_rel_vs_w4a16", "cute_profile"):
                     if extra in res:
@@ -259,8 +263,8 @@ def run_w4a16(args) -> int:
                 cute += "".join(f"  cute[stages {d}] {row[f'cute_stages_{d}']:8.1f} µs "
                                 f"{row[f'cute_stages_{d}_pct_copy_bw']:5.1f}%" for d in cute_depths
                                 if f"cute_stages_{d}" in row)
-                cute += "".join(f"  cute[{n}] {a['us']:8.1f} µs {a['pct_copy_bw']:5.1f}%"
-                                for n, a in row.get("cute_choices", {}).items())
+                cute += "".join(f"  cute[{n}] {a['us']:8.1f} µs {a['pct_copy_bw']:5.1f}%" if "us" in a
+                                else f"  cute[{n}] not run" for n, a in row.get("cute_choices", {}).items())
                 print(f"I={I:>5} {fmt:5} T={T:>3} touched {row['experts_touched']:6.1f} "
                       f"{touched_bytes / 1e6:8.1f} MB  w4a16 {row['w4a16']:8.1f} µs [{res['mode']:8}] "
                       f"{row['w4a16_pct_copy_bw']:5.1f}% of copy  bf16 {_fmt(row['bf16'])} "

@@ -7,7 +7,9 @@ every token count 1..64, both modes forced (pairwise, grouped), with a NaN-poiso
 unwritten row fails), each compared with float64 on the dequantized weights and with the model's
 rounding points emulated in fp32 (g, u, act in bf16: what the stock grouped GEMMs compute); crowded
 experts (a group over several 16-row blocks); the op through the dispatcher in strict mode with the
-counters; 1000 CUDA-graph replays on changing tokens and experts.
+counters; 1000 CUDA-graph replays on changing tokens and experts; the CuTe launch choices, among
+them the pairwise MLP in one launch, whose state must be zero again after 1000 replays and after
+expert ids outside the table.
 
 The whole table is dequantized once per width and format (bf16: exact for MXFP4; int4's q * s
 rounded once, as the model's dequantization does) and the references run one expert at a time.
