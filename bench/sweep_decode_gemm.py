@@ -6,9 +6,11 @@ and the token bucket and is found by measurement, not guessed. Same timing metho
 bench_decode_gemm.py (CUDA-graph replays over rotated weight copies, fresh activations, medians).
 Triton variants are compiled first by a pool of processes (shared on-disk Triton cache), then timed.
 Writes JSON with every timing and prints the best configurations; `--emit` writes the tuned table
-kernels/lib/triton/splitk_tuned.py is made from (see docs/perf.md).
+kernels/lib/triton/splitk_tuned.py is made from (see docs/perf.md), keeping the entries of the sites not
+swept this time. `--sites` sweeps other K3 sites than the benchmark's (k3fuse/model/shapes.py names).
 
-    python bench/sweep_decode_gemm.py --json sweep.json [--emit splitk_tuned.py]
+    python bench/sweep_decode_gemm.py --json sweep.json [--sites qkvg_tp1,shared_gate_tp1]
+        [--emit kernels/lib/triton/splitk_tuned.py]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_gemm import SHAPES  # noqa: E402
 
+from k3fuse.model.shapes import gemm_sites  # noqa: E402
 from k3fuse.tools.bench.timing import graph_replay_us  # noqa: E402
 
 SPLITK_M = (8, 32, 64)          # one M per BLOCK_M bucket (16, 32, 64)
@@ -148,11 +151,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="sweep.json")
     ap.add_argument("--emit", default="")
     ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--sites", default="", help="K3 GEMM sites to sweep, comma-separated (default: the "
+                                                 "decode GEMM benchmark's)")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
+    shapes = gemm_sites(*args.sites.split(",")) if args.sites else SHAPES
     ngpu = min(2, torch.cuda.device_count())
-    order = sorted(SHAPES, key=lambda s: -s[1] * s[2])
+    order = sorted(shapes, key=lambda s: -s[1] * s[2])
     parts = [order[i::ngpu] for i in range(ngpu)]
     paths = [f"{args.json}.gpu{i}" for i in range(ngpu)]
     mp.spawn(lambda_gpu, args=(parts, paths, args.jobs), nprocs=ngpu, join=True)
@@ -175,15 +181,26 @@ def main(argv=None) -> int:
                                                                             "num_warps", "num_stages")}
             print(f"{r['shape']:11s} M={r['M']:2d} mm {r['torch.mm']:7.2f} splitk best {v:7.2f} {table[(r['N'], r['K'], c['BLOCK_M'])]}")
     if args.emit:
+        from k3fuse.kernels.lib.triton.splitk_tuned import TUNED
+
         with open(args.emit, "w") as f:
-            f.write('"""Split-K configs measured fastest on H200 by bench/sweep_decode_gemm.py (generated).\n\n'
-                    'Key: (N, K, BLOCK_M). Conditions and timings: docs/perf.md.\n"""\n')
-            f.write("TUNED = {\n")
-            for k, v in sorted(table.items()):
-                f.write(f"    {k!r}: {v!r},\n")
-            f.write("}\n")
+            f.write(tuned_source(merged(TUNED, table)))
     print(f"{len(errs)} compile errors")
     return 0
+
+
+def merged(old: dict, new: dict) -> dict:
+    """The tuned table with this sweep's (N, K) shapes replaced by its results, every other kept."""
+    swept = {(n, k) for n, k, _ in new}
+    return {**{key: v for key, v in old.items() if key[:2] not in swept}, **new}
+
+
+def tuned_source(table: dict) -> str:
+    """kernels/lib/triton/splitk_tuned.py for `table`."""
+    lines = ['"""Split-K configs measured fastest on H200 by bench/sweep_decode_gemm.py (generated).', "",
+             "Key: (N, K, BLOCK_M). Conditions and timings: docs/perf.md.", '"""', "TUNED = {"]
+    lines += [f"    {k!r}: {v!r}," for k, v in sorted(table.items())]
+    return "\n".join(lines + ["}", ""])
 
 
 def lambda_gpu(rank, parts, paths, jobs):

@@ -23,7 +23,8 @@
 #   bench-front: the sharded MoE front, test-tail / bench-tail: the MoE tail (latent all-reduce +
 #   RMSNorm, W_up replicated vs sharded): 2 ranks on 2 GPUs, on one GPU their 1-rank tests and the
 #   benchmark of one rank's TP-N slice (bench-front: N in FRONT_AS_TP=2,4,8,16; bench-tail: N=2). Each step has a timeout, logs go to $OUT/<step>.log;
-#   PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches; PACK=1 packs everything
+#   PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches, SWEEP_ARGS to the split-K
+#   sweep (--sites qkvg_tp1,shared_gate_tp1: K3's TP 1 sites the tuned table lacks); PACK=1 packs everything
 #   under $OUT into $OUT/results.tgz, for transports that return few files.
 #   test-ar runs both all-reduce protocols (lamport, flags); K3FUSE_TEST_AR_TOKENS=1,2,64 limits its
 #   token sweep, PYTEST_X=-x stops a step at its first failure (default: runs on, so one run
@@ -126,7 +127,7 @@ for s in "${STEPS[@]}"; do
     bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py \
                   --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;
     sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" bench/sweep_decode_gemm.py \
-                  --json "$OUT/sweep.json" --emit "$OUT/splitk_tuned.py" ;;
+                  --json "$OUT/sweep.json" --emit "$OUT/splitk_tuned.py" ${SWEEP_ARGS:-} ;;
     test-moe)  step pytest_moe "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_routed_experts_gpu.py \
                  tests/gpu/test_route_topk_gpu.py tests/gpu/test_moe_combine_gpu.py
                step pytest_moe_w4a16 "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" tests/gpu/test_routed_experts_w4a16_gpu.py ;;

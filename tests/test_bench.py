@@ -235,3 +235,25 @@ def test_tables_print_when_every_arm_failed(capsys):
     print_tables(result)
     out = capsys.readouterr().out
     assert "mxfp4 experts" in out and "k3fuse (error)" in out
+
+
+def test_the_gemm_sweep_keeps_the_tuned_entries_of_sites_it_did_not_sweep():
+    """bench/sweep_decode_gemm.py --sites sweeps a few K3 sites (the TP 1 q/k/v/g projection, say):
+    its --emit replaces those (N, K) shapes' entries in splitk_tuned.py, keeps every other, and the
+    file it writes is the table."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import sweep_decode_gemm as sweep
+
+    from k3fuse.kernels.lib.triton.splitk_tuned import TUNED
+    from k3fuse.model.shapes import gemm_site
+
+    _, n, k, _ = gemm_site("qkvg_tp1")
+    new = {(n, k, bm): {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 5}
+           for bm in (16, 32, 64)}
+    old_key = next(iter(TUNED))
+    table = sweep.merged({**TUNED, (n, k, 16): {"stale": True}}, new)
+    assert table[(n, k, 16)] == new[(n, k, 16)] and table[old_key] == TUNED[old_key]
+    assert len(table) == len(TUNED) + 3
+    written = {}
+    exec(sweep.tuned_source(table), written)
+    assert written["TUNED"] == table

@@ -33,6 +33,8 @@ side (or, `rows_first` off, (groups, row blocks, SPLIT_K)). gate/up: blocks of w
 w3 (`blocks_a` of each), fp32 partials over a K span into gu [SPLIT_K, P, 2I]; down: N_TILES row
 blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own group) or grouped
 (`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out.
+`tile()` is one CTA's work; the pairwise one-launch form (routed_experts_w4a16_one_launch.py) runs both
+projections' tiles in one kernel through it, `waits` on: the activations after a flag, through L2.
 """
 from __future__ import annotations
 
