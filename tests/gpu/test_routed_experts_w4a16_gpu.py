@@ -285,25 +285,9 @@ def test_one_launch_graph_replays_leave_its_state_zeroed(experts, T):
     if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
         pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
     cfg = cute_config(T, E, experts.I, L, K, one_launch=True)
-    a_static, e_static = tokens(T, seed=0)
-    z_static = torch.empty(T * K, L, device=DEV, dtype=BF16)
-    cute_run(*experts.args(a_static, e_static), out=z_static, config=cfg)  # compile before capture
+    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
+                             "one launch")
     assert _one_launch_states_are_zero()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cute_run(*experts.args(a_static, e_static), out=z_static, config=cfg)
-    checked = 0
-    for i in range(1000):
-        a, ids = tokens(T, seed=2000 + i, crowded=(i % 97 == 0))
-        a_static.copy_(a)
-        e_static.copy_(ids)
-        z_static.fill_(float("nan"))
-        graph.replay()
-        if i % 100 == 0 or i % 97 == 0:
-            torch.cuda.synchronize()
-            _check(z_static, experts.reference(a, ids), (experts.I, T, "one launch replay", i))
-            checked += 1
-    assert _one_launch_states_are_zero() and checked >= 10
 
 
 def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
@@ -350,19 +334,23 @@ def test_a_wrong_table_is_refused(experts):
 def test_cuda_graph_1000_replays_on_changing_inputs(experts, T, impl):
     if impl == "cute" and (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
+    if impl == "cute":
+        _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z), impl)
+    else:
+        _replays_against_float64(experts, T, lambda a, ids, z: kernel.run(*experts.args(a, ids), out=z,
+                                                                          config=CONFIG or None), impl)
+
+
+def _replays_against_float64(experts, T: int, run, what: str) -> None:
+    """A CUDA graph of run(a, ids, z) replayed 1000 times on changing tokens and experts (NaN-poisoned
+    z, every 97th crowded), a sample of the replays and every crowded one against float64."""
     a_static, e_static = tokens(T, seed=0)
     z_static = torch.empty(T * K, L, device=DEV, dtype=BF16)
-
-    def call():
-        if impl == "cute":
-            return cute_run(*experts.args(a_static, e_static), out=z_static)
-        return kernel.run(*experts.args(a_static, e_static), out=z_static, config=CONFIG or None)
-
-    call()  # compile before capture
+    run(a_static, e_static, z_static)  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call()
+        run(a_static, e_static, z_static)
     checked = 0
     for i in range(1000):
         a, ids = tokens(T, seed=1000 + i, crowded=(i % 97 == 0))
@@ -372,7 +360,7 @@ def test_cuda_graph_1000_replays_on_changing_inputs(experts, T, impl):
         graph.replay()
         if i % 100 == 0 or i % 97 == 0:  # the references are slow: check a sample, every crowded one
             torch.cuda.synchronize()
-            _check(z_static, experts.reference(a, ids), (experts.fmt, experts.I, T, "replay", i))
+            _check(z_static, experts.reference(a, ids), (experts.fmt, experts.I, T, what, "replay", i))
             checked += 1
     torch.cuda.synchronize()
     assert not torch.isnan(z_static).any()
