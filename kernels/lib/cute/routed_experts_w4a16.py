@@ -102,12 +102,16 @@ if compat.HAVE_CUTE:
     def wait_flag(flag, tidx):
         """The CTA waits until the int32 at address `flag` is nonzero: thread 0 polls it (acquire), a
         barrier passes what it saw to the others."""
-        if tidx == 0:
+        if tidx == 0:  # (the loop's form is the collectives' spin, which every supported DSL version compiles)
             start = compat.globaltimer_ns()
-            while compat.ld_acquire_gpu_s32(flag) == 0:
-                compat.nanosleep(Int32(32))
-                if compat.globaltimer_ns() - start > WAIT_TIMEOUT_NS:
-                    compat.trap()
+            waiting = Int32(1)
+            while waiting != 0:
+                if compat.ld_acquire_gpu_s32(flag) != 0:
+                    waiting = Int32(0)
+                else:
+                    compat.nanosleep(Int32(32))
+                    if compat.globaltimer_ns() - start > WAIT_TIMEOUT_NS:
+                        compat.trap()
         cute.arch.sync_threads()
 
     class W4A16RowsDot:
