@@ -242,7 +242,10 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
         from ..lib.cute import routed_experts_w4a16_one_launch as one
 
         gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
-        one.launch(a.contiguous(), torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
+        a = a.contiguous()
+        if a.data_ptr() % 16:  # the kernel reads a with 16-byte loads, where it lies (a view may be off)
+            a = a.clone()
+        one.launch(a, torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
                    w3_packed, w3_scale, gu, torch.empty((P, I), dtype=a.dtype, device=a.device), w2_packed,
                    w2_scale, z, experts, one.state(a.device, tri.MAX_PAIRS), **one.params(I, L, top_k, cfg),
                    beta=float(situ_beta), linear_beta=float(situ_linear_beta))

@@ -9,10 +9,10 @@ idles at a launch boundary.
 
 Tiles, in ticket order:
 - 0: the activations a [T, L] put in word order (word_order; quad order with `x_quads`) into x;
-- 1 .. GU: the gate/up, W4A16RowsDot's tiles, a group's row blocks and K splits together, fp32 partials
-  into gu [split, P, 2I]. The group's last tile to finish (a counter a group) computes its SiTU-GLU into
-  h [P, I], in the down's order, and raises the group's flag;
-- GU + 1 .. : the down's tiles, group by group, into z [P, L].
+- 1 .. P x GU: the gate/up, W4A16RowsDot's tiles (GU a group: its row blocks and K splits together),
+  fp32 partials into gu [split, P, 2I]. The group's last tile to finish (a counter a group) computes its
+  SiTU-GLU into h [P, I], in the down's order, and raises the group's flag;
+- then the down's tiles, group by group, into z [P, L].
 A gate/up or down tile issues its first weight stages and reads its scales, then waits for its input's
 flag (x's, or its group's): the weight-only rule, static weights cross the synchronization point and
 activations never. No deadlock: a tile waits only for tiles of smaller tickets, all taken by CTAs
@@ -30,9 +30,9 @@ import threading
 import torch
 
 from .compat import SELF as compat
-from .routed_experts_w4a16 import down_params, gate_up_params
+from .routed_experts_w4a16 import WARPS, down_params, gate_up_params
 
-THREADS = 128  # the row kernels' 4 warps
+THREADS = 32 * WARPS  # the row kernels' CTA
 STATE_HEAD = 3  # ticket, exits, x's flag
 LOG2E = 1.4426950408889634
 
@@ -199,7 +199,9 @@ def builder(*, gate_up: dict, down: dict, beta: float, linear_beta: float):
     def build():
         sym = cute.sym_int
         I, L = gate_up["N"], gate_up["K"]
-        bf16 = [compat.fake_tensor(cutlass.BFloat16, (sym(), n), (n, 1)) for n in (L, L, I, L)]  # a, x, h, z
+        # a, x, h (16-byte loads and stores), z (2-byte stores: any view of a [P, L] buffer)
+        bf16 = [compat.fake_tensor(cutlass.BFloat16, (sym(), n), (n, 1), align=16 if j < 3 else 2)
+                for j, n in enumerate((L, L, I, L))]
         packed = [compat.fake_tensor(cutlass.Uint8, (sym(), k // 2), (k // 2, 1)) for k in (L, L, I)]
         scales = [compat.fake_tensor(cutlass.Uint8, (sym(), k // 32), (k // 32, 1), align=1) for k in (L, L, I)]
         gu = compat.fake_tensor(cutlass.Float32, (sym(),), (1,), align=16)
@@ -246,8 +248,8 @@ def state(device: torch.device, max_pairs: int) -> torch.Tensor:
 
 def launch(a, x, w1, s1, w3, s3, gu, h, w2, s2, z, experts, state_words, *, gate_up: dict, down: dict,
            beta: float, linear_beta: float) -> None:
-    """One compiled launch (CUDA tensors, contiguous): a [T, L] bf16 -> z [P, L], through the
-    scratch x [T, L], gu [split, P, 2I] fp32 and h [P, I]."""
+    """One compiled launch (CUDA tensors, contiguous): a [T, L] bf16 (16-byte aligned) -> z [P, L],
+    through the scratch x [T, L], gu [split, P, 2I] fp32 and h [P, I]."""
     if not 0 < experts.shape[0] <= (state_words.numel() - STATE_HEAD) // 2:
         raise ValueError(f"{experts.shape[0]} pairs: one launch takes 1 to its state's room, "
                          f"{(state_words.numel() - STATE_HEAD) // 2} ({STATE_HEAD} + 2 words a pair)")
