@@ -153,7 +153,7 @@ for s in "${STEPS[@]}"; do
     bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_fused_ar.py --json "$OUT/bench_fused_ar.json" ;;
     ncu-w4a16) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
                step ncu_w4a16 "${BENCH_TIMEOUT:-500}" "$NCU" --profile-from-start off --clock-control none \
-                 -k regex:W4A16RowsDot --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                 -k regex:'W4A16(RowsDot|OneLaunch)' --section SpeedOfLight --section MemoryWorkloadAnalysis \
                  --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
                  "$PY" bench/ncu_w4a16.py ${NCU_ARGS:-} ;;
     versions)  ;;
