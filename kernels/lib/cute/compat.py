@@ -130,6 +130,12 @@ if HAVE_CUTE:
                           "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
 
     @dsl_user_op
+    def atom_add_relaxed_gpu_s32(ptr, val, *, loc=None, ip=None) -> Int32:
+        """A ticket counter: returns the old value; no ordering (flags order the work it hands out)."""
+        return Int32(_asm(T.i32(), [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
+                          "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
+
+    @dsl_user_op
     def ld_acquire_sys_s64(ptr, *, loc=None, ip=None) -> Int64:
         """64-bit acquire load at system scope (the flag protocol's epochs never wrap)."""
         return Int64(_asm(T.i64(), [_addr(ptr, loc, ip)], "ld.acquire.sys.global.s64 $0, [$1];", "=l,l"))

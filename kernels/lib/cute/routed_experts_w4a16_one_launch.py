@@ -92,7 +92,7 @@ if compat.HAVE_CUTE:
             counts = state + 4 * STATE_HEAD
             flags = counts + 4 * P
 
-            ticket = self._count(said, tidx, state)
+            ticket = self._count(said, tidx, state, ordered=False)
             if ticket == 0:
                 self._word_order(mA, mX, P // self.top_k, tidx)
                 compat.fence_acq_rel_gpu()
@@ -128,12 +128,17 @@ if compat.HAVE_CUTE:
                     compat.st_relaxed_gpu_s32(state + 4 * i, 0)
 
         @cute.jit
-        def _count(self, said, tidx, counter):
+        def _count(self, said, tidx, counter, ordered: cutlass.Constexpr = True):
             """Thread 0 adds 1 to the int32 at `counter` once the CTA's earlier work is done (a barrier);
-            the old value, to every thread."""
+            the old value, to every thread. `ordered`: acquire-release (an arrival whose last arriver
+            reads the others' work); else relaxed (the ticket, at a CTA's start: the flags order
+            the work it hands out, so an acquire there would only add its cost)."""
             cute.arch.sync_threads()
             if tidx == 0:
-                compat.st_shared_b32(said, compat.atom_add_acq_rel_gpu_s32(counter, 1))
+                if const_expr(ordered):
+                    compat.st_shared_b32(said, compat.atom_add_acq_rel_gpu_s32(counter, 1))
+                else:
+                    compat.st_shared_b32(said, compat.atom_add_relaxed_gpu_s32(counter, 1))
             cute.arch.sync_threads()
             return compat.ld_shared_b32(said)
 
