@@ -213,11 +213,14 @@ def test_bench_cli_mxfp4_experts_with_zipf_routing(tmp_path):
     cmd = [sys.executable, "-m", "k3fuse.tools.cli", "bench", "--device", "cpu", "--preset", "tiny", "--tp", "1",
            "--set", "expert_format=mxfp4", "--routing", "zipf:1.1", "--compiler", "eager", "--batch", "1,8",
            "--steps", "2", "--replays", "2", "--arms", "stock,k3fuse", "--no-profile", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # a kernel choice set in the environment is recorded with the figures (on CPU it changes nothing)
+    env = {**os.environ, "K3FUSE_W4A16_ONE_LAUNCH": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mxfp4 experts, zipf:1.1 routing" in proc.stdout and "distinct experts/step" in proc.stdout
     result = json.loads(out.read_text())
     assert result["model"]["expert_format"] == "mxfp4" and result["conditions"]["routing"] == "zipf:1.1"
+    assert result["conditions"]["settings"]["K3FUSE_W4A16_ONE_LAUNCH"] == "1"
     assert result["distinct_experts"]["1"]["mean"] == 4  # one token: its top_k
     assert 4 <= result["distinct_experts"]["8"]["min"] <= result["distinct_experts"]["8"]["max"] <= 16
     assert result["weight_read_floor"]["8"]["experts_touched"] == result["distinct_experts"]["8"]["mean"]

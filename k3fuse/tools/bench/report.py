@@ -24,7 +24,7 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
                             "overrides": cfg.overrides, "layers": cfg.layers, "residual": cfg.residual,
                             "steps_per_graph": cfg.steps, "replays": cfg.replays, "compiler": cfg.compiler,
                             "compile_only": cfg.compile_only, "rules": cfg.rules,
-                            "routing": cfg.routing}
+                            "routing": cfg.routing, "settings": _settings_set()}
     try:
         import triton
 
@@ -46,6 +46,14 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
         cond["env"] = {k: os.environ.get(k) for k in MULTICAST_OFF}
     return cond
+
+
+def _settings_set() -> dict[str, str]:
+    """The K3FUSE_* variables set in this run's environment, as set (a kernel choice such as
+    K3FUSE_W4A16_ONE_LAUNCH changes what the figures measure)."""
+    from k3fuse import settings
+
+    return {v.env: os.environ[v.env] for v in settings.VARIABLES if v.env in os.environ}
 
 
 def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
