@@ -253,7 +253,8 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
 #: CuTe launch choices besides the default (pick_config's imposed ones, which the benchmark's
 #: --cute-choices arms time), each against float64
 CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": False},
-                "scale_blocks": {"scale_steps": 4}, "one_launch": {"one_launch": True}}
+                "scale_blocks": {"scale_steps": 4}, "one_launch": {"one_launch": True},
+                "one_launch_quads": {"one_launch": True, "x_quads": True}}
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))
@@ -264,7 +265,8 @@ def test_cute_launch_choices_against_float64(experts, T, choice):
         pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
     a, ids = tokens(T, seed=500 + T, crowded=T == 17)
     ref = experts.reference(a, ids)
-    for pairwise in (True,) if choice == "one_launch" else (True, False):  # (one launch runs pairwise)
+    one_launch = CUTE_CHOICES[choice].get("one_launch", False)
+    for pairwise in (True,) if one_launch else (True, False):  # (one launch runs pairwise)
         cfg = cute_config(T, E, experts.I, L, K, pairwise=pairwise, **CUTE_CHOICES[choice])
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
         _check(cute_run(*experts.args(a, ids), out=out, config=cfg), ref, (experts.I, T, choice, cfg))
