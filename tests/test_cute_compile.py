@@ -384,8 +384,8 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
 
 
 @needs_cute
-@pytest.mark.parametrize("T,I", [(1, 3072), (2, 1536), (1, 384)])
-def test_w4a16_one_launch_compiles_to_ptx(T, I, tmp_path):
+@pytest.mark.parametrize("T,I,quads", [(1, 3072, False), (2, 1536, False), (1, 384, False), (2, 1536, True)])
+def test_w4a16_one_launch_compiles_to_ptx(T, I, quads, tmp_path):
     """The pairwise MLP in one launch: a ticket, the word-order tile, the gate/up and down row loops
     (their activations through L2, `.cg`, since other CTAs of the launch wrote them), each wait on an
     acquired flag after the weights' first copies, bounded by a trap; a group's count, its SiTU-GLU and
@@ -395,7 +395,7 @@ def test_w4a16_one_launch_compiles_to_ptx(T, I, tmp_path):
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     L, E, k = 3584, 896, 16
-    cfg = cute_config(T, E, I, L, k, one_launch=True)
+    cfg = cute_config(T, E, I, L, k, one_launch=True, x_quads=quads)
     params = one.params(I, L, k, cfg)
     key, build = one.builder(**params, beta=4.0, linear_beta=25.0)
     ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
