@@ -143,6 +143,15 @@ if compat.HAVE_CUTE:
             return compat.ld_shared_b32(said)
 
         @cute.jit
+        def _word_at(self, w):
+            """Where a row's 16-byte word w goes: itself, or with x_quads, word 4t + i of each 128-element
+            step at 4i + t (word_order's quad order, which the row kernels' loads expect)."""
+            to = w
+            if const_expr(self.x_quads):
+                to = w // 16 * 16 + w % 4 * 4 + w % 16 // 4
+            return to
+
+        @cute.jit
         def _word_order(self, mA: cute.Tensor, mX: cute.Tensor, T, tidx):
             """x = word_order(a, x_quads): each 16-byte word of 8 elements to 4 registers of (j, j + 4)."""
             WORDS: cutlass.Constexpr = self.L // 8
@@ -152,10 +161,7 @@ if compat.HAVE_CUTE:
                 row = i // WORDS
                 w = i % WORDS
                 v = compat.ld_nc_v4(a_base + Int64(i) * 16)
-                to = w
-                if const_expr(self.x_quads):  # word 4t + i of a 128-element step to 4i + t
-                    to = w // 16 * 16 + w % 4 * 4 + w % 16 // 4
-                compat.st_v4_b32(x_base + (Int64(row) * WORDS + to) * 16, compat.prmt(v[0], v[2], 0x5410),
+                compat.st_v4_b32(x_base + (Int64(row) * WORDS + self._word_at(w)) * 16, compat.prmt(v[0], v[2], 0x5410),
                                  compat.prmt(v[0], v[2], 0x7632), compat.prmt(v[1], v[3], 0x5410),
                                  compat.prmt(v[1], v[3], 0x7632))
 
@@ -187,10 +193,7 @@ if compat.HAVE_CUTE:
                     sigmoid = Float32(1.0) / (Float32(1.0) + _exp(-gr))
                     act[j] = (self.beta * _tanh(gr / self.beta) * sigmoid
                               * (self.linear_beta * _tanh(ur / self.linear_beta)))
-                to = w
-                if const_expr(self.x_quads):
-                    to = w // 16 * 16 + w % 4 * 4 + w % 16 // 4
-                compat.st_v4_b32(h_base + (Int64(pair) * I + 8 * to) * 2, compat.bf16x2(act[0], act[4]),
+                compat.st_v4_b32(h_base + (Int64(pair) * I + 8 * self._word_at(w)) * 2, compat.bf16x2(act[0], act[4]),
                                  compat.bf16x2(act[1], act[5]), compat.bf16x2(act[2], act[6]),
                                  compat.bf16x2(act[3], act[7]))
 
