@@ -22,8 +22,9 @@ one CUDA graph of STEPS calls with new tokens and experts per replay: "stock" (t
 dequantized, grouped GEMMs), "w4a16" (kernels/lib/triton/routed_experts_w4a16.py, pick_config's mode),
 "bf16" (today's BF16 kernel on the dequantized weights, 3.8x the bytes) and "humming" (humming's
 indexed W4A16 MoE GEMMs, gate/up and down only: bench/humming_moe.py; --humming-inter picks the
-widths it compiles for, its JIT takes seconds a shape) and "cute" (the CuTe expert GEMMs on MXFP4,
-kernels/lib/cute/routed_experts_w4a16.py, between the Triton grouping and SiTU-GLU). --cute-stages and
+widths it compiles for, its JIT takes seconds a shape) and "cute" (the CuTe expert GEMMs on MXFP4 and
+on int4 with bf16 scales, kernels/lib/cute/routed_experts_w4a16.py, between the Triton grouping and
+SiTU-GLU). --cute-stages and
 --cute-choices add CuTe arms at other ring depths or with an imposed split / row tiles / down depth,
 for A/B in one run; --profile records the CuTe arm's kernels in one profiled replay. Each row reports the distinct experts the
 timed steps touched, their packed bytes (weights and scales) and the w4a16 arm's share of the copy

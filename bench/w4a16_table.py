@@ -19,7 +19,7 @@ from k3fuse.tools.bench.profile import profile_steps
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
-from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config, cute_run
+from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
 
 E, K, L = 896, 16, 3584
@@ -182,8 +182,12 @@ def run_w4a16(args) -> int:
             packed = packed_table(fmt, I, seed=I + 1)
             table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
             per_expert = kernel.packed_bytes(fmt, 1, I, L)
+            # the CuTe arms where its kernel takes this table (MXFP4; int4 with bf16 scales)
+            cute_missing = cute_accepts(RoutedExpertsW4A16Spec(tokens=1, E=E, I=I, L=L, top_k=K, dtype=torch.bfloat16,
+                                                               format=fmt, scale_dtype=packed[1].dtype))
+            cute_here = cute_missing is None
             tables.append({"inter": I, "format": fmt, "table_bytes": per_expert * E,
-                           "table_copy_TBps": table_copy_bandwidth(packed) / 1e12})
+                           "table_copy_TBps": table_copy_bandwidth(packed) / 1e12, "cute_not_run": cute_missing})
             results = {T: {} for T in tokens}
             for T in tokens:
                 r = Routing(T)
@@ -192,16 +196,16 @@ def run_w4a16(args) -> int:
                                                                 out=out[i], config=config) for i in range(STEPS)],
                                             r.refill, args.replays)
 
-                def cute_steps(cfg=None):  # the CuTe op's STEPS calls (MXFP4, bf16 only); cfg: cute_config's
+                def cute_steps(cfg=None):  # the CuTe op's STEPS calls; cfg: cute_config's
                     return lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
                                              config=cfg) for i in range(STEPS)]
 
-                if "cute" in arms and fmt == "mxfp4":
+                if "cute" in arms and cute_here:
                     results[T]["cute"] = timed(cute_steps(), r.refill, args.replays)
-                for depth in cute_depths if fmt == "mxfp4" else ():  # the same kernel at other ring depths
+                for depth in cute_depths if cute_here else ():  # the same kernel at other ring depths
                     results[T][f"cute_stages_{depth}"] = timed(cute_steps(cute_config(T, E, I, L, K, stages=depth)),
                                                                r.refill, args.replays)
-                for name, choice in cute_choices.items() if fmt == "mxfp4" else ():  # imposed launch choices
+                for name, choice in cute_choices.items() if cute_here else ():  # imposed launch choices
                     arms_here = results[T].setdefault("cute_choices", {})
                     try:
                         cfg = cute_config(T, E, I, L, K, **choice)
@@ -209,7 +213,7 @@ def run_w4a16(args) -> int:
                         arms_here[name] = {"not_run": str(exc)}
                         continue
                     arms_here[name] = {"us": timed(cute_steps(cfg), r.refill, args.replays), "config": cfg}
-                if args.profile and "cute" in arms and fmt == "mxfp4":
+                if args.profile and "cute" in arms and cute_here:
                     results[T]["cute_profile"] = profiled(cute_steps(), r.refill)
                 results[T]["touched"] = statistics.mean(r.touched)
                 results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"

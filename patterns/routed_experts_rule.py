@@ -299,7 +299,7 @@ class RoutedExperts(Rule):
             return found
         w1, a = shape_of(match["w1_packed"]), shape_of(match["a"])
         spec = RoutedExpertsW4A16Spec(E=w1[0], I=w1[1], L=a[1], top_k=match["top_k"], dtype=dtype_of(match["a"]),
-                                      format=fmt)
+                                      format=fmt, scale_dtype=dtype_of(match["w1_scale"]))
         return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:

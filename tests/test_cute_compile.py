@@ -348,7 +348,7 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
 
     L, E, k = 3584, 896, 16
     cfg = cute_config(T, E, I, L, k)
-    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg), "down": w4.down_params(I, L, cfg)}
+    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, "mxfp4"), "down": w4.down_params(I, L, cfg, "mxfp4")}
     for name, params in launches.items():
         key, build = w4.builder(**params)
         ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
@@ -384,8 +384,45 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
 
 
 @needs_cute
-@pytest.mark.parametrize("T,I,quads", [(1, 3072, False), (2, 1536, False), (1, 384, False), (2, 1536, True)])
-def test_w4a16_one_launch_compiles_to_ptx(T, I, quads, tmp_path):
+@pytest.mark.parametrize("T,I", W4A16_CASES)
+def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
+    """The CuTe expert GEMMs over int4 tables with bf16 scales: the same ring and mmas as MXFP4's, one
+    loop copy (no wide-scale loop: a bf16 scale is one multiply at any value), each register by shift,
+    LOP3, subtract, multiply (int4x8_ptx), the step's 8 scale bytes a row by one 8-byte cp.async and
+    this thread's bf16 read back as a u16; no spills, no multicast."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    L, E, k = 3584, 896, 16
+    cfg = cute_config(T, E, I, L, k)
+    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, "int4"), "down": w4.down_params(I, L, cfg, "int4")}
+    for name, params in launches.items():
+        key, build = w4.builder(**params)
+        ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
+        ops = _ops(ptx)
+        where = (name, T, I, cfg)
+        stages = params["stages"]
+        ring_loops = 2 if params["k_span"] // w4.STEP > stages - 1 else 1
+        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+        assert mma == 8 * ring_loops, (where, mma)
+        # a step: 8 words (rows a and b, 4 each) of 4 registers, each one LOP3, a subtract, a multiply
+        for pattern in (r"lop3\.b32 q, \S+, 0x000F000F, 0x43004300, 0xEA;", r"sub\.rn\.bf16x2", r"mul\.rn\.bf16x2"):
+            assert len(re.findall(pattern, ptx)) == mma * 4, (where, pattern)
+        assert len(re.findall(r"shr\.u32 q, \S+, (?:4|8|12);", ptx)) == mma * 3, where
+        assert "mul.lo.u32 q" not in ptx and "vote.sync" not in ptx, where  # no E2M1 spread, no scale vote
+        scale8 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 8;", ptx))
+        assert 2 * (stages - 1 + 1) <= scale8 <= 2 * (stages - 1 + ring_loops), (where, scale8)
+        assert len(re.findall(r"ld\.shared\.u16", ptx)) == mma // 8 * 2 and "ld.shared.u8" not in ptx, where
+        assert len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx)) == mma // 8 * 4, where
+        assert "bar.sync" not in ptx, where
+        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+
+
+@needs_cute
+@pytest.mark.parametrize("T,I,quads,fmt", [(1, 3072, False, "mxfp4"), (2, 1536, False, "mxfp4"),
+                                           (1, 384, False, "mxfp4"), (2, 1536, True, "mxfp4"),
+                                           (1, 1536, False, "int4")])
+def test_w4a16_one_launch_compiles_to_ptx(T, I, quads, fmt, tmp_path):
     """The pairwise MLP in one launch: a ticket, the word-order tile, the gate/up and down row loops
     (their activations through L2, `.cg`, since other CTAs of the launch wrote them), each wait on an
     acquired flag after the weights' first copies, bounded by a trap; a group's count, its SiTU-GLU and
@@ -396,14 +433,15 @@ def test_w4a16_one_launch_compiles_to_ptx(T, I, quads, tmp_path):
 
     L, E, k = 3584, 896, 16
     cfg = cute_config(T, E, I, L, k, one_launch=True, x_quads=quads)
-    params = one.params(I, L, k, cfg)
+    params = one.params(I, L, k, cfg, fmt)
     key, build = one.builder(**params, beta=4.0, linear_beta=25.0)
     ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
     ops = _ops(ptx)
-    where = (T, I, cfg)
+    where = (T, I, fmt, cfg)
     loops = sum(2 if p["k_span"] // w4.STEP > p["stages"] - 1 else 1 for p in params.values())
     mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
-    assert mma == 2 * 8 * loops, (where, mma)  # each loop in its ordinary and wide-scale copy
+    copies = 2 if fmt == "mxfp4" else 1  # MXFP4's loops in their ordinary and wide-scale copy
+    assert mma == copies * 8 * loops, (where, mma)
     assert ".target sm_90a" in ptx
     assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
     # the ticket (relaxed), a group's gate/up count and the exit count (acquire-release)
@@ -437,7 +475,7 @@ def test_w4a16_scale_blocks_compile_to_ptx(T, I, tmp_path):
 
     L, E, k = 3584, 896, 16
     cfg = cute_config(T, E, I, L, k, scale_steps=4)
-    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg), "down": w4.down_params(I, L, cfg)}
+    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, "mxfp4"), "down": w4.down_params(I, L, cfg, "mxfp4")}
     for name, params in launches.items():
         where = (name, T, I, params["k_span"])
         blocks = w4.scale_blocks_fit(params["K"], params["k_span"])

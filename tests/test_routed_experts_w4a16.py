@@ -242,6 +242,23 @@ def test_spec_from_call_reads_cuda_operands_and_names_each_misfit():
         assert "experts" in spec(experts=torch.empty(T * k - 1, device="cuda", dtype=torch.int64)).fits
 
 
+def test_cute_copies_ask_the_scales_aligned_to_a_step_of_their_format():
+    """The CuTe kernel copies a row's 4 group scales a step in one cp.async: 4 E8M0 bytes, or 8 bytes of
+    int4's bf16 scales, so a scale table must start on that many bytes (the packed weights on 16); a
+    view off them is named, for the Triton kernel to take."""
+    from k3fuse.kernels.ops.routed_experts_w4a16 import _unaligned, scale_alignment
+
+    assert scale_alignment(torch.uint8) == 4 and scale_alignment(torch.bfloat16) == 8
+    table = torch.empty(64, dtype=torch.bfloat16)  # (CPU storage: the test reads only its addresses)
+    start = (-table.data_ptr() % 16) // 2  # the first 16-byte aligned element
+    assert _unaligned(8, w1_scale=table[start:], w2_scale=table[start + 4:]) is None
+    assert _unaligned(8, w1_scale=table[start + 2:]) == "w1_scale not 16-byte (weights) / 8-byte (scales) aligned"
+    assert _unaligned(4, w1_scale=table[start + 2:]) is None
+    words = torch.empty(64, dtype=torch.int32)
+    at = (-words.data_ptr() % 16) // 4
+    assert _unaligned(8, w3_packed=words[at + 2:]) == "w3_packed not 16-byte (weights) / 8-byte (scales) aligned"
+
+
 def test_kernel_covers_k3_shapes_and_names_its_limits():
     pytest.importorskip("triton")
     from k3fuse.kernels import dispatch
@@ -251,16 +268,19 @@ def test_kernel_covers_k3_shapes_and_names_its_limits():
     dispatch.load_gpu_impls()
     for fmt in FORMATS:
         for I in (3072, 1536, 384):
-            spec = RoutedExpertsW4A16Spec(E=896, I=I, L=3584, top_k=16, dtype=torch.bfloat16, format=fmt)
+            spec = RoutedExpertsW4A16Spec(E=896, I=I, L=3584, top_k=16, dtype=torch.bfloat16, format=fmt,
+                                          scale_dtype=torch.uint8 if fmt == "mxfp4" else torch.bfloat16)
             assert dispatch.coverage(spec, range(1, 65)) == {}, (fmt, I)
-    odd = RoutedExpertsW4A16Spec(E=896, I=100, L=3584, top_k=16, dtype=torch.bfloat16, format="mxfp4")
+    odd = RoutedExpertsW4A16Spec(E=896, I=100, L=3584, top_k=16, dtype=torch.bfloat16, format="mxfp4",
+                                 scale_dtype=torch.uint8)
     limits = dispatch.coverage(odd, [1])
     assert any("whole groups of 32" in str(v) for v in limits.values()), limits
 
 
-def test_cute_kernel_takes_mxfp4_bf16_at_k3_widths_and_names_what_it_leaves_to_triton():
-    """The CuTe expert GEMMs (priority over Triton) cover MXFP4 with bf16 activations at K3's widths at
-    every token count; int4, fp16 and widths off 128-element steps are left to Triton, each named."""
+def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_leaves_to_triton():
+    """The CuTe expert GEMMs (priority over Triton) cover bf16 activations with MXFP4, or int4 with bf16
+    scales, at K3's widths at every token count; int4 with fp16 or fp32 scales, fp16 activations and
+    widths off 128-element steps are left to Triton, each named."""
     pytest.importorskip("triton")
     from k3fuse.kernels import dispatch
     from k3fuse.kernels.lib.cute import compat
@@ -273,12 +293,15 @@ def test_cute_kernel_takes_mxfp4_bf16_at_k3_widths_and_names_what_it_leaves_to_t
     names = [i.name for i in dispatch.cuda_kernels(OP)]
     assert names.index("cute.routed_experts_w4a16") < names.index("triton.routed_experts_w4a16")
 
-    def spec(T, I=1536, fmt="mxfp4", dtype=torch.bfloat16):
-        return RoutedExpertsW4A16Spec(tokens=T, E=896, I=I, L=3584, top_k=16, dtype=dtype, format=fmt)
+    def spec(T, I=1536, fmt="mxfp4", dtype=torch.bfloat16, scale_dtype=None):
+        scale_dtype = scale_dtype or (torch.uint8 if fmt == "mxfp4" else torch.bfloat16)
+        return RoutedExpertsW4A16Spec(tokens=T, E=896, I=I, L=3584, top_k=16, dtype=dtype, format=fmt,
+                                      scale_dtype=scale_dtype)
 
     for I in (3072, 1536, 384):
         for T in range(1, 65):
             assert cute_accepts(spec(T, I)) is None, (I, T)
+            assert cute_accepts(spec(T, I, fmt="int4")) is None, (I, T)
             cfg = cute_config(T, 896, I, 3584, 16)
             steps = 3584 // C.STEP
             assert steps % cfg["split"] == 0 and (3584 // C.BLOCK_ROWS) % cfg["n_tiles"] == 0, (I, T, cfg)
@@ -286,8 +309,10 @@ def test_cute_kernel_takes_mxfp4_bf16_at_k3_widths_and_names_what_it_leaves_to_t
             assert cfg["pairwise"] == (T <= 2)
     assert cute_config(1, 896, 384, 3584, 16)["split"] > 1  # 16 pairs x 12 row blocks: the K split fills the SMs
     assert cute_config(64, 896, 3072, 3584, 16)["split"] == 1
-    assert "mxfp4 with bf16" in cute_accepts(spec(8, fmt="int4"))
-    assert "mxfp4 with bf16" in cute_accepts(spec(8, dtype=torch.float16))
+    assert "int4 with bf16 scales" in cute_accepts(spec(8, fmt="int4", scale_dtype=torch.float16))
+    assert "int4 with bf16 scales" in cute_accepts(spec(8, fmt="int4", scale_dtype=torch.float32))
+    assert "bf16 activations" in cute_accepts(spec(8, dtype=torch.float16))
+    assert "bf16 activations" in cute_accepts(spec(8, fmt="int4", dtype=torch.float16))
     assert cute_accepts(spec(8, I=96)) == "I=96, L=3584 (the CuTe kernel needs multiples of 128)"
 
 
@@ -511,20 +536,35 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices(monkeypatch):
     assert not cute_config(1, E, 3072, L, k, one_launch=False)["one_launch"]
 
 
-def test_one_launch_params_are_the_two_launches_with_the_4_byte_scale_copies():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_launch_params_are_the_two_launches_with_one_scale_copy_a_step(fmt):
     """The one-launch form runs the two row kernels' tiles as cute_config chose them (split, stages,
-    the activations' order), but with the 4-byte scale copies (its tables are checked 4-byte aligned
-    only)."""
+    the activations' order), in the tables' format, but with one scale copy a step (its tables are
+    checked aligned for that copy only)."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     E, L, k = 896, 3584, 16
     cfg = cute_config(1, E, 1536, L, k, one_launch=True, scale_steps=4)
-    p = one.params(1536, L, k, cfg)
-    assert p["gate_up"] == {**w4.gate_up_params(1536, L, k, cfg), "scale_steps": 1}
-    assert p["down"] == {**w4.down_params(1536, L, cfg), "scale_steps": 1}
+    p = one.params(1536, L, k, cfg, fmt)
+    assert p["gate_up"] == {**w4.gate_up_params(1536, L, k, cfg, fmt), "scale_steps": 1}
+    assert p["down"] == {**w4.down_params(1536, L, cfg, fmt), "scale_steps": 1}
     assert p["gate_up"]["pairwise"] and p["gate_up"]["k_span"] == L // cfg["split"]
+    assert p["gate_up"]["fmt"] == p["down"]["fmt"] == fmt
     with pytest.raises(AssertionError, match="pairwise"):
-        one.params(1536, L, k, cute_config(64, E, 1536, L, k))
+        one.params(1536, L, k, cute_config(64, E, 1536, L, k), fmt)
+
+
+def test_int4_launches_take_one_scale_copy_a_step():
+    """int4's step scales are 8 bytes a row, copied with the step; the 16-byte scale blocks are MXFP4's
+    (4 steps' 4-byte words), so a scale_steps 4 choice leaves int4's launches at 1."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    cfg = cute_config(64, E, 1536, L, k, scale_steps=4)
+    assert w4.gate_up_params(1536, L, k, cfg, "mxfp4")["scale_steps"] == 4
+    assert w4.gate_up_params(1536, L, k, cfg, "int4")["scale_steps"] == 1
+    assert w4.down_params(1536, L, cfg, "int4")["scale_steps"] == 1
 

@@ -7,9 +7,9 @@ nibbles, scales a float dtype [E, out, in/32]; no table). z[p] = w2[e_p] @ situ_
 a[p // k], w3[e_p] @ a[p // k]), rounded to a's dtype after each projection. Stock: the model's
 `routed_experts_quantized` (the step's experts gathered, dequantized, grouped GEMMs on CUDA);
 reference: the same dequantization, then the gathered bmm (any device); CUDA, both reading the packed
-words and scales once and dequantizing in registers: lib/cute/routed_experts_w4a16.py (MXFP4 with bf16
-activations: the expert GEMMs on mma.sync, tried first) and lib/triton/routed_experts_w4a16.py (both
-formats, bf16 and fp16).
+words and scales once and dequantizing in registers: lib/cute/routed_experts_w4a16.py (bf16 activations
+with MXFP4, or int4 with bf16 scales: the expert GEMMs on mma.sync, tried first) and
+lib/triton/routed_experts_w4a16.py (both formats, bf16 and fp16).
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ class RoutedExpertsW4A16Spec(Spec):
     top_k: int
     dtype: torch.dtype
     format: str
+    scale_dtype: torch.dtype  # MXFP4's E8M0 bytes (uint8), int4's float dtype
     fits: str | None = call_only(None)  # why a call's operands are not the kernel's (devices, layouts, table)
-    unaligned: str | None = call_only(None)  # packed weights not 16-byte / scales not 4-byte aligned (CuTe's loads)
+    unaligned: str | None = call_only(None)  # tables off what CuTe's copies need (scale_alignment)
 
     @classmethod
     def from_call(cls, a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
@@ -50,21 +51,31 @@ class RoutedExpertsW4A16Spec(Spec):
         fits = _operands_misfit(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k,
                                 situ_beta, situ_linear_beta, format, table)
         if fits is not None:
-            return cls(tokens=0, E=0, I=0, L=0, top_k=int(top_k), dtype=torch.float32, format=str(format), fits=fits)
+            return cls(tokens=0, E=0, I=0, L=0, top_k=int(top_k), dtype=torch.float32, format=str(format),
+                       scale_dtype=torch.uint8, fits=fits)
         return cls(tokens=int(a.shape[0]), E=int(w1_packed.shape[0]), I=int(w1_packed.shape[1]), L=int(a.shape[1]),
-                   top_k=int(top_k), dtype=a.dtype, format=str(format),
-                   unaligned=_unaligned(w1_packed=w1_packed, w3_packed=w3_packed, w2_packed=w2_packed,
-                                        w1_scale=w1_scale, w3_scale=w3_scale, w2_scale=w2_scale))
+                   top_k=int(top_k), dtype=a.dtype, format=str(format), scale_dtype=w1_scale.dtype,
+                   unaligned=_unaligned(scale_alignment(w1_scale.dtype), w1_packed=w1_packed, w3_packed=w3_packed,
+                                        w2_packed=w2_packed, w1_scale=w1_scale, w3_scale=w3_scale,
+                                        w2_scale=w2_scale))
 
 
-def _unaligned(**tensors) -> str | None:
-    """The packed weights whose storage is not 16-byte aligned and the scales not 4-byte aligned (a view
-    into a larger tensor can be either), named; None for fake tensors (tracing) and aligned ones."""
+def scale_alignment(scale_dtype: torch.dtype) -> int:
+    """The bytes a scale table's start must be aligned to for the CuTe kernel's copies: a row's scales of
+    a step (its groups) in one copy."""
+    from ..lib.cute.routed_experts_w4a16 import GROUPS_PER_STEP
+
+    return GROUPS_PER_STEP * scale_dtype.itemsize
+
+
+def _unaligned(scale_align: int, **tensors) -> str | None:
+    """The packed weights whose storage is not 16-byte aligned and the scales not `scale_align`-byte aligned
+    (a view into a larger tensor can be either), named; None for fake tensors (tracing) and aligned ones."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     bad = [n for n, t in tensors.items()
-           if not isinstance(t, FakeTensor) and t.data_ptr() % (16 if n.endswith("packed") else 4)]
-    return f"{', '.join(bad)} not 16-byte (weights) / 4-byte (scales) aligned" if bad else None
+           if not isinstance(t, FakeTensor) and t.data_ptr() % (16 if n.endswith("packed") else scale_align)]
+    return f"{', '.join(bad)} not 16-byte (weights) / {scale_align}-byte (scales) aligned" if bad else None
 
 
 def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt,
@@ -136,22 +147,30 @@ def run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scal
                       situ_linear_beta, format, table)
 
 
+def _warmup_args(s: dict) -> tuple:
+    """The op's arguments for a warmup shape {"M", "E", "I", "L", "top_k", "format", and optionally "dtype",
+    "scale_dtype" (int4's; default the dtype), "device"}: zero activations and a table of a few experts
+    (E is no compile-time constant; only its divisibility by 16 is)."""
+    from ..lib.triton import routed_experts_w4a16 as kernel
+
+    dev, dtype, fmt = s.get("device", "cuda"), s.get("dtype", torch.bfloat16), s["format"]
+    T, E, I, L, k = s["M"], s["E"], s["I"], s["L"], s["top_k"]
+    few = 16 if E % 16 == 0 else E
+    packed = torch.uint8 if fmt == "mxfp4" else torch.int32
+    scale = torch.uint8 if fmt == "mxfp4" else s.get("scale_dtype", dtype)
+    t = {n: torch.zeros(sh, dtype=packed if n.startswith("w") else scale, device=dev)
+         for n, sh in kernel.packed_shapes(fmt, few, I, L).items()}
+    experts = torch.arange(T * k, device=dev, dtype=torch.int64) % few
+    return (torch.zeros((T, L), dtype=dtype, device=dev), experts, t["w1"], t["s1"], t["w3"], t["s3"], t["w2"],
+            t["s2"], k, 1.0, 1.0, fmt)
+
+
 def warmup(shapes) -> None:
-    """Compile ahead of capture: one launch per {"M", "E", "I", "L", "top_k", "dtype", "format"}, on a
-    table of a few experts (E is no compile-time constant; only its divisibility by 16 is)."""
+    """Compile ahead of capture: one launch per shape (_warmup_args)."""
     from ..lib.triton import routed_experts_w4a16 as kernel
 
     for s in shapes:
-        dev, dtype, fmt = s.get("device", "cuda"), s.get("dtype", torch.bfloat16), s["format"]
-        T, E, I, L, k = s["M"], s["E"], s["I"], s["L"], s["top_k"]
-        few = 16 if E % 16 == 0 else E
-        a = torch.zeros((T, L), dtype=dtype, device=dev)
-        experts = torch.arange(T * k, device=dev, dtype=torch.int64) % few
-        packed = torch.uint8 if fmt == "mxfp4" else torch.int32
-        scale = torch.uint8 if fmt == "mxfp4" else s.get("scale_dtype", dtype)
-        t = {n: torch.zeros(sh, dtype=packed if n.startswith("w") else scale, device=dev)
-             for n, sh in kernel.packed_shapes(fmt, few, I, L).items()}
-        args = (a, experts, t["w1"], t["s1"], t["w3"], t["s3"], t["w2"], t["s2"], k, 1.0, 1.0, fmt)
+        args = _warmup_args(s)
         if accepts(RoutedExpertsW4A16Spec.from_call(*args)) is None:
             kernel.run(*args)
 
@@ -187,9 +206,9 @@ def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
 
 
 def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
-    """The CuTe expert GEMMs: MXFP4 with bf16 activations at widths of whole 128-element steps (a
-    thread quad's step along K); the grouping and the activation are the Triton kernels', so Triton's
-    coverage first."""
+    """The CuTe expert GEMMs: bf16 activations with MXFP4, or int4 with bf16 scales, at widths of whole
+    128-element steps (a thread quad's step along K); the grouping and the activation are the Triton
+    kernels', so Triton's coverage first."""
     from ..lib.cute import compat
     from ..lib.cute.routed_experts_w4a16 import STEP
 
@@ -199,8 +218,9 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
         return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"
     if spec.unaligned is not None:
         return spec.unaligned
-    if spec.format != "mxfp4" or spec.dtype != torch.bfloat16:
-        return f"{spec.format} with {spec.dtype} (the CuTe kernel runs mxfp4 with bf16 activations)"
+    if spec.dtype != torch.bfloat16 or spec.format == "int4" and spec.scale_dtype != torch.bfloat16:
+        return (f"{spec.format} ({spec.scale_dtype} scales) with {spec.dtype} activations (the CuTe kernel runs "
+                f"bf16 activations with mxfp4, or int4 with bf16 scales)")
     if spec.I % STEP or spec.L % STEP:
         return f"I={spec.I}, L={spec.L} (the CuTe kernel needs multiples of {STEP})"
     return None
@@ -247,7 +267,7 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
             a = a.clone()
         one.launch(a, torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
                    w3_packed, w3_scale, gu, torch.empty((P, I), dtype=a.dtype, device=a.device), w2_packed,
-                   w2_scale, z, experts, one.state(a.device, tri.MAX_PAIRS), **one.params(I, L, top_k, cfg),
+                   w2_scale, z, experts, one.state(a.device, tri.MAX_PAIRS), **one.params(I, L, top_k, cfg, format),
                    beta=float(situ_beta), linear_beta=float(situ_linear_beta))
         return z
     rows, groups = tri.group(experts, E, cfg["pairwise"])
@@ -255,30 +275,20 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
         rows = groups = experts.new_empty(4, dtype=torch.int32)
     gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
     cute_kernel.launch(tri.word_order(a, cfg["x_quads"]), w1_packed, w1_scale, w3_packed, w3_scale, gu, experts,
-                       rows, groups, **cute_kernel.gate_up_params(I, L, top_k, cfg))
+                       rows, groups, **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
     h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True, quads=cfg["x_quads"])
     cute_kernel.launch(h, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
-                       **cute_kernel.down_params(I, L, cfg))
+                       **cute_kernel.down_params(I, L, cfg, format))
     return z
 
 
 def cute_warmup(shapes) -> None:
-    """Compile the CuTe launches of each {"M", "E", "I", "L", "top_k", "dtype", "format"} it takes, on a
-    few experts' zero table with the whole table's launch parameters (E sizes only the grouped grid)."""
-    from ..lib.triton import routed_experts_w4a16 as tri
-
+    """Compile the CuTe launches of each shape (_warmup_args) it takes, on a few experts' zero table with
+    the whole table's launch parameters (E sizes only the grouped grid)."""
     for s in shapes:
-        M, E, I, L, k = s["M"], s["E"], s["I"], s["L"], s["top_k"]
-        spec = RoutedExpertsW4A16Spec(tokens=M, E=E, I=I, L=L, top_k=k, dtype=s.get("dtype", torch.bfloat16),
-                                      format=s["format"])
-        if cute_accepts(spec) is not None:
-            continue
-        device, few = s.get("device", "cuda"), 16 if E % 16 == 0 else E
-        t = {n: torch.zeros(shape, dtype=torch.uint8, device=device)
-             for n, shape in tri.packed_shapes("mxfp4", few, I, L).items()}
-        experts = torch.arange(M * k, device=device, dtype=torch.int64) % few
-        cute_run(torch.zeros((M, L), dtype=torch.bfloat16, device=device), experts, t["w1"], t["s1"], t["w3"],
-                 t["s3"], t["w2"], t["s2"], k, 1.0, 1.0, "mxfp4", config=cute_config(M, E, I, L, k))
+        args = _warmup_args(s)
+        if cute_accepts(RoutedExpertsW4A16Spec.from_call(*args)) is None:
+            cute_run(*args, config=cute_config(s["M"], s["E"], s["I"], s["L"], s["top_k"]))
 
 
 DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "

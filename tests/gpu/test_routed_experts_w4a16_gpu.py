@@ -1,5 +1,5 @@
-"""GPU correctness of routed_experts_w4a16: the Triton W4A16 kernels and (MXFP4) the CuTe expert GEMMs
-against a float64 reference on the dequantized weights.
+"""GPU correctness of routed_experts_w4a16: the Triton W4A16 kernels and the CuTe expert GEMMs (MXFP4, and
+int4 with bf16 scales) against a float64 reference on the dequantized weights.
 
 K3's routed experts (E = 896, top-16, latent L = 3584) at I = 3072, 1536 and 384 per rank (TP 1, 2
 and 8), in MXFP4 and int4 (k3fuse/quant.py layouts, random packed bytes and scales drawn directly):
@@ -112,9 +112,9 @@ class Experts:
 
 
 def _cute_missing(experts) -> str | None:
-    """Why the CuTe kernel does not run these experts (it runs MXFP4 with bf16 only), or None."""
+    """Why the CuTe kernel does not run these experts, or None."""
     return cute_accepts(RoutedExpertsW4A16Spec(tokens=1, E=E, I=experts.I, L=L, top_k=K, dtype=BF16,
-                                               format=experts.fmt))
+                                               format=experts.fmt, scale_dtype=experts.packed[1].dtype))
 
 
 def _cute_run(experts, a, ids, out, pairwise):
@@ -227,7 +227,8 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
     0..K-1: the CTAs over those rows take the two-multiply loop, the rest the one-multiply loop (at
     64 tokens, 8 chunks of pairs a span); both against float64."""
     if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
-        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+        pytest.skip("E8M0 scales are MXFP4's (int4's bf16 scale is one multiply at any value)"
+                    if experts.fmt != "mxfp4" else why)
     wide = range(3)
     scales = (experts.packed[1], experts.packed[5])  # w1's and w2's
     saved = [(s[e].clone(), experts.dequantized[j][e].clone()) for j, s in ((0, scales[0]), (2, scales[1]))
@@ -261,8 +262,10 @@ CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": Fa
 @pytest.mark.parametrize("T", [1, 2, 5, 17, 64])
 def test_cute_launch_choices_against_float64(experts, T, choice):
     """Each choice in both modes, NaN-poisoned, crowded experts at 17 tokens (several chunks a span)."""
-    if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
-        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    if experts.fmt != "mxfp4" and "scale_steps" in CUTE_CHOICES[choice]:
+        pytest.skip("the scale blocks are MXFP4's: int4's launches keep one scale copy a step")
     a, ids = tokens(T, seed=500 + T, crowded=T == 17)
     ref = experts.reference(a, ids)
     one_launch = CUTE_CHOICES[choice].get("one_launch", False)
@@ -284,8 +287,8 @@ def test_one_launch_graph_replays_leave_its_state_zeroed(experts, T):
     """The one-launch form under 1000 CUDA-graph replays on changing tokens and experts: each launch
     zeroes the tickets, counts and flags the next one starts from (a stale one would trap or skip a
     wait; the graph holds no zeroing of its own), and its results stay right."""
-    if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
-        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
     cfg = cute_config(T, E, experts.I, L, K, one_launch=True)
     _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
                              "one launch")
@@ -295,8 +298,8 @@ def test_one_launch_graph_replays_leave_its_state_zeroed(experts, T):
 def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
     """Pairs whose expert id is outside [0, E) are left out (no tile of theirs counts or waits); the
     others are right and the launch still zeroes its state."""
-    if experts.fmt != "mxfp4" or (why := _cute_missing(experts)) is not None:
-        pytest.skip("the CuTe kernel runs mxfp4" if experts.fmt != "mxfp4" else why)
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
     a, ids = tokens(2, seed=11)
     bad = torch.tensor([0, 5, 17, 31], device=DEV)
     outside = ids.clone()

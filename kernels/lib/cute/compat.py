@@ -311,6 +311,10 @@ if HAVE_CUTE:
         return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.u8 $0, [$1];", "=r,r"))
 
     @dsl_user_op
+    def ld_shared_u16(smem, *, loc=None, ip=None) -> Int32:
+        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.u16 $0, [$1];", "=r,r"))
+
+    @dsl_user_op
     def st_f32(addr, v, *, loc=None, ip=None) -> None:
         _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
              "st.global.f32 [$0], $1;", "l,f")

@@ -1,7 +1,8 @@
-"""CuTe DSL W4A16 expert GEMMs for decode (MXFP4): each warp streams 16 weight rows, mma.sync on registers.
+"""CuTe DSL W4A16 expert GEMMs for decode (MXFP4, int4): each warp streams 16 weight rows, mma.sync on registers.
 
 The two weight-streaming launches of `routed_experts_w4a16` (kernels/ops/routed_experts_w4a16.py) over
-MXFP4 weights; the op puts the Triton module's grouping and SiTU-GLU around them
+MXFP4 weights (K3's) or int4 ones with bf16 group scales (compressed-tensors pack-quantized, Kimi
+K2.x's); the op puts the Triton module's grouping and SiTU-GLU around them
 (lib/triton/routed_experts_w4a16.py), whose launch and numerics this matches. Why not Triton: there
 the dequantized weights reach the MMA through layout conversions and a wait on every wgmma
 (docs/perf.md 0g); here a thread's packed bytes are its own MMA fragment and nothing else runs in
@@ -9,11 +10,12 @@ the loop.
 
 Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at a time (the mma's N):
 - a thread (r, t = lane % 4) loads 16 bytes of each of its two rows a step of 128 elements: elements
-  32t .. 32t + 31, one E8M0 group, so one scale byte a row a step;
-- each int32 word (8 nibbles) dequantizes to four bf16x2 registers, register j holding elements j and
-  j + 4 (mask, multiply, mask: the E2M1 value * 2^-126 as a bf16 pattern; then a bf16x2 multiply by
-  2^(s - 1), or two for a scale of 2^1 and more; exact, the model's dequantized weight bit for bit);
-  word i feeds mmas 2i and 2i + 1;
+  32t .. 32t + 31, one group, so one scale a row a step (MXFP4 an E8M0 byte, int4 a bf16);
+- each int32 word (8 nibbles, both formats element m at bits 4m) dequantizes to four bf16x2 registers,
+  register j holding elements j and j + 4; MXFP4: mask, multiply, mask (the E2M1 value * 2^-126 as a
+  bf16 pattern), then a bf16x2 multiply by 2^(s - 1), or two for a scale of 2^1 and more; int4: shift,
+  mask | 0x4300 (bf16 128 + nibble), minus 136, times the scale. Each exact: the model's dequantized
+  weight bit for bit. Word i feeds mmas 2i and 2i + 1;
 - the activations come in `word_order` (lib/triton/routed_experts_w4a16.py: position 8w + 2j + h holds
   element 8w + j + 4h), so a 32-bit load is the B fragment that register j meets: the dot's sum over
   k is the same, in another order; with `x_quads`, each step's words also in quad order (word 4t + i
@@ -24,9 +26,9 @@ Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at
 The weights in flight: the CTA's work is a stream of spans (a tile's rows by a chunk of 8 pairs), and
 each thread keeps `stages - 1` steps of its own weight and scale bytes in flight by cp.async into its
 own shared-memory slots, across span boundaries (a ring); it reads back only what it copied, so no
-barrier is needed, and the loads do not wait on the mmas. A step's scales are each row's 4-byte word
-(the quad's 4 groups); with `scale_steps` 4 one 16-byte copy brings 4 steps' words into a ring of
-two such blocks beside the weights' (a quarter of the scale copies, each a 16-byte sector piece).
+barrier is needed, and the loads do not wait on the mmas. A step's scales are each row's 4 (int4: 8)
+bytes, the quad's 4 groups; MXFP4 with `scale_steps` 4, one 16-byte copy brings 4 steps' words into a
+ring of two such blocks beside the weights' (a quarter of the scale copies, each a 16-byte sector piece).
 
 Launch (one class, both projections): grid (row blocks, groups, SPLIT_K), a group's row blocks side by
 side (or, `rows_first` off, (groups, row blocks, SPLIT_K)). gate/up: blocks of w1 then of
@@ -38,11 +40,60 @@ projections' tiles in one kernel through it, `waits` on: the activations after a
 """
 from __future__ import annotations
 
+import torch
+
 from .compat import SELF as compat
 
 STEP = 128  # elements of a row a thread quad covers per step (4 threads x 32: one group each)
 ROWS_PER_WARP = 16
 PAIRS_PER_MMA = 8
+GROUPS_PER_STEP = STEP // 32  # a quad's groups a step: a row's scales of a step are one copy
+#: the formats and their scale's bytes (a group of 32): MXFP4's E8M0 byte, int4's bf16
+SCALE_BYTES = {"mxfp4": 1, "int4": 2}
+
+
+def e8m0_ptx(one_multiply: bool) -> str:
+    """E8M0 byte $1 -> a bf16 factor in both halves of $0: one_multiply, 2^(s - 1) = 2^(s - 127) * 2^126
+    (bits (s + 126) << 7, for s < 128: one multiply-add, both halves at once); else 2^(s - 127) (bits
+    s << 7; s = 0 the subnormal 0x0040)."""
+    if one_multiply:
+        return "{\nmad.lo.u32 $0, $1, 0x00800080, 0x3F003F00;\n}"  # (s + 126) * (2^7 + 2^23)
+    return ("{\n.reg .pred z;\nshl.b32 $0, $1, 7;\nsetp.eq.u32 z, $1, 0;\n@z mov.b32 $0, 0x40;\n"
+            "prmt.b32 $0, $0, $0, 0x1010;\n}")
+
+
+def e2m1x8_ptx(one_multiply: bool) -> str:
+    """Eight E2M1 nibbles ($4) -> four bf16x2 registers ($0-$3), register j = (element j, element j + 4),
+    scaled by the factor $5 (e8m0_ptx's): (sign << 15 | magnitude << 6) is E2M1 * 2^-126 as a bf16
+    pattern; one_multiply, * 2^(s - 1); else * 2^126 (exact), then * 2^(s - 127).
+
+    The pattern: the nibble pair isolated, one integer multiply (the FMA pipe) by 2^6 + 2^12 (or
+    2^2 + 2^8) whose two copies put the magnitude at bits 6-8 and the sign at bit 15, a mask: 3
+    integer instructions a register, 2 of them on the ALU pipe, which bounds the loop with the
+    issue rate (docs/perf.md 0l: two shifts and two masks ran 4-10% slower)."""
+    lines = [".reg .b32 q, c, w8;", "mov.b32 c, 0x7E807E80;",
+             "shr.u32 w8, $4, 8;"]  # elements 2, 3, 6, 7 where 0, 1, 4, 5 are
+    for j in range(4):
+        lines += [f"and.b32 q, {'$4' if j < 2 else 'w8'}, {0x000F000F << 4 * (j % 2):#010x};",
+                  f"mul.lo.u32 q, q, {260 if j % 2 else 4160};", "and.b32 q, q, 0x81C081C0;"]
+        lines += [f"mul.rn.bf16x2 ${j}, q, $5;"] if one_multiply else [
+            "mul.rn.bf16x2 q, q, c;", f"mul.rn.bf16x2 ${j}, q, $5;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def int4x8_ptx() -> str:
+    """Eight int4 nibbles ($4, each q + 8) -> four bf16x2 registers ($0-$3), register j = (element j,
+    element j + 4), times the bf16 scale in both halves of $5: nibble | 0x4300 is bf16 128 + nibble,
+    minus 136 is q exactly, one multiply rounds q * scale once (the Triton kernel's sequence: a shift,
+    a mask-or (one LOP3), a subtract and a multiply a register; bf16's 7 mantissa bits leave no room
+    for fp16's unshifted high-nibble trick)."""
+    lines = [".reg .b32 q, c;", "mov.b32 c, 0x43084308;"]
+    for j in range(4):
+        lines += [f"shr.u32 q, $4, {4 * j};"] if j else []
+        # (q & 0x000F000F) | 0x43004300 as one LOP3 (ptxas leaves an and and an or apart here)
+        lines += [f"lop3.b32 q, {'q' if j else '$4'}, 0x000F000F, 0x43004300, 0xEA;",
+                  "sub.rn.bf16x2 q, q, c;", f"mul.rn.bf16x2 ${j}, q, $5;"]
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
 def scale_blocks_fit(K: int, k_span: int) -> bool:
@@ -62,36 +113,15 @@ if compat.HAVE_CUTE:
 
     @dsl_user_op
     def e8m0_bf16x2(s, one_multiply: bool, *, loc=None, ip=None) -> Int32:
-        """E8M0 byte s -> a bf16 factor in both halves: one_multiply, 2^(s - 1) = 2^(s - 127) * 2^126 (bits
-        (s + 126) << 7, for s < 128: one multiply-add, both halves at once); else 2^(s - 127) (bits s << 7;
-        s = 0 the subnormal 0x0040)."""
-        if one_multiply:
-            text = "{\nmad.lo.u32 $0, $1, 0x00800080, 0x3F003F00;\n}"  # (s + 126) * (2^7 + 2^23)
-        else:
-            text = ("{\n.reg .pred z;\nshl.b32 $0, $1, 7;\nsetp.eq.u32 z, $1, 0;\n@z mov.b32 $0, 0x40;\n"
-                    "prmt.b32 $0, $0, $0, 0x1010;\n}")
-        return Int32(compat.asm_pure(T.i32(), [Int32(s).ir_value(loc=loc, ip=ip)], text, "=r,r"))
+        """E8M0 byte s -> its bf16 factor in both halves (e8m0_ptx)."""
+        return Int32(compat.asm_pure(T.i32(), [Int32(s).ir_value(loc=loc, ip=ip)], e8m0_ptx(one_multiply), "=r,r"))
 
     @dsl_user_op
-    def e2m1x8_bf16x2(word, factor2, one_multiply: bool, *, loc=None, ip=None):
-        """Eight E2M1 nibbles -> four bf16x2 registers, register j = (element j, element j + 4), scaled:
-        (sign << 15 | magnitude << 6) is E2M1 * 2^-126 as a bf16 pattern; one_multiply, * 2^(s - 1); else
-        * 2^126 (exact), then * 2^(s - 127). Each weight exact: the dequantized value, rounded once.
-
-        The pattern: the nibble pair isolated, one integer multiply (the FMA pipe) by 2^6 + 2^12 (or
-        2^2 + 2^8) whose two copies put the magnitude at bits 6-8 and the sign at bit 15, a mask: 3
-        integer instructions a register, 2 of them on the ALU pipe, which bounds the loop with the
-        issue rate (docs/perf.md 0l: two shifts and two masks ran 4-10% slower)."""
-        lines = [".reg .b32 q, c, w8;", "mov.b32 c, 0x7E807E80;",
-                 "shr.u32 w8, $4, 8;"]  # elements 2, 3, 6, 7 where 0, 1, 4, 5 are
-        for j in range(4):
-            lines += [f"and.b32 q, {'$4' if j < 2 else 'w8'}, {0x000F000F << 4 * (j % 2):#010x};",
-                      f"mul.lo.u32 q, q, {260 if j % 2 else 4160};", "and.b32 q, q, 0x81C081C0;"]
-            lines += [f"mul.rn.bf16x2 ${j}, q, $5;"] if one_multiply else [
-                "mul.rn.bf16x2 q, q, c;", f"mul.rn.bf16x2 ${j}, q, $5;"]
+    def dequant_x8_bf16x2(word, factor2, text: str, *, loc=None, ip=None):
+        """One int32 word's eight weights as four bf16x2 registers by `text` (e2m1x8_ptx, int4x8_ptx)."""
         st = compat.asm_pure(compat.struct_type(4, "i32"),
                              [Int32(word).ir_value(loc=loc, ip=ip), Int32(factor2).ir_value(loc=loc, ip=ip)],
-                             "{\n" + "\n".join(lines) + "\n}", "=r,=r,=r,=r,r,r")
+                             text, "=r,=r,=r,=r,r,r")
         return compat.unpack(st, 4, Int32, loc, ip)
 
     #: a flag wait longer than this traps the launch (a CUDA error, not a hang): the one-launch form's
@@ -115,12 +145,16 @@ if compat.HAVE_CUTE:
         cute.arch.sync_threads()
 
     class W4A16RowsDot:
-        """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, MXFP4 W, bf16 x (word order)."""
+        """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, W in `fmt` (MXFP4, int4 with
+        bf16 scales), bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     rows_first: bool, x_quads: bool, scale_steps: int, waits: bool = False):
+                     rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
+            self.fmt = fmt
+            self.scale_row = K // 32 * SCALE_BYTES[fmt]  # bytes of a row's scales
+            self.scale_step = GROUPS_PER_STEP * SCALE_BYTES[fmt]  # bytes of a row's scales a step, one copy
             assert 2 <= stages <= k_span // STEP + 1  # the prologue fills stages - 1 steps of one span
             self.N, self.K, self.k_span, self.top_k = N, K, k_span, top_k
             self.out_fp32, self.out_stride, self.blocks_a, self.col_b = out_fp32, out_stride, blocks_a, col_b
@@ -135,7 +169,8 @@ if compat.HAVE_CUTE:
             self.waits = waits
             # 16-byte scale copies: aligned rows and block starts, blocks that never straddle a span, and
             # block b + 2 issued (at step 4b + 8 - (stages - 1)) after block b's last read (4b + 3)
-            assert scale_steps == 1 or scale_steps == 4 and scale_blocks_fit(K, k_span) and stages <= 5
+            assert scale_steps == 1 or (scale_steps == 4 and scale_blocks_fit(K, k_span) and stages <= 5
+                                        and fmt == "mxfp4")
             # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
             self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
             assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
@@ -229,23 +264,27 @@ if compat.HAVE_CUTE:
             scale_ring = ring + D * SLOT  # the 16-byte scale copies' two blocks (scale_steps 4), 16 B aligned
             # this thread's bytes of row a at the span's first step (row b is 8 rows on)
             w_at = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
-            s_at = s_base + (e * N + row_a) * (K // 32) + k_begin // 32
+            s_at = s_base + (e * N + row_a) * self.scale_row + k_begin // (STEP // self.scale_step)
             for i in cutlass.range_constexpr(D - 1):  # the first span's first steps (D - 1 <= its steps)
-                self._issue(ring + i * SLOT, tidx, w_at + i * (STEP // 2), s_at + i * (STEP // 32))
+                self._issue(ring + i * SLOT, tidx, w_at + i * (STEP // 2), s_at + i * self.scale_step)
                 if const_expr(self.scale_steps > 1 and i % self.scale_steps == 0):
                     self._issue_scales(scale_ring + (i // self.scale_steps) * self._scale_block(), tidx,
                                        s_at + i * (STEP // 32))
                 compat.cp_async_commit()
 
-            # one bf16 multiply a register unless a scale of the CTA's rows is 2^1 or more (real
+            # MXFP4: one bf16 multiply a register unless a scale of the CTA's rows is 2^1 or more (real
             # checkpoints' are far below): read while the first stages land, a warp-uniform choice of loop
             bits = Int32(0)
-            for row_tile in cutlass.range(self.n_tiles, unroll=1):
-                row = row_a + row_tile * (ROWS_PER_WARP * self.warps)
-                bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
+            if const_expr(self.fmt == "mxfp4"):
+                for row_tile in cutlass.range(self.n_tiles, unroll=1):
+                    row = row_a + row_tile * (ROWS_PER_WARP * self.warps)
+                    bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
-            if compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
+            if const_expr(self.fmt == "int4"):  # one multiply a register at every scale
+                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                             ring, scale_ring, w_at, s_at, True)
+            elif compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
                              ring, scale_ring, w_at, s_at, True)
             else:
@@ -294,7 +333,7 @@ if compat.HAVE_CUTE:
                 if next_chunk == chunks:
                     next_chunk = Int32(0)
                     next_w = w_at + TILE_ROWS * (K // 2)
-                    next_s = s_at + TILE_ROWS * (K // 32)
+                    next_s = s_at + TILE_ROWS * self.scale_row
                     next_row = row + TILE_ROWS
                 has_next = g + 1 < spans
                 for s in cutlass.range(S - (D - 1), unroll=1):  # issuing this span's later steps
@@ -330,11 +369,16 @@ if compat.HAVE_CUTE:
             slot = ring + c_slot
             wa = compat.ld_shared_v4(slot + tidx * 16)
             wb = compat.ld_shared_v4(slot + THREADS * 16 + tidx * 16)
-            scales = slot + THREADS * 32 + tidx * 4 + t  # row a's word, then row b's, in the stage
-            if const_expr(self.scale_steps > 1):  # this step's word in the block's 16 bytes
-                scales = scale_ring + c_block + tidx * 16 + (s % self.scale_steps) * 4 + t
-            sa = compat.ld_shared_u8(scales)
-            sb = compat.ld_shared_u8(scales + THREADS * (4 if self.scale_steps == 1 else 16))
+            if const_expr(self.fmt == "int4"):  # row a's 8 bytes, then row b's, in the stage; this thread's bf16
+                scales = slot + THREADS * 32 + tidx * 8 + 2 * t
+                sa = compat.ld_shared_u16(scales)
+                sb = compat.ld_shared_u16(scales + THREADS * 8)
+            else:
+                scales = slot + THREADS * 32 + tidx * 4 + t  # row a's word, then row b's, in the stage
+                if const_expr(self.scale_steps > 1):  # this step's word in the block's 16 bytes
+                    scales = scale_ring + c_block + tidx * 16 + (s % self.scale_steps) * 4 + t
+                sa = compat.ld_shared_u8(scales)
+                sb = compat.ld_shared_u8(scales + THREADS * (4 if self.scale_steps == 1 else 16))
             self._mmas(acc, wa, wb, sa, sb, xs, one_multiply)
             if const_expr(self.scale_steps > 1):
                 if s % self.scale_steps == self.scale_steps - 1:
@@ -353,8 +397,8 @@ if compat.HAVE_CUTE:
 
         def _slot(self) -> int:
             """Bytes of a ring stage: every thread's 16 bytes of row a, then of row b, then (scale_steps 1)
-            its scale words."""
-            return 32 * self.warps * (2 * 16 + (2 * 4 if self.scale_steps == 1 else 0))
+            its rows' scales of the step (4 groups)."""
+            return 32 * self.warps * (2 * 16 + (2 * self.scale_step if self.scale_steps == 1 else 0))
 
         def _scale_block(self) -> int:
             """Bytes of a scale block (scale_steps 4): every thread's 16 bytes of row a's scales, then of
@@ -365,7 +409,7 @@ if compat.HAVE_CUTE:
         def _issue_step(self, slot, scale_ring, p_block, tidx, w_at, s_at, u):
             """Issue step u of the span whose first step's bytes are at w_at / s_at into the stage at slot,
             and with scale_steps 4, at a block's first step, the block's scales; the next block to fill."""
-            self._issue(slot, tidx, w_at + u * (STEP // 2), s_at + u * (STEP // 32))
+            self._issue(slot, tidx, w_at + u * (STEP // 2), s_at + u * self.scale_step)
             if const_expr(self.scale_steps > 1):
                 if u % self.scale_steps == 0:
                     self._issue_scales(scale_ring + p_block, tidx, s_at + u * (STEP // 32))
@@ -375,14 +419,16 @@ if compat.HAVE_CUTE:
         @cute.jit
         def _issue(self, slot, tidx, w_at, s_at):
             """cp.async of one step into this thread's part of a stage: 16 weight bytes of rows a and a + 8,
-            and each row's 4-byte scale word (the quad's 4 groups; this thread's at byte t)."""
+            and each row's scales of the quad's 4 groups (MXFP4 a 4-byte word, this thread's at byte t;
+            int4 8 bytes, its bf16 at 2t)."""
             K: cutlass.Constexpr = self.K
             THREADS: cutlass.Constexpr = 32 * self.warps
+            SW: cutlass.Constexpr = self.scale_step
             compat.cp_async(slot + tidx * 16, w_at, 16)
             compat.cp_async(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2), 16)
             if const_expr(self.scale_steps == 1):
-                compat.cp_async(slot + THREADS * 32 + tidx * 4, s_at, 4)
-                compat.cp_async(slot + THREADS * 36 + tidx * 4, s_at + 8 * (K // 32), 4)
+                compat.cp_async(slot + THREADS * 32 + tidx * SW, s_at, SW)
+                compat.cp_async(slot + THREADS * (32 + SW) + tidx * SW, s_at + 8 * self.scale_row, SW)
 
         @cute.jit
         def _issue_scales(self, block, tidx, s_at):
@@ -423,11 +469,17 @@ if compat.HAVE_CUTE:
         @cute.jit
         def _mmas(self, acc, wa, wb, sa, sb, xs, one_multiply: cutlass.Constexpr):
             """One step's 8 mmas: rows a and b's four words each, dequantized, against the x words."""
-            factor_a = e8m0_bf16x2(sa, one_multiply)
-            factor_b = e8m0_bf16x2(sb, one_multiply)
+            if const_expr(self.fmt == "int4"):  # the bf16 scale in both halves
+                factor_a = compat.prmt(sa, sa, 0x1010)
+                factor_b = compat.prmt(sb, sb, 0x1010)
+                text = int4x8_ptx()
+            else:
+                factor_a = e8m0_bf16x2(sa, one_multiply)
+                factor_b = e8m0_bf16x2(sb, one_multiply)
+                text = e2m1x8_ptx(one_multiply)
             for i in cutlass.range_constexpr(4):
-                ra = e2m1x8_bf16x2(wa[i], factor_a, one_multiply)
-                rb = e2m1x8_bf16x2(wb[i], factor_b, one_multiply)
+                ra = dequant_x8_bf16x2(wa[i], factor_a, text)
+                rb = dequant_x8_bf16x2(wb[i], factor_b, text)
                 for h in cutlass.range_constexpr(2):
                     # register j = 2h, 2h + 1 meets x words 4i + 2h, 4i + 2h + 1 of the thread's 16
                     c = compat.mma_m16n8k16_bf16((ra[2 * h], rb[2 * h], ra[2 * h + 1], rb[2 * h + 1]),
@@ -437,28 +489,42 @@ if compat.HAVE_CUTE:
                         acc[q] = c[q]
 
 
+def table_fakes(fmt: str, K: int) -> tuple:
+    """Compile-time stand-ins for a packed table and its scales as the kernels take them (table_views)."""
+    w = compat.fake_tensor(cutlass.Uint8, (cute.sym_int(), K // 2), (K // 2, 1))
+    if fmt == "int4":
+        s = compat.fake_tensor(cutlass.BFloat16, (cute.sym_int(), K // 32), (K // 32, 1), align=2)
+    else:
+        s = compat.fake_tensor(cutlass.Uint8, (cute.sym_int(), K // 32), (K // 32, 1), align=1)
+    return w, s
+
+
+def table_views(w, s, K: int) -> tuple:
+    """A packed table (uint8 or int32 words: the same bytes) and its scales as [E * rows, K / 2] bytes and
+    [E * rows, K / 32]: a flat extent passes 2^31 at K3's widths, and the FFI holds each dynamic extent to
+    int32 (the kernels read only the base addresses)."""
+    return w.view(torch.uint8).view(-1, K // 2), s.view(-1, K // 32)
+
+
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
             col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
-            scale_steps: int):
+            scale_steps: int, fmt: str):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
                   blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
-                  rows_first=rows_first, x_quads=x_quads, scale_steps=scale_steps)
+                  rows_first=rows_first, x_quads=x_quads, scale_steps=scale_steps, fmt=fmt)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
         sym = cute.sym_int
         x = compat.fake_tensor(cutlass.BFloat16, (sym(), K), (K, 1))
-        # the tables as [E * rows, K / 2] and [E * rows, K / 32]: a flat extent passes 2^31 at K3's widths,
-        # and the FFI holds each dynamic extent to int32 (the kernel reads only the base addresses)
-        w = [compat.fake_tensor(cutlass.Uint8, (sym(), K // 2), (K // 2, 1)) for _ in range(2)]
-        s = [compat.fake_tensor(cutlass.Uint8, (sym(), K // 32), (K // 32, 1), align=1) for _ in range(2)]
+        (wa, sa), (wb, sb) = table_fakes(fmt, K), table_fakes(fmt, K)
         out = compat.fake_tensor(cutlass.Float32 if out_fp32 else cutlass.BFloat16, (sym(),), (1,), align=4)
         experts = compat.fake_tensor(cutlass.Int64, (sym(),), (1,), align=8)
         rows = compat.fake_tensor(cutlass.Int32, (sym(),), (1,), align=4)
         groups = compat.fake_tensor(cutlass.Int32, (sym(),), (1,), align=4)
         k = W4A16RowsDot(**params)
-        return (k, x, w[0], s[0], w[1], s[1], out, experts, rows, groups, compat.fake_stream())
+        return (k, x, wa, sa, wb, sb, out, experts, rows, groups, compat.fake_stream())
 
     return key, build
 
@@ -470,8 +536,8 @@ def launch(x, wa, sa, wb, sb, out, experts, rows, groups, **params) -> None:
         params = {**params, "scale_steps": 1}
     key, build = builder(**params)
     K = params["K"]
-    compat.compiled(key, build)(x, wa.view(-1, K // 2), sa.view(-1, K // 32), wb.view(-1, K // 2),
-                                sb.view(-1, K // 32), out.view(-1), experts, rows, groups)
+    compat.compiled(key, build)(x, *table_views(wa, sa, K), *table_views(wb, sb, K), out.view(-1), experts, rows,
+                                groups)
 
 
 WARPS = 4
@@ -550,26 +616,28 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
             "scale_steps": scale_steps, "one_launch": one_launch}
 
 
-def _scale_steps(K: int, k_span: int, config: dict) -> int:
-    return config["scale_steps"] if scale_blocks_fit(K, k_span) else 1
+def _scale_steps(K: int, k_span: int, config: dict, fmt: str) -> int:
+    """The config's scale copies where they apply: MXFP4 at whole 4-step blocks (int4's 8-byte step
+    scales take one copy a step)."""
+    return config["scale_steps"] if fmt == "mxfp4" and scale_blocks_fit(K, k_span) else 1
 
 
-def gate_up_params(I: int, L: int, top_k: int, config: dict) -> dict:
+def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
     """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]. `config`:
-    pick_config's keys and the grouping's "pairwise"."""
+    pick_config's keys and the grouping's "pairwise"; `fmt`: the tables' format."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
                 stages=config["gate_up_stages"], rows_first=config["rows_first"], x_quads=config["x_quads"],
-                scale_steps=_scale_steps(L, L // config["split"], config))
+                scale_steps=_scale_steps(L, L // config["split"], config, fmt), fmt=fmt)
 
 
-def down_params(I: int, L: int, config: dict) -> dict:
-    """builder's parameters for w2: bf16 into z [P, L] (`config` as gate_up_params)."""
+def down_params(I: int, L: int, config: dict, fmt: str) -> dict:
+    """builder's parameters for w2: bf16 into z [P, L] (`config`, `fmt` as gate_up_params)."""
     return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
                 pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
                 rows_first=config["rows_first"], x_quads=config["x_quads"],
-                scale_steps=_scale_steps(I, I, config))
+                scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt)
 
 
-__all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "builder", "launch", "pick_config", "gate_up_params",
-           "down_params"]
+__all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx", "int4x8_ptx",
+           "table_fakes", "table_views", "builder", "launch", "pick_config", "gate_up_params", "down_params"]

@@ -30,7 +30,7 @@ import threading
 import torch
 
 from .compat import SELF as compat
-from .routed_experts_w4a16 import WARPS, down_params, gate_up_params
+from .routed_experts_w4a16 import WARPS, down_params, gate_up_params, table_fakes, table_views
 
 THREADS = 32 * WARPS  # the row kernels' CTA
 STATE_HEAD = 3  # ticket, exits, x's flag
@@ -210,25 +210,24 @@ def builder(*, gate_up: dict, down: dict, beta: float, linear_beta: float):
         # a, x, h (16-byte loads and stores), z (2-byte stores: any view of a [P, L] buffer)
         bf16 = [compat.fake_tensor(cutlass.BFloat16, (sym(), n), (n, 1), align=16 if j < 3 else 2)
                 for j, n in enumerate((L, L, I, L))]
-        packed = [compat.fake_tensor(cutlass.Uint8, (sym(), k // 2), (k // 2, 1)) for k in (L, L, I)]
-        scales = [compat.fake_tensor(cutlass.Uint8, (sym(), k // 32), (k // 32, 1), align=1) for k in (L, L, I)]
+        (w1, s1), (w3, s3), (w2, s2) = (table_fakes(gate_up["fmt"], k) for k in (L, L, I))
         gu = compat.fake_tensor(cutlass.Float32, (sym(),), (1,), align=16)
         experts = compat.fake_tensor(cutlass.Int64, (sym(),), (1,), align=8)
         state = compat.fake_tensor(cutlass.Int32, (sym(),), (1,), align=4)
         k = W4A16OneLaunch(gate_up=gate_up, down=down, beta=beta, linear_beta=linear_beta)
-        return (k, bf16[0], bf16[1], packed[0], scales[0], packed[1], scales[1], gu, bf16[2], packed[2],
-                scales[2], bf16[3], experts, state, compat.fake_stream())
+        return (k, bf16[0], bf16[1], w1, s1, w3, s3, gu, bf16[2], w2, s2, bf16[3], experts, state,
+                compat.fake_stream())
 
     return key, build
 
 
-def params(I: int, L: int, top_k: int, config: dict) -> dict:
-    """builder's launch parameters for cute_config's `config` (pairwise, one_launch)."""
+def params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
+    """builder's launch parameters for cute_config's `config` (pairwise, one_launch) over `fmt` tables."""
     assert config["pairwise"], "one launch runs pairwise mode"
-    # the scale blocks' 16-byte copies need 16-byte aligned tables: the op's tensors are only 4-byte
-    # checked, so the one-launch form keeps the 4-byte scale copies
+    # the scale blocks' 16-byte copies need 16-byte aligned tables: the op's tensors are only checked
+    # for a step's copy, so the one-launch form keeps one scale copy a step
     config = {**config, "scale_steps": 1}
-    return {"gate_up": gate_up_params(I, L, top_k, config), "down": down_params(I, L, config)}
+    return {"gate_up": gate_up_params(I, L, top_k, config, fmt), "down": down_params(I, L, config, fmt)}
 
 
 _states: dict[tuple[int, int], torch.Tensor] = {}
@@ -263,9 +262,8 @@ def launch(a, x, w1, s1, w3, s3, gu, h, w2, s2, z, experts, state_words, *, gate
                          f"{(state_words.numel() - STATE_HEAD) // 2} ({STATE_HEAD} + 2 words a pair)")
     key, build = builder(gate_up=gate_up, down=down, beta=beta, linear_beta=linear_beta)
     I, L = gate_up["N"], gate_up["K"]
-    compat.compiled(key, build)(a, x, w1.view(-1, L // 2), s1.view(-1, L // 32), w3.view(-1, L // 2),
-                                s3.view(-1, L // 32), gu.view(-1), h, w2.view(-1, I // 2), s2.view(-1, I // 32), z,
-                                experts, state_words)
+    compat.compiled(key, build)(a, x, *table_views(w1, s1, L), *table_views(w3, s3, L), gu.view(-1), h,
+                                *table_views(w2, s2, I), z, experts, state_words)
 
 
 __all__ = ["STATE_HEAD", "builder", "params", "state", "launch"]
