@@ -333,6 +333,19 @@ W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two to
 ]
 
 
+def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, **choices):
+    """(name, builder params, PTX, where) of the CuTe W4A16 gate/up and down launches cute_config picks for
+    T tokens at I (K3's L, E, top-k), over `fmt` tables."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    L, E, k = 3584, 896, 16
+    cfg = cute_config(T, E, I, L, k, **choices)
+    for name, params in (("gate_up", w4.gate_up_params(I, L, k, cfg, fmt)), ("down", w4.down_params(I, L, cfg, fmt))):
+        key, build = w4.builder(**params)
+        yield name, params, compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name)), (name, T, I, cfg)
+
+
 @needs_cute
 @pytest.mark.parametrize("T,I", W4A16_CASES)
 def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
@@ -344,16 +357,9 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     docs/perf.md 0i). The ring: the weights and scales by cp.async
     into shared memory, waited for `stages - 1` groups behind, no barrier."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    L, E, k = 3584, 896, 16
-    cfg = cute_config(T, E, I, L, k)
-    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, "mxfp4"), "down": w4.down_params(I, L, cfg, "mxfp4")}
-    for name, params in launches.items():
-        key, build = w4.builder(**params)
-        ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
+    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path):
         ops = _ops(ptx)
-        where = (name, T, I, cfg)
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         muls = len(re.findall(r"mul\.rn\.bf16x2", ptx))
         stages = params["stages"]
@@ -391,16 +397,9 @@ def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
     LOP3, subtract, multiply (int4x8_ptx), the step's 8 scale bytes a row by one 8-byte cp.async and
     this thread's bf16 read back as a u16; no spills, no multicast."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    L, E, k = 3584, 896, 16
-    cfg = cute_config(T, E, I, L, k)
-    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, "int4"), "down": w4.down_params(I, L, cfg, "int4")}
-    for name, params in launches.items():
-        key, build = w4.builder(**params)
-        ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
+    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path):
         ops = _ops(ptx)
-        where = (name, T, I, cfg)
         stages = params["stages"]
         ring_loops = 2 if params["k_span"] // w4.STEP > stages - 1 else 1
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
@@ -471,17 +470,12 @@ def test_w4a16_scale_blocks_compile_to_ptx(T, I, tmp_path):
     with a block's first step, read back one byte a step, no barrier; a launch whose K or span is not
     whole 4-step blocks (I = 384's down: 3 steps, 12-byte scale rows) keeps the 4-byte copies."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    L, E, k = 3584, 896, 16
-    cfg = cute_config(T, E, I, L, k, scale_steps=4)
-    launches = {"gate_up": w4.gate_up_params(I, L, k, cfg, "mxfp4"), "down": w4.down_params(I, L, cfg, "mxfp4")}
-    for name, params in launches.items():
-        where = (name, T, I, params["k_span"])
+    launches = {}
+    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path, scale_steps=4):
+        launches[name] = params
         blocks = w4.scale_blocks_fit(params["K"], params["k_span"])
         assert params["scale_steps"] == (4 if blocks else 1), where
-        key, build = w4.builder(**params)
-        ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name))
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx))
         scale16 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
         scale4 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 4;", ptx))
