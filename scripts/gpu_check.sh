@@ -17,7 +17,8 @@
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
 #   test-moe: the routed-experts (BF16 and W4A16), route top-k and combine kernels, bench-moe their benchmarks,
 #   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths), ncu-w4a16 the CuTe
-#   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --inter / --tokens / --choices)
+#   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --formats / --inter / --tokens /
+#   --choices)
 #   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from
 #   .whl/humming_kernels-*.whl; W4A16_ARGS adds options, e.g. --humming-inter 1536); test-front /
 #   bench-front: the sharded MoE front, test-tail / bench-tail: the MoE tail (latent all-reduce +
@@ -154,7 +155,7 @@ for s in "${STEPS[@]}"; do
     ncu-w4a16) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
                step ncu_w4a16 "${BENCH_TIMEOUT:-500}" "$NCU" --profile-from-start off --clock-control none \
                  -k regex:'W4A16(RowsDot|OneLaunch)' --section SpeedOfLight --section MemoryWorkloadAnalysis \
-                 --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+                 --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
                  "$PY" bench/ncu_w4a16.py ${NCU_ARGS:-} ;;
     versions)  ;;
     tests/*)   # test files or node ids, comma-separated: one step, logged as pytest_<first file>.log
