@@ -333,13 +333,12 @@ W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two to
 ]
 
 
-def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, **choices):
+def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, L: int = 3584, E: int = 896, k: int = 16, **choices):
     """(name, builder params, PTX, where) of the CuTe W4A16 gate/up and down launches cute_config picks for
-    T tokens at I (K3's L, E, top-k), over `fmt` tables."""
+    T tokens at I (default K3's latent L, experts E, top-k), over `fmt` tables."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    L, E, k = 3584, 896, 16
     cfg = cute_config(T, E, I, L, k, **choices)
     for name, params in (("gate_up", w4.gate_up_params(I, L, k, cfg, fmt)), ("down", w4.down_params(I, L, cfg, fmt))):
         key, build = w4.builder(**params)
@@ -415,6 +414,21 @@ def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
         assert len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx)) == mma // 8 * 4, where
         assert "bar.sync" not in ptx, where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+
+
+@needs_cute
+@pytest.mark.parametrize("T,I", [(1, 2048), (64, 256)])
+def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
+    """Kimi K2.x's experts (its int4 format's home: 384 experts, top-8, hidden 7168, I = 2048 at TP 1 and
+    256 at TP 8): both launches compile with their ring, no spills."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+
+    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, L=7168, E=384, k=8):
+        ring_loops = 2 if params["k_span"] // w4.STEP > params["stages"] - 1 else 1
+        assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == 8 * ring_loops, where
+        assert len(re.findall(r"sub\.rn\.bf16x2", ptx)) == 32 * ring_loops, where
+        ops = _ops(ptx)
+        assert ops["ld.local"] == 0 and ops["st.local"] == 0, (where, ops)
 
 
 @needs_cute

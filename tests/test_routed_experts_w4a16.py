@@ -307,6 +307,10 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
             assert steps % cfg["split"] == 0 and (3584 // C.BLOCK_ROWS) % cfg["n_tiles"] == 0, (I, T, cfg)
             assert 2 <= cfg["gate_up_stages"] <= steps // cfg["split"] + 1 and 2 <= cfg["down_stages"], (I, T, cfg)
             assert cfg["pairwise"] == (T <= 2)
+    for I in (2048, 256):  # Kimi K2.x's int4 experts at TP 1 and 8: 384 of them, top-8, hidden 7168
+        k2 = RoutedExpertsW4A16Spec(E=384, I=I, L=7168, top_k=8, dtype=torch.bfloat16, format="int4",
+                                    scale_dtype=torch.bfloat16)
+        assert all(cute_accepts(k2.with_tokens(T)) is None for T in range(1, 65)), I
     assert cute_config(1, 896, 384, 3584, 16)["split"] > 1  # 16 pairs x 12 row blocks: the K split fills the SMs
     assert cute_config(64, 896, 3072, 3584, 16)["split"] == 1
     assert "int4 with bf16 scales" in cute_accepts(spec(8, fmt="int4", scale_dtype=torch.float16))
