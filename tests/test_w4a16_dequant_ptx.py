@@ -5,8 +5,9 @@ of the instructions it uses, equals k3fuse.quant's dequantization bit for bit.
 For every nibble at every position of a word, and random words: MXFP4 under all 256 E8M0 bytes (the
 loop for ordinary scales under the bytes it runs for, below 128; the wide-scale loop under all), int4
 under every finite bf16 scale. The bf16x2 arithmetic is IEEE's: the exact result, rounded once to the
-nearest even bf16 (subnormals kept, overflow to inf), as PTX defines `.rn` on bf16x2. The GPU test
-(tests/gpu/test_routed_experts_w4a16_gpu.py) checks the whole op against float64 on the device.
+nearest even bf16 (subnormals kept, overflow to inf), as PTX defines `.rn` on bf16x2; one wrong
+constant in the text is caught. The GPU test (tests/gpu/test_routed_experts_w4a16_gpu.py) checks the
+whole op against float64 on the device.
 """
 from __future__ import annotations
 
@@ -139,36 +140,63 @@ def test_interpreter_knows_ieee_bf16_rounding():
         0x7F80, 0xFF80]
 
 
-@pytest.mark.parametrize("one_multiply", [True, False], ids=["ordinary_scales", "wide_scales"])
-def test_mxfp4_ptx_is_the_dequantization_bit_for_bit(one_multiply):
+def _mxfp4_differs(one_multiply: bool, e8m0_text: str, e2m1_text: str) -> str | None:
+    """Where the PTX's registers differ from quant's MXFP4 dequantization (None: nowhere): every nibble at
+    every position and random words, under the scale bytes the loop runs for."""
     words = _words(4096, alone=True)
-    scales = torch.arange(128 if one_multiply else 256, dtype=torch.int64)  # the loop's scale bytes
+    scales = torch.arange(128 if one_multiply else 256, dtype=torch.int64)
     w = words.repeat(len(scales))
     s = scales.repeat_interleave(len(words))
-    factor = run_ptx(w4.e8m0_ptx(one_multiply), {1: s}, 1)[0]
-    got = torch.stack(run_ptx(w4.e2m1x8_ptx(one_multiply), {4: w, 5: factor}, 4), dim=1)
+    factor = run_ptx(e8m0_text, {1: s}, 1)[0]
+    got = torch.stack(run_ptx(e2m1_text, {4: w, 5: factor}, 4), dim=1)
     packed = torch.zeros(len(w), 16, dtype=torch.uint8)  # one 32-element group, the word its first 8
     packed[:, :4] = torch.stack([(w >> 8 * b) & 0xFF for b in range(4)], dim=1).to(torch.uint8)
     want = _register_order(quant.dequantize_mxfp4(packed, s.to(torch.uint8)[:, None], torch.bfloat16)[:, :8])
-    same = _same(got, want)
-    assert same.all(), (f"{(~same).sum().item()} registers differ, first: word {w[~same.all(1)][0].item():#x} "
-                        f"scale {s[~same.all(1)][0].item()}")
+    bad = ~_same(got, want).all(1)
+    return (f"{bad.sum().item()} words differ, first {w[bad][0].item():#x} under scale {s[bad][0].item()}"
+            if bad.any() else None)
 
 
-def test_int4_ptx_is_the_dequantization_bit_for_bit():
+def _int4_differs(text: str) -> str | None:
+    """Where the PTX's registers differ from quant's int4 dequantization (None: nowhere): every nibble at
+    every position and random words, under every finite bf16 scale (both signs, subnormals, zeros)."""
     words = _words(16, alone=False)
     patterns = torch.arange(1 << 16, dtype=torch.int64)
-    finite = (patterns & 0x7F80) != 0x7F80
-    scales = patterns[finite]  # every finite bf16, both signs, subnormals and zeros included
+    scales = patterns[(patterns & 0x7F80) != 0x7F80]
     w = words.repeat(len(scales))
     s = scales.repeat_interleave(len(words))
-    got = torch.stack(run_ptx(w4.int4x8_ptx(), {4: w, 5: s | (s << 16)}, 4), dim=1)  # the kernel's prmt 0x1010
+    got = torch.stack(run_ptx(text, {4: w, 5: s | (s << 16)}, 4), dim=1)  # the kernel's prmt 0x1010
     packed = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)[:, None]
     scale = (s.to(torch.int32) << 16).view(torch.float32).to(torch.bfloat16)[:, None]  # exact
     want = _register_order(quant.dequantize_int4(packed, scale, torch.bfloat16))
-    same = _same(got, want)
-    assert same.all(), (f"{(~same).sum().item()} registers differ, first: word {w[~same.all(1)][0].item():#x} "
-                        f"scale {s[~same.all(1)][0].item():#06x}")
+    bad = ~_same(got, want).all(1)
+    return (f"{bad.sum().item()} words differ, first {w[bad][0].item():#x} under scale {s[bad][0].item():#06x}"
+            if bad.any() else None)
+
+
+@pytest.mark.parametrize("one_multiply", [True, False], ids=["ordinary_scales", "wide_scales"])
+def test_mxfp4_ptx_is_the_dequantization_bit_for_bit(one_multiply):
+    assert _mxfp4_differs(one_multiply, w4.e8m0_ptx(one_multiply), w4.e2m1x8_ptx(one_multiply)) is None
+
+
+def test_int4_ptx_is_the_dequantization_bit_for_bit():
+    assert _int4_differs(w4.int4x8_ptx()) is None
+
+
+@pytest.mark.parametrize("fmt,old,new", [
+    ("int4", "0x43084308", "0x43074307"),  # the offset: 135, not 136
+    ("int4", "shr.u32 q, $4, 8;", "shr.u32 q, $4, 9;"),
+    ("mxfp4", "0x81C081C0", "0x01C001C0"),  # the sign bits dropped
+    ("mxfp4", "0x3F003F00", "0x3F803F80"),  # E8M0's bias off by one
+])
+def test_a_changed_constant_is_caught(fmt, old, new):
+    """The comparison has teeth: one wrong constant in the kernel's PTX differs somewhere."""
+    if fmt == "int4":
+        assert old in w4.int4x8_ptx() and _int4_differs(w4.int4x8_ptx().replace(old, new)) is not None
+    else:
+        texts = (w4.e8m0_ptx(True), w4.e2m1x8_ptx(True))
+        assert any(old in t for t in texts)
+        assert _mxfp4_differs(True, *(t.replace(old, new) for t in texts)) is not None
 
 
 def test_the_interpreter_refuses_what_it_does_not_know():
