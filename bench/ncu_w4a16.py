@@ -47,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
                     except ValueError as exc:  # a choice of the other mode (one_launch: pairwise only)
                         print(f"not profiled {fmt} I={I} T={T} {name}: {exc}", flush=True)
                         continue
-                    run = lambda i: cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, config=cfg)  # noqa: E731
-                    run(0)  # compiled outside the profiled range
+                    def call(i, cfg=cfg):
+                        cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, config=cfg)
+
+                    call(0)  # compiled outside the profiled range
                     torch.cuda.synchronize()
                     torch.cuda.cudart().cudaProfilerStart()
-                    run(1)
+                    call(1)
                     torch.cuda.synchronize()
                     torch.cuda.cudart().cudaProfilerStop()
                     print(f"profiled {fmt} I={I} T={T} {name} {cfg}: {r.touched[1 - len(r.a)]} experts touched",

@@ -639,5 +639,6 @@ def down_params(I: int, L: int, config: dict, fmt: str) -> dict:
                 scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt)
 
 
-__all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx", "int4x8_ptx",
-           "table_fakes", "table_views", "builder", "launch", "pick_config", "gate_up_params", "down_params"]
+__all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx",
+           "int4x8_ptx", "table_fakes", "table_views", "builder", "launch", "pick_config", "gate_up_params",
+           "down_params"]

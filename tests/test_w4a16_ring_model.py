@@ -1,0 +1,202 @@
+"""The CuTe W4A16 kernel's copy ring, run on CPU: the kernel's own Python (W4A16RowsDot._ring, _stream,
+_step, _issue...), undecorated, with its primitives replaced by a model of one thread's cp.async groups
+and shared memory.
+
+Each thread copies its own weight and scale bytes into its own shared-memory slots, `stages - 1` steps
+ahead, across span boundaries, and reads back only what it copied (so no barrier): the ring's
+correctness is one thread's. The model executes that thread's copies, commits, waits and reads in
+program order: a read of bytes that a copy still in flight targets (issued, its group not waited
+for) fails, and every read's bytes must be the ones that step needs. Checked at every ring depth,
+span length, tile and chunk count the launches use, both formats, and MXFP4's 16-byte scale blocks
+(`scale_steps` 4), which no GPU has run yet; and the model is shown to catch a wait one group short.
+"""
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+
+from k3fuse.kernels.lib.cute import compat
+
+pytestmark = pytest.mark.skipif(not compat.HAVE_CUTE, reason=f"nvidia-cutlass-dsl not importable: "
+                                                              f"{compat.IMPORT_ERROR}")
+
+TOP_K = 4
+X_BASE, W_BASE, S_BASE, O_BASE = 1 << 40, 2 << 40, 3 << 40, 4 << 40  # tagged global addresses
+
+
+class RaceError(AssertionError):
+    pass
+
+
+class ThreadModel:
+    """One thread's cp.async groups and shared memory: a copy lands when a wait covers its group; a
+    read must not touch bytes an unlanded copy targets. Shared bytes hold the global address they
+    were copied from (the tag reads return)."""
+
+    def __init__(self, wait_short: bool = False):
+        self.smem: dict[int, int] = {}
+        self.groups: list[list[tuple[int, int, int]]] = []
+        self.open: list[tuple[int, int, int]] = []
+        self.wait_short = wait_short  # the control: each wait leaves one more group in flight
+        self.events: list[tuple] = []  # ("x",) an activation load; ("flag", groups in flight) the flag wait
+
+    def cp_async(self, smem, addr, nbytes, cache=None):
+        assert nbytes in (4, 8, 16) and smem % nbytes == 0 and addr % nbytes == 0, (smem, addr, nbytes)
+        self.open.append((smem, addr, nbytes))
+
+    def cp_async_commit(self):
+        self.groups.append(self.open)
+        self.open = []
+
+    def cp_async_wait(self, pending):
+        pending += self.wait_short
+        while len(self.groups) > pending:
+            for smem, addr, nbytes in self.groups.pop(0):
+                for b in range(nbytes):
+                    self.smem[smem + b] = addr + b
+
+    def _read(self, smem, nbytes):
+        for group in [*self.groups, self.open]:
+            for dst, _, n in group:
+                if dst < smem + nbytes and smem < dst + n:
+                    raise RaceError(f"read of shared [{smem}, +{nbytes}) while a copy to [{dst}, +{n}) is in flight")
+        src = [self.smem.get(smem + b) for b in range(nbytes)]
+        assert None not in src and src == list(range(src[0], src[0] + nbytes)), (smem, src)
+        return src[0]
+
+    def ld_shared_v4(self, smem):
+        return tuple(self._read(smem + 4 * i, 4) for i in range(4))
+
+    def ld_shared_u8(self, smem):
+        return self._read(smem, 1)
+
+    def ld_shared_u16(self, smem):
+        return self._read(smem, 2)
+
+    def ld_nc_v4(self, addr):
+        self.events.append(("x",))
+        return tuple(addr + 4 * i for i in range(4))
+
+    ld_cg_v4 = ld_nc_v4  # (the one-launch form's activations, written in the launch: through L2)
+
+    def ld_nc_b32(self, addr):
+        return 0  # the scale bytes' OR: ordinary scales, the one-multiply loop
+
+    def warp_any(self, v):
+        return v
+
+
+def _thread(params: dict, model: ThreadModel):
+    """An object running the kernel's ring methods as plain Python on `model`, with W4A16RowsDot(**params)'s
+    attributes; `mmas` and `stores` record what each step read and each span stored."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+
+    real = w4.W4A16RowsDot(**params)
+    fake_cutlass = types.SimpleNamespace(range=lambda *a, unroll=None: range(*a), range_constexpr=range,
+                                         min=min, Constexpr=int)
+    def wait_flag(flag, tidx):  # the one-launch form's wait: noted with the groups still in flight
+        model.events.append(("flag", len(model.groups)))
+
+    names = {**w4.__dict__, "compat": model, "cutlass": fake_cutlass, "Int32": int, "Int64": int, "Float32": float,
+             "const_expr": lambda v: v, "wait_flag": wait_flag,
+             "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
+
+    def unwrapped(name):
+        f = getattr(w4.W4A16RowsDot, name)
+        raw = getattr(f, "__wrapped__", f)
+        return types.FunctionType(raw.__code__, names, raw.__name__, raw.__defaults__, raw.__closure__)
+
+    methods = {n: unwrapped(n) for n in ("_ring", "_stream", "_step", "_issue", "_issue_step", "_issue_scales",
+                                         "_scale_bits", "_slot", "_scale_block", "smem_bytes")}
+    sim = type("ThreadRing", (), methods)()
+    sim.__dict__.update(real.__dict__)
+    sim.mmas, sim.stores = [], []
+    sim._mmas = lambda acc, wa, wb, sa, sb, xs, one_multiply: sim.mmas.append((wa, wb, sa, sb, [x[0] for x in xs]))
+    sim._store = lambda acc, o_base, split, P, col_off, row, first, m0, size, t, rows: sim.stores.append((row, m0))
+    return sim
+
+
+def _expected(p: dict, tidx: int, e: int, block: int, k_begin: int, first: int, size: int, rows: list[int]):
+    """What each step of each span must read: the weights' words of rows a and a + 8, this thread's
+    scale of each, its four activation words (tags: global byte addresses)."""
+    from k3fuse.kernels.lib.cute.routed_experts_w4a16 import SCALE_BYTES
+
+    K, N, sb = p["K"], p["N"], SCALE_BYTES[p["fmt"]]
+    lane, tile_rows = tidx % 32, 16 * p["warps"]
+    r, t = lane // 4, lane % 4
+    row_a = block * tile_rows + (tidx // 32) * 16 + r
+    chunks = -(-size // 8)
+    for tile, chunk, s in itertools.product(range(p["n_tiles"]), range(chunks), range(p["k_span"] // 128)):
+        row = row_a + tile * tile_rows
+        wa = tuple(W_BASE + (e * N + row) * (K // 2) + k_begin // 2 + 64 * s + 16 * t + 4 * i for i in range(4))
+        wb = tuple(w + 8 * (K // 2) for w in wa)
+        sa = S_BASE + (e * N + row) * (K // 32) * sb + ((k_begin + 128 * s) // 32 + t) * sb
+        n = first + min(chunk * 8 + r, size - 1)
+        pair = n if p["pairwise"] else rows[n]
+        x0 = X_BASE + (pair // p["top_k"] * K + k_begin + 128 * s + (8 if p["x_quads"] else 32) * t) * 2
+        yield wa, wb, sa, sa + 8 * (K // 32) * sb, [x0 + (64 if p["x_quads"] else 16) * q for q in range(4)]
+
+
+def _run(p: dict, tidx: int, size: int, wait_short: bool = False):
+    """One thread's ring over a group of `size` pairs (expert 5, k span 1 of the K split when there is one);
+    what it read, what it should have, and the spans it stored."""
+    model = ThreadModel(wait_short)
+    sim = _thread(p, model)
+    e, block, first = 5, 1, 3
+    split = 1 if p["K"] // p["k_span"] > 1 else 0
+    k_begin = split * p["k_span"]
+    rows = list(range(40, 40 + first + size + 8))[::-1]  # grouped: a permutation of pair ids
+    sim._ring([0.0] * 4, W_BASE, S_BASE, X_BASE, O_BASE, block, 0, k_begin, e, first, size, split, 64, rows, tidx,
+              0, 0)
+    sim.events = model.events
+    return sim, list(_expected(p, tidx, e, block, k_begin, first, size, rows))
+
+
+def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False):
+    return dict(N=1024, K=K, k_span=k_span, top_k=TOP_K, out_fp32=False, out_stride=1024, blocks_a=16, col_b=0,
+                pairwise=pairwise, warps=4, n_tiles=n_tiles, stages=stages, rows_first=True, x_quads=x_quads,
+                scale_steps=scale_steps, fmt=fmt, waits=waits)
+
+
+def _cases():
+    """(fmt, K, k_span, stages, scale_steps): the spans the launches use (K3's gate/up K = 3584 in 1, 2, 4 or
+    7 splits; the downs' I = 3072, 1536, 384; Kimi K2.x's 256) at every ring depth that fits them."""
+    from k3fuse.kernels.lib.cute.routed_experts_w4a16 import scale_blocks_fit
+
+    for K, k_span in ((3584, 3584), (3584, 1792), (3584, 896), (3584, 512), (3072, 3072), (1536, 1536),
+                      (384, 384), (256, 256)):
+        for stages in range(2, min(5, k_span // 128 + 1) + 1):
+            yield "int4", K, k_span, stages, 1
+            yield "mxfp4", K, k_span, stages, 1
+            if scale_blocks_fit(K, k_span):
+                yield "mxfp4", K, k_span, stages, 4
+
+
+@pytest.mark.parametrize("fmt,K,k_span,stages,scale_steps", list(_cases()))
+def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_steps):
+    # (row tiles a CTA, the group's pairs, pairwise, quad order, thread, the one-launch form's flag wait)
+    launches = ((1, 1, True, False, 0, False), (2, 1, True, True, 77, False), (1, 9, False, True, 37, False),
+                (2, 20, False, True, 127, False), (8, 3, False, False, 5, False), (1, 1, True, False, 70, True))
+    for n_tiles, size, pairwise, x_quads, tidx, waits in launches:
+        p = _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits)
+        sim, want = _run(p, tidx, size)
+        where = (n_tiles, size, pairwise, tidx, waits)
+        assert len(sim.mmas) == len(want), (where, len(sim.mmas), len(want))
+        for step, (got, expect) in enumerate(zip(sim.mmas, want)):
+            assert got == expect, (where, step, got, expect)
+        rows = [s[0] for s in sim.stores]
+        assert len(sim.stores) == n_tiles * -(-size // 8) and rows == sorted(rows), (where, sim.stores)
+        # the weight-only rule (the one-launch form): the flag is waited for with the first stages' weights
+        # and scales in flight, and before any activation is read
+        assert sim.events[0] == (("flag", stages - 1) if waits else ("x",)), (where, sim.events[:2])
+
+
+def test_the_model_catches_a_wait_one_group_short():
+    """The control: with each wait leaving one more group in flight, the first step reads bytes whose
+    copy has not landed."""
+    p = _params("mxfp4", 1536, 1536, 3, 4, 1, True, False)
+    _run(p, 0, 1)  # as the kernel waits: clean
+    with pytest.raises(RaceError):
+        _run(p, 0, 1, wait_short=True)
