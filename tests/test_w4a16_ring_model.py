@@ -41,10 +41,12 @@ class ThreadModel:
         self.open: list[tuple[int, int, int]] = []
         self.wait_short = wait_short  # the control: each wait leaves one more group in flight
         self.events: list[tuple] = []  # ("x",) an activation load; ("flag", groups in flight) the flag wait
+        self.written: set[int] = set()  # the shared bytes this thread's copies target
 
     def cp_async(self, smem, addr, nbytes, cache=None):
         assert nbytes in (4, 8, 16) and smem % nbytes == 0 and addr % nbytes == 0, (smem, addr, nbytes)
         self.open.append((smem, addr, nbytes))
+        self.written.update(range(smem, smem + nbytes))
 
     def cp_async_commit(self):
         self.groups.append(self.open)
@@ -150,7 +152,7 @@ def _run(p: dict, tidx: int, size: int, wait_short: bool = False):
     rows = list(range(40, 40 + first + size + 8))[::-1]  # grouped: a permutation of pair ids
     sim._ring([0.0] * 4, W_BASE, S_BASE, X_BASE, O_BASE, block, 0, k_begin, e, first, size, split, 64, rows, tidx,
               0, 0)
-    sim.events = model.events
+    sim.events, sim.written = model.events, model.written
     return sim, list(_expected(p, tidx, e, block, k_begin, first, size, rows))
 
 
@@ -191,6 +193,19 @@ def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_ste
         # the weight-only rule (the one-launch form): the flag is waited for with the first stages' weights
         # and scales in flight, and before any activation is read
         assert sim.events[0] == (("flag", stages - 1) if waits else ("x",)), (where, sim.events[:2])
+
+
+@pytest.mark.parametrize("fmt,scale_steps", [("mxfp4", 1), ("mxfp4", 4), ("int4", 1)])
+def test_the_threads_slots_are_disjoint_and_inside_the_ring(fmt, scale_steps):
+    """No barrier orders one thread's copies against another's reads, so each thread's shared bytes must
+    be its own: the 128 threads' copy targets do not overlap, and together they are smem_bytes() exactly."""
+    p = _params(fmt, 1536, 1536, 3, scale_steps, 2, False, True)
+    seen: set[int] = set()
+    for tidx in range(32 * p["warps"]):
+        sim, _ = _run(p, tidx, 9)
+        assert not seen & sim.written, tidx
+        seen |= sim.written
+    assert seen == set(range(sim.smem_bytes())), (min(seen), max(seen), len(seen), sim.smem_bytes())
 
 
 def test_the_model_catches_a_wait_one_group_short():
