@@ -1,6 +1,6 @@
 """The CuTe W4A16 kernel's copy ring, run on CPU: the kernel's own Python (W4A16RowsDot._ring, _stream,
-_step, _issue...), undecorated, with its primitives replaced by a model of one thread's cp.async groups
-and shared memory.
+_step, _issue..., compiled from the module's source without their decorators), with its primitives
+replaced by a model of one thread's cp.async groups and shared memory.
 
 Each thread copies its own weight and scale bytes into its own shared-memory slots, `stages - 1` steps
 ahead, across span boundaries, and reads back only what it copied (so no barrier): the ring's
@@ -12,6 +12,10 @@ span length, tile and chunk count the launches use, both formats, and MXFP4's 16
 """
 from __future__ import annotations
 
+import __future__
+import ast
+import functools
+import inspect
 import itertools
 import types
 
@@ -90,6 +94,27 @@ class ThreadModel:
         return v
 
 
+@functools.cache
+def _methods_code(module, cls: str, wanted: tuple[str, ...]):
+    """The methods `wanted` of class `cls` compiled from the module's source without their decorators
+    (the DSL's jit rewrites a function once it has compiled it)."""
+    tree = ast.parse(inspect.getsource(module))
+    (klass,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
+    defs = [f for f in klass.body if isinstance(f, ast.FunctionDef) and f.name in wanted]
+    for f in defs:
+        f.decorator_list = []
+    return compile(ast.Module(body=defs, type_ignores=[]), inspect.getsourcefile(module), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+
+
+def _undecorated(module, cls: str, wanted: tuple[str, ...], names: dict) -> dict:
+    """_methods_code's functions, their globals `names`."""
+    scope = dict(names)
+    exec(_methods_code(module, cls, wanted), scope)
+    assert set(wanted) <= set(scope), set(wanted) - set(scope)
+    return {n: scope[n] for n in wanted}
+
+
 def _thread(params: dict, model: ThreadModel):
     """An object running the kernel's ring methods as plain Python on `model`, with W4A16RowsDot(**params)'s
     attributes; `mmas` and `stores` record what each step read and each span stored."""
@@ -105,13 +130,8 @@ def _thread(params: dict, model: ThreadModel):
              "const_expr": lambda v: v, "wait_flag": wait_flag,
              "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
 
-    def unwrapped(name):
-        f = getattr(w4.W4A16RowsDot, name)
-        raw = getattr(f, "__wrapped__", f)
-        return types.FunctionType(raw.__code__, names, raw.__name__, raw.__defaults__, raw.__closure__)
-
-    methods = {n: unwrapped(n) for n in ("_ring", "_stream", "_step", "_issue", "_issue_step", "_issue_scales",
-                                         "_scale_bits", "_slot", "_scale_block", "smem_bytes")}
+    methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_step", "_issue", "_issue_step", "_issue_scales",
+                                                "_scale_bits", "_slot", "_scale_block", "smem_bytes"), names)
     sim = type("ThreadRing", (), methods)()
     sim.__dict__.update(real.__dict__)
     sim.mmas, sim.stores = [], []
