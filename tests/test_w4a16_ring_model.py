@@ -123,6 +123,7 @@ def _thread(params: dict, model: ThreadModel):
     real = w4.W4A16RowsDot(**params)
     fake_cutlass = types.SimpleNamespace(range=lambda *a, unroll=None: range(*a), range_constexpr=range,
                                          min=min, Constexpr=int)
+
     def wait_flag(flag, tidx):  # the one-launch form's wait: noted with the groups still in flight
         model.events.append(("flag", len(model.groups)))
 
