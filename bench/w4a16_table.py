@@ -182,7 +182,7 @@ def run_w4a16(args) -> int:
             packed = packed_table(fmt, I, seed=I + 1)
             table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
             per_expert = kernel.packed_bytes(fmt, 1, I, L)
-            # the CuTe arms where its kernel takes this table (MXFP4; int4 with bf16 scales)
+            # the CuTe arms where its kernel takes this table (MXFP4; int4 with bf16 scales, K3FUSE_W4A16_CUTE_INT4)
             cute_missing = cute_accepts(RoutedExpertsW4A16Spec(tokens=1, E=E, I=I, L=L, top_k=K, dtype=torch.bfloat16,
                                                                format=fmt, scale_dtype=packed[1].dtype))
             cute_here = cute_missing is None

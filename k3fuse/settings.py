@@ -135,7 +135,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("K3FUSE_GEMV_MAX_M", "gemv_max_m", _positive_int, None,
              "largest token count the CuTe GEMV serves before split-K (default: measured per shape)"),
     Variable("K3FUSE_W4A16_ONE_LAUNCH", "w4a16_one_launch", _optional_flag, None,
-             "1/0: the MXFP4 routed experts at 1-2 tokens in one CuTe launch, or four (unset: the kernel's default)"),
+             "1/0: the 4-bit routed experts at 1-2 tokens in one CuTe launch, or four (unset: the kernel's default)"),
+    Variable("K3FUSE_W4A16_CUTE_INT4", "w4a16_cute_int4", _optional_flag, None,
+             "1/0: int4 routed experts (bf16 scales) on the CuTe kernel, or on Triton (unset: the kernel's default)"),
     Variable("K3FUSE_AR_PROTOCOL", "ar_protocol", _protocol, "lamport",
              "fused all-reduce completion protocol: lamport (sentinels) or flags (acquire/release)"),
     Variable("K3FUSE_AR_PDL", "ar_pdl", _flag, False,
@@ -164,6 +166,7 @@ class Settings:
     disable_triton: bool = False
     gemv_max_m: int | None = None
     w4a16_one_launch: bool | None = None
+    w4a16_cute_int4: bool | None = None
     ar_protocol: ArProtocol = "lamport"
     ar_pdl: bool = False
     ar_timeout_s: float | None = None

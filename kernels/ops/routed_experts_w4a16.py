@@ -206,11 +206,11 @@ def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
 
 
 def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
-    """The CuTe expert GEMMs: bf16 activations with MXFP4, or int4 with bf16 scales, at widths of whole
-    128-element steps (a thread quad's step along K); the grouping and the activation are the Triton
-    kernels', so Triton's coverage first."""
+    """The CuTe expert GEMMs: bf16 activations with MXFP4, or int4 with bf16 scales (where runs_int4), at
+    widths of whole 128-element steps (a thread quad's step along K); the grouping and the activation
+    are the Triton kernels', so Triton's coverage first."""
     from ..lib.cute import compat
-    from ..lib.cute.routed_experts_w4a16 import STEP
+    from ..lib.cute.routed_experts_w4a16 import STEP, runs_int4
 
     if (why := accepts(spec)) is not None:
         return why
@@ -221,6 +221,8 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
     if spec.dtype != torch.bfloat16 or spec.format == "int4" and spec.scale_dtype != torch.bfloat16:
         return (f"{spec.format} ({spec.scale_dtype} scales) with {spec.dtype} activations (the CuTe kernel runs "
                 f"bf16 activations with mxfp4, or int4 with bf16 scales)")
+    if spec.format == "int4" and not runs_int4():
+        return "int4 on the CuTe kernel is off by default (K3FUSE_W4A16_CUTE_INT4=1 turns it on)"
     if spec.I % STEP or spec.L % STEP:
         return f"I={spec.I}, L={spec.L} (the CuTe kernel needs multiples of {STEP})"
     return None

@@ -196,13 +196,14 @@ def test_k3_mxfp4_experts_initialise_on_one_gpu_and_grouped_spelling_matches_flo
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
-def test_4bit_layer_at_published_widths_error_is_explained(fmt):
+def test_4bit_layer_at_published_widths_error_is_explained(fmt, monkeypatch):
     """`k3fuse validate` on the k3 preset at I = 3072 with its routed experts as K3 ships them (MXFP4) and
     in Kimi K2.x's int4 format (`--set expert_format=int4`), TP 1, 5 tokens, 3 steps: stock and k3fuse
     against float64 on the dequantized weights, strict mode, no fallback, every routed-experts call on
-    the CuTe kernel."""
+    the CuTe kernel (int4 turned on there: K3FUSE_W4A16_CUTE_INT4)."""
     from k3fuse.tools import validate as v
 
+    monkeypatch.setenv("K3FUSE_W4A16_CUTE_INT4", "1")
     overrides = () if fmt == "mxfp4" else (("expert_format", fmt),)
     cfg = v.ValidateConfig(preset="k3", layers=1, tp=1, tokens=5, steps=3, device="cuda", layer_outputs=False,
                            timeout_s=900, overrides=overrides)

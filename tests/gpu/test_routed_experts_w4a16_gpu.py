@@ -111,6 +111,14 @@ class Experts:
 
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cute_int4():
+    """int4 on the CuTe kernel, which is off by default until these tests pass on a device."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("K3FUSE_W4A16_CUTE_INT4", "1")
+        yield
+
+
 def _cute_missing(experts) -> str | None:
     """Why the CuTe kernel does not run these experts, or None."""
     return cute_accepts(RoutedExpertsW4A16Spec(tokens=1, E=E, I=experts.I, L=L, top_k=K, dtype=BF16,

@@ -565,6 +565,17 @@ SCALE_STEPS = 1
 #: rather than four launches; off until an A/B shows it pays (docs/perf.md 0o); K3FUSE_W4A16_ONE_LAUNCH
 #: overrides it
 ONE_LAUNCH = False
+#: int4 tables (bf16 scales) on this kernel rather than the Triton one; off until the device checks it
+#: against float64 (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
+INT4 = False
+
+
+def runs_int4() -> bool:
+    """Whether int4 tables go to this kernel: K3FUSE_W4A16_CUTE_INT4 where set, else INT4."""
+    from k3fuse import settings
+
+    chosen = settings.get("K3FUSE_W4A16_CUTE_INT4")
+    return INT4 if chosen is None else chosen
 
 
 def _stages(steps: int, stages: int) -> int:
@@ -641,4 +652,4 @@ def down_params(I: int, L: int, config: dict, fmt: str) -> dict:
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx",
            "int4x8_ptx", "table_fakes", "table_views", "builder", "launch", "pick_config", "gate_up_params",
-           "down_params"]
+           "down_params", "runs_int4"]
