@@ -137,7 +137,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("K3FUSE_W4A16_ONE_LAUNCH", "w4a16_one_launch", _optional_flag, None,
              "1/0: the 4-bit routed experts at 1-2 tokens in one CuTe launch, or four (unset: the kernel's default)"),
     Variable("K3FUSE_W4A16_CUTE_INT4", "w4a16_cute_int4", _optional_flag, None,
-             "1/0: int4 routed experts (bf16 scales) on the CuTe kernel, or on Triton (unset: the kernel's default)"),
+             "1/0: int4 routed experts (bf16 scales) on the CuTe kernel, or on Triton (unset: the kernel's, CuTe)"),
     Variable("K3FUSE_AR_PROTOCOL", "ar_protocol", _protocol, "lamport",
              "fused all-reduce completion protocol: lamport (sentinels) or flags (acquire/release)"),
     Variable("K3FUSE_AR_PDL", "ar_pdl", _flag, False,

@@ -279,9 +279,8 @@ def test_kernel_covers_k3_shapes_and_names_its_limits():
 
 def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_leaves_to_triton(monkeypatch):
     """The CuTe expert GEMMs (priority over Triton) cover bf16 activations with MXFP4, or int4 with bf16
-    scales once K3FUSE_W4A16_CUTE_INT4 turns that on, at K3's widths at every token count; int4 by
-    default, int4 with fp16 or fp32 scales, fp16 activations and widths off 128-element steps are left
-    to Triton, each named."""
+    scales, at K3's widths at every token count; int4 with K3FUSE_W4A16_CUTE_INT4=0, int4 with fp16 or
+    fp32 scales, fp16 activations and widths off 128-element steps are left to Triton, each named."""
     pytest.importorskip("triton")
     from k3fuse.kernels import dispatch
     from k3fuse.kernels.lib.cute import compat
@@ -299,9 +298,9 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
         return RoutedExpertsW4A16Spec(tokens=T, E=896, I=I, L=3584, top_k=16, dtype=dtype, format=fmt,
                                       scale_dtype=scale_dtype)
 
-    assert cute_accepts(spec(8, fmt="int4")) == ("int4 on the CuTe kernel is off by default "
-                                                 "(K3FUSE_W4A16_CUTE_INT4=1 turns it on)")
-    monkeypatch.setenv("K3FUSE_W4A16_CUTE_INT4", "1")
+    monkeypatch.setenv("K3FUSE_W4A16_CUTE_INT4", "0")
+    assert cute_accepts(spec(8, fmt="int4")) == "int4 on the CuTe kernel is turned off (K3FUSE_W4A16_CUTE_INT4=0)"
+    monkeypatch.delenv("K3FUSE_W4A16_CUTE_INT4")
     for I in (3072, 1536, 384):
         for T in range(1, 65):
             assert cute_accepts(spec(T, I)) is None, (I, T)

@@ -222,7 +222,7 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
         return (f"{spec.format} ({spec.scale_dtype} scales) with {spec.dtype} activations (the CuTe kernel runs "
                 f"bf16 activations with mxfp4, or int4 with bf16 scales)")
     if spec.format == "int4" and not runs_int4():
-        return "int4 on the CuTe kernel is off by default (K3FUSE_W4A16_CUTE_INT4=1 turns it on)"
+        return "int4 on the CuTe kernel is turned off (K3FUSE_W4A16_CUTE_INT4=0)"
     if spec.I % STEP or spec.L % STEP:
         return f"I={spec.I}, L={spec.L} (the CuTe kernel needs multiples of {STEP})"
     return None
