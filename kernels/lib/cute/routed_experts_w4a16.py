@@ -565,8 +565,8 @@ SCALE_STEPS = 1
 #: rather than four launches; off until an A/B shows it pays (docs/perf.md 0o); K3FUSE_W4A16_ONE_LAUNCH
 #: overrides it
 ONE_LAUNCH = False
-#: int4 tables (bf16 scales) on this kernel rather than the Triton one: 1.45-1.9x faster at K3's widths
-#: (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
+#: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
+#: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
 INT4 = True
 
 
