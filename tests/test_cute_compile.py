@@ -340,7 +340,8 @@ def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, L: int = 3584, E: int = 
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     cfg = cute_config(T, E, I, L, k, **choices)
-    for name, params in (("gate_up", w4.gate_up_params(I, L, k, cfg, fmt)), ("down", w4.down_params(I, L, cfg, fmt))):
+    for name, params in (("gate_up", w4.gate_up_params(I, L, k, cfg, fmt)),
+                         ("down", w4.down_params(I, L, cfg, fmt, betas=(4.0, 25.0)))):
         key, build = w4.builder(**params)
         yield name, params, compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name)), (name, T, I, cfg)
 
@@ -429,6 +430,37 @@ def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
         assert len(re.findall(r"sub\.rn\.bf16x2", ptx)) == 32 * ring_loops, where
         ops = _ops(ptx)
         assert ops["ld.local"] == 0 and ops["st.local"] == 0, (where, ops)
+
+
+@needs_cute
+@pytest.mark.parametrize("T,I,fmt,choices", [(1, 3072, "mxfp4", {}), (2, 1536, "mxfp4", {}), (1, 384, "mxfp4", {}),
+                                             (1, 1536, "int4", {}),
+                                             (1, 3072, "mxfp4", {"gate_up_tiles": 2, "n_tiles": 2, "stages": 5})])
+def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
+    """The pairwise MLP in two launches whose CTAs stage their activation row in shared memory: the
+    gate/up reads a's row (natural order) with 16-byte read-only loads and stores it in word order, the
+    down sums the gate/up's fp32 partials and computes the SiTU-GLU (3 exponentials an element); one
+    barrier each, after the staging; the step loops read the activations from shared memory, never
+    global; no spills, no multicast."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+
+    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, x_stage=True, **choices):
+        ops = _ops(ptx)
+        ring_loops = 2 if params["k_span"] // w4.STEP > params["stages"] - 1 else 1
+        copies = 2 if fmt == "mxfp4" else 1  # MXFP4's ordinary and wide-scale loops
+        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+        assert mma == copies * 8 * ring_loops, (where, mma)
+        assert params["x_stage"] == ("natural" if name == "gate_up" else "situ"), where
+        assert params["n_tiles"] == choices.get("gate_up_tiles" if name == "gate_up" else "n_tiles", 1), where
+        # a step: the weights' 2 and the activations' 4 16-byte shared loads
+        assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 6, (where, ptx.count("ld.shared.v4"))
+        assert len(re.findall(r"st\.shared\.v4\.u32", ptx)) == 1, where  # the staging loop's store
+        assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == 1, where
+        # the only 16-byte global loads are the staging's: a's word, or g's and u's halves a split
+        nc = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
+        assert nc == (1 if name == "gate_up" else 4 * params["gu_splits"]), (where, nc)
+        assert ptx.count("ex2.approx") == (0 if name == "gate_up" else 24), where
+        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 
 
 @needs_cute

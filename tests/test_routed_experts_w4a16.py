@@ -543,6 +543,43 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices(monkeypatch):
     assert not cute_config(1, E, 3072, L, k, one_launch=False)["one_launch"]
 
 
+def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
+    """x_stage (the pairwise MLP in two launches whose CTAs stage their activation row): refused in
+    grouped mode, beside one_launch and with the quad order, by name; the gate/up stages a's rows
+    ("natural"), the down h from the gate/up's partials (its split) through SiTU's betas, which it then
+    needs; gate_up_tiles gives a gate/up CTA several row blocks and must divide w1's."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    cfg = cute_config(1, E, 1536, L, k, x_stage=True, gate_up_tiles=2)
+    gate_up, down = w4.gate_up_params(1536, L, k, cfg, "mxfp4"), w4.down_params(1536, L, cfg, "mxfp4", (4.0, 25.0))
+    assert cfg["x_stage"] and not cfg["x_quads"] and not cfg["one_launch"]
+    assert gate_up["x_stage"] == "natural" and gate_up["n_tiles"] == 2 and gate_up["top_k"] == k
+    assert down["x_stage"] == "situ" and down["gu_splits"] == cfg["split"] and (down["beta"], down["linear_beta"]) == (4.0, 25.0)
+    with pytest.raises(ValueError, match="needs SiTU's betas"):
+        w4.down_params(1536, L, cfg, "mxfp4")
+    # the four-launch form's keys are unchanged by the staged form's parameters
+    plain = cute_config(1, E, 1536, L, k, x_stage=False)
+    assert "x_stage" not in w4.down_params(1536, L, plain, "mxfp4") and not plain["x_stage"]
+    assert w4.builder(**w4.gate_up_params(1536, L, k, plain, "mxfp4"))[0] != w4.builder(**gate_up)[0]
+    with pytest.raises(ValueError, match="x_stage runs pairwise mode only"):
+        cute_config(64, E, 1536, L, k, x_stage=True)
+    with pytest.raises(ValueError, match="choose one"):
+        cute_config(1, E, 1536, L, k, x_stage=True, one_launch=True)
+    with pytest.raises(ValueError, match="word order"):
+        cute_config(1, E, 1536, L, k, x_stage=True, x_quads=True)
+    with pytest.raises(ValueError, match="gate_up_tiles 5 does not divide the 24 row blocks"):
+        cute_config(1, E, 1536, L, k, gate_up_tiles=5)
+    # fewer, longer gate/up CTAs: the split rule counts them
+    assert cute_config(1, E, 384, L, k, gate_up_tiles=2)["split"] >= cute_config(1, E, 384, L, k)["split"]
+    monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "1")  # the setting decides pairwise mode, never grouped
+    assert cute_config(1, E, 3072, L, k)["x_stage"] and not cute_config(64, E, 3072, L, k)["x_stage"]
+    assert not cute_config(1, E, 3072, L, k, one_launch=True)["x_stage"]
+    monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "0")
+    assert not cute_config(1, E, 3072, L, k)["x_stage"]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_one_launch_params_are_the_two_launches_with_one_scale_copy_a_step(fmt):
     """The one-launch form runs the two row kernels' tiles as cute_config chose them (split, stages,

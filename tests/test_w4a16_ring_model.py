@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(not compat.HAVE_CUTE, reason=f"nvidia-cutlass-ds
 
 TOP_K = 4
 X_BASE, W_BASE, S_BASE, O_BASE = 1 << 40, 2 << 40, 3 << 40, 4 << 40  # tagged global addresses
+X_SMEM = 1 << 20  # the staged activation row (x_stage), past any ring
 
 
 class RaceError(AssertionError):
@@ -127,6 +128,14 @@ def _thread(params: dict, model: ThreadModel):
     def wait_flag(flag, tidx):  # the one-launch form's wait: noted with the groups still in flight
         model.events.append(("flag", len(model.groups)))
 
+    def stage_x(x_base, x_smem, pair, P, k_begin, tidx):
+        """The staged row (x_stage), as the CTA leaves it: position j of the span in shared memory holds
+        the bf16 at global word-order position k_begin + j of the pair's row (its tag)."""
+        model.events.append(("stage", len(model.groups)))
+        row = pair // real.top_k if real.x_stage == "natural" else pair
+        for b in range(2 * real.k_span):
+            model.smem[x_smem + b] = x_base + (row * real.K + k_begin) * 2 + b
+
     names = {**w4.__dict__, "compat": model, "cutlass": fake_cutlass, "Int32": int, "Int64": int, "Float32": float,
              "const_expr": lambda v: v, "wait_flag": wait_flag,
              "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
@@ -136,6 +145,7 @@ def _thread(params: dict, model: ThreadModel):
     sim = type("ThreadRing", (), methods)()
     sim.__dict__.update(real.__dict__)
     sim.mmas, sim.stores = [], []
+    sim._stage_x = stage_x
     sim._mmas = lambda acc, wa, wb, sa, sb, xs, one_multiply: sim.mmas.append((wa, wb, sa, sb, [x[0] for x in xs]))
     sim._store = lambda acc, o_base, split, P, col_off, row, first, m0, size, t, rows: sim.stores.append((row, m0))
     return sim
@@ -172,15 +182,15 @@ def _run(p: dict, tidx: int, size: int, wait_short: bool = False):
     k_begin = split * p["k_span"]
     rows = list(range(40, 40 + first + size + 8))[::-1]  # grouped: a permutation of pair ids
     sim._ring([0.0] * 4, W_BASE, S_BASE, X_BASE, O_BASE, block, 0, k_begin, e, first, size, split, 64, rows, tidx,
-              0, 0)
+              0, 0, X_SMEM)
     sim.events, sim.written = model.events, model.written
     return sim, list(_expected(p, tidx, e, block, k_begin, first, size, rows))
 
 
-def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False):
+def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False, x_stage=""):
     return dict(N=1024, K=K, k_span=k_span, top_k=TOP_K, out_fp32=False, out_stride=1024, blocks_a=16, col_b=0,
                 pairwise=pairwise, warps=4, n_tiles=n_tiles, stages=stages, rows_first=True, x_quads=x_quads,
-                scale_steps=scale_steps, fmt=fmt, waits=waits)
+                scale_steps=scale_steps, fmt=fmt, waits=waits, x_stage=x_stage)
 
 
 def _cases():
@@ -199,21 +209,31 @@ def _cases():
 
 @pytest.mark.parametrize("fmt,K,k_span,stages,scale_steps", list(_cases()))
 def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_steps):
-    # (row tiles a CTA, the group's pairs, pairwise, quad order, thread, the one-launch form's flag wait)
-    launches = ((1, 1, True, False, 0, False), (2, 1, True, True, 77, False), (1, 9, False, True, 37, False),
-                (2, 20, False, True, 127, False), (8, 3, False, False, 5, False), (1, 1, True, False, 70, True))
-    for n_tiles, size, pairwise, x_quads, tidx, waits in launches:
-        p = _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits)
+    # (row tiles a CTA, the group's pairs, pairwise, quad order, thread, the one-launch form's flag wait,
+    # the activations staged: the gate/up's natural row, or (a whole-K span, top-k 1) the down's h)
+    launches = [(1, 1, True, False, 0, False, ""), (2, 1, True, True, 77, False, ""), (1, 9, False, True, 37, False, ""),
+                (2, 20, False, True, 127, False, ""), (8, 3, False, False, 5, False, ""),
+                (1, 1, True, False, 70, True, ""), (1, 1, True, False, 45, False, "natural"),
+                (2, 1, True, False, 126, False, "natural")]
+    if k_span == K:
+        launches.append((2, 1, True, False, 3, False, "situ"))
+    for n_tiles, size, pairwise, x_quads, tidx, waits, x_stage in launches:
+        p = _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits, x_stage)
+        if x_stage == "situ":
+            p["top_k"] = 1
         sim, want = _run(p, tidx, size)
-        where = (n_tiles, size, pairwise, tidx, waits)
+        where = (n_tiles, size, pairwise, tidx, waits, x_stage)
         assert len(sim.mmas) == len(want), (where, len(sim.mmas), len(want))
         for step, (got, expect) in enumerate(zip(sim.mmas, want)):
             assert got == expect, (where, step, got, expect)
         rows = [s[0] for s in sim.stores]
         assert len(sim.stores) == n_tiles * -(-size // 8) and rows == sorted(rows), (where, sim.stores)
         # the weight-only rule (the one-launch form): the flag is waited for with the first stages' weights
-        # and scales in flight, and before any activation is read
-        assert sim.events[0] == (("flag", stages - 1) if waits else ("x",)), (where, sim.events[:2])
+        # and scales in flight, and before any activation is read; a staged row is staged with them in
+        # flight, and no activation is read from global memory after it
+        first = ("flag", stages - 1) if waits else ("stage", stages - 1) if x_stage else ("x",)
+        assert sim.events[0] == first, (where, sim.events[:2])
+        assert not x_stage or sim.events == [first], (where, sim.events[:3])
 
 
 @pytest.mark.parametrize("fmt,scale_steps", [("mxfp4", 1), ("mxfp4", 4), ("int4", 1)])

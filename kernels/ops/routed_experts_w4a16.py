@@ -232,8 +232,8 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
                 stages: int | None = None, **choices: int | bool) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
     then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
-    it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / down_stages /
-    rows_first / x_quads / scale_steps / one_launch, imposed)."""
+    it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / gate_up_tiles /
+    down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage, imposed)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
@@ -246,8 +246,9 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
              situ_linear_beta, format, table=None, out: torch.Tensor | None = None, config: dict | None = None,
              **_) -> torch.Tensor:
-    """z [T*k, L]: the Triton grouping, the CuTe gate/up, the Triton SiTU-GLU, the CuTe down; or, with
-    the config's one_launch (pairwise), all of it in one CuTe launch. `out`: a [T*k, L] buffer to write
+    """z [T*k, L]: the Triton grouping, the CuTe gate/up, the Triton SiTU-GLU, the CuTe down; with the
+    config's x_stage (pairwise), the CuTe gate/up and down alone, each CTA staging its activations; or
+    with its one_launch (pairwise), all of it in one CuTe launch. `out`: a [T*k, L] buffer to write
     instead; `config`: cute_config's result to use."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
@@ -276,6 +277,15 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
     if rows is None:  # pairwise: the launches read neither (empty: no memset in a captured graph)
         rows = groups = experts.new_empty(4, dtype=torch.int32)
     gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
+    if cfg["x_stage"]:  # pairwise, two launches: the CTAs stage a's rows and h themselves
+        a = a.contiguous()
+        if a.data_ptr() % 16:  # the gate/up reads a with 16-byte loads, where it lies (a view may be off)
+            a = a.clone()
+        cute_kernel.launch(a, w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
+                           **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
+        cute_kernel.launch(gu, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
+                           **cute_kernel.down_params(I, L, cfg, format, (situ_beta, situ_linear_beta)))
+        return z
     cute_kernel.launch(tri.word_order(a, cfg["x_quads"]), w1_packed, w1_scale, w3_packed, w3_scale, gu, experts,
                        rows, groups, **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
     h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True, quads=cfg["x_quads"])

@@ -263,7 +263,13 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
 #: --cute-choices arms time), each against float64
 CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": False},
                 "scale_blocks": {"scale_steps": 4}, "one_launch": {"one_launch": True},
-                "one_launch_quads": {"one_launch": True, "x_quads": True}}
+                "one_launch_quads": {"one_launch": True, "x_quads": True},
+                "x_stage": {"x_stage": True},
+                "x_stage_long": {"x_stage": True, "gate_up_tiles": 2, "n_tiles": 2, "split": 1,
+                                 "stages": 5},
+                "gate_up_tiles": {"gate_up_tiles": 2}}
+#: the pairwise MLP's other forms (a CTA's one pair): no grouped launch
+PAIRWISE_ONLY = ("one_launch", "x_stage")
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))
@@ -276,8 +282,8 @@ def test_cute_launch_choices_against_float64(experts, T, choice):
         pytest.skip("the scale blocks are MXFP4's: int4's launches keep one scale copy a step")
     a, ids = tokens(T, seed=500 + T, crowded=T == 17)
     ref = experts.reference(a, ids)
-    one_launch = CUTE_CHOICES[choice].get("one_launch", False)
-    for pairwise in (True,) if one_launch else (True, False):  # (one launch runs pairwise)
+    pairwise_only = any(CUTE_CHOICES[choice].get(c) for c in PAIRWISE_ONLY)
+    for pairwise in (True,) if pairwise_only else (True, False):
         cfg = cute_config(T, E, experts.I, L, K, pairwise=pairwise, **CUTE_CHOICES[choice])
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
         _check(cute_run(*experts.args(a, ids), out=out, config=cfg), ref, (experts.I, T, choice, cfg))
@@ -321,6 +327,35 @@ def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
     z64, zbf = experts.reference(a, ids)
     _check(out[keep], (z64[keep], zbf[keep]), (experts.I, "ids outside the table"))
     assert _one_launch_states_are_zero()
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_x_stage_graph_replays_against_float64(experts, T):
+    """The pairwise MLP in two launches whose CTAs stage a's rows and h (the SiTU-GLU of the gate/up's
+    partials) themselves, under 1000 CUDA-graph replays on changing tokens and experts."""
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    cfg = cute_config(T, E, experts.I, L, K, x_stage=True)
+    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
+                             "x_stage")
+
+
+def test_x_stage_leaves_out_expert_ids_outside_the_table(experts):
+    """Pairs whose expert id is outside [0, E) are left out by both staged launches (the down never
+    reads their unwritten partials into a stored row); the others are right."""
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    a, ids = tokens(2, seed=12)
+    bad = torch.tensor([1, 6, 18, 30], device=DEV)
+    outside = ids.clone()
+    outside[bad] = torch.tensor([-1, E, -7, E + 3], device=DEV)
+    out = torch.full((2 * K, L), float("nan"), device=DEV, dtype=BF16)
+    cute_run(*experts.args(a, outside), out=out, config=cute_config(2, E, experts.I, L, K, x_stage=True))
+    keep = torch.ones(2 * K, dtype=torch.bool, device=DEV)
+    keep[bad] = False
+    z64, zbf = experts.reference(a, ids)
+    _check(out[keep], (z64[keep], zbf[keep]), (experts.I, "x_stage, ids outside the table"))
+    assert torch.isnan(out[bad]).all()  # nothing stored for them
 
 
 def test_op_strict_counts_the_kernel(experts):

@@ -298,6 +298,13 @@ if HAVE_CUTE:
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
+    def st_shared_v4(smem, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
+        """16 bytes, four 32-bit words, to shared memory; 16-byte aligned."""
+        words = [Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]
+        _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip)] + words, "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
+             "r,r,r,r,r")
+
+    @dsl_user_op
     def st_shared_b32(smem, v, *, loc=None, ip=None) -> None:
         _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
              "st.shared.b32 [$0], $1;", "r,r")

@@ -44,6 +44,7 @@ import torch
 
 from .compat import SELF as compat
 
+LOG2E = 1.4426950408889634
 STEP = 128  # elements of a row a thread quad covers per step (4 threads x 32: one group each)
 ROWS_PER_WARP = 16
 PAIRS_PER_MMA = 8
@@ -144,13 +145,50 @@ if compat.HAVE_CUTE:
                         compat.trap()
         cute.arch.sync_threads()
 
+    def word_order_x8(v) -> tuple:
+        """A 16-byte word of 8 bf16 elements (four 32-bit words) in word_order: register j holds elements
+        (j, j + 4)."""
+        return (compat.prmt(v[0], v[2], 0x5410), compat.prmt(v[0], v[2], 0x7632),
+                compat.prmt(v[1], v[3], 0x5410), compat.prmt(v[1], v[3], 0x7632))
+
+    def _exp(x):
+        return compat.exp2(x * LOG2E)
+
+    def _tanh(x):
+        return Float32(2.0) / (Float32(1.0) + _exp(x * -2.0)) - Float32(1.0)
+
+    def situ_glu_x8(gu_base, pair, P, w, I: int, splits: int, beta: float, linear_beta: float,
+                    through_l2: bool) -> tuple:
+        """Elements 8w .. 8w + 7 of h[pair] = situ_glu(g, u) from the fp32 partials gu [splits, P, 2I], in
+        word_order (four bf16x2 words): the splits summed, g and u rounded to bf16, SiTU in fp32, each
+        rounded to bf16 (the Triton SiTU-GLU's numerics). `through_l2`: gu written in this launch."""
+        load = compat.ld_cg_v4 if through_l2 else compat.ld_nc_v4
+        g = [Float32(0.0)] * 8
+        u = [Float32(0.0)] * 8
+        for s in range(splits):
+            at = gu_base + ((Int64(s) * P + pair) * (2 * I) + 8 * w) * 4
+            for half in range(2):
+                gv = load(at + 16 * half)
+                uv = load(at + I * 4 + 16 * half)
+                for j in range(4):
+                    g[4 * half + j] = g[4 * half + j] + compat.b32_as_f32(gv[j])
+                    u[4 * half + j] = u[4 * half + j] + compat.b32_as_f32(uv[j])
+        act = []
+        for j in range(8):
+            gr = compat.round_bf16(g[j])
+            ur = compat.round_bf16(u[j])
+            sigmoid = Float32(1.0) / (Float32(1.0) + _exp(-gr))
+            act.append(beta * _tanh(gr / beta) * sigmoid * (linear_beta * _tanh(ur / linear_beta)))
+        return tuple(compat.bf16x2(act[j], act[j + 4]) for j in range(4))
+
     class W4A16RowsDot:
         """out[pair, n] = sum_k x[xrow(pair), k] * W[e, n, k] over one K span, W in `fmt` (MXFP4, int4 with
         bf16 scales), bf16 x (word order)."""
 
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
-                     rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False):
+                     rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False,
+                     x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             self.fmt = fmt
             self.scale_row = K // 32 * SCALE_BYTES[fmt]  # bytes of a row's scales
@@ -167,13 +205,21 @@ if compat.HAVE_CUTE:
             # issues its first weights, then waits for a flag, then reads them through L2, never by the
             # read-only path (ld.global.nc is for bytes no one writes while the kernel runs)
             self.waits = waits
+            # pairwise (a CTA's one pair), its activations' row staged in shared memory in word order by
+            # the CTA first: "natural", from a in natural order (the gate/up, no word-order copy before
+            # it); "situ", h = situ_glu of the gate/up's gu_splits fp32 partials (the down, no SiTU-GLU
+            # launch before it; SiTU's betas then fixed here)
+            assert x_stage in ("", "natural", "situ")
+            assert not x_stage or pairwise and not waits and not x_quads
+            assert x_stage != "situ" or k_span == K and top_k == 1
+            self.x_stage, self.gu_splits, self.beta, self.linear_beta = x_stage, gu_splits, beta, linear_beta
             # 16-byte scale copies: aligned rows and block starts, blocks that never straddle a span, and
             # block b + 2 issued (at step 4b + 8 - (stages - 1)) after block b's last read (4b + 3)
             assert scale_steps == 1 or (scale_steps == 4 and scale_blocks_fit(K, k_span) and stages <= 5
                                         and fmt == "mxfp4")
-            # gate/up: w1's blocks then w3's, one a CTA; down: n_tiles blocks of w2 a CTA
-            self.grid_y = 2 * blocks_a if col_b > 0 else blocks_a // n_tiles
-            assert col_b > 0 and n_tiles == 1 or col_b == 0 and blocks_a % n_tiles == 0
+            # gate/up: n_tiles blocks of w1 a CTA, then of w3; down: n_tiles blocks of w2 a CTA
+            assert blocks_a % n_tiles == 0
+            self.grid_y = (2 if col_b > 0 else 1) * blocks_a // n_tiles
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
@@ -199,15 +245,20 @@ if compat.HAVE_CUTE:
                 col, gid, split = cute.arch.block_idx()
             smem = compat.SmemAllocator()
             ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.smem_bytes()))
-            self.tile(gid, col, split, tidx, ring, Int64(0), mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups)
+            x_smem = Int32(0)
+            if const_expr(self.x_stage):
+                x_smem = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.x_stage_bytes(), byte_alignment=16))
+            self.tile(gid, col, split, tidx, ring, Int64(0), mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups,
+                      x_smem)
 
         @cute.jit
         def tile(self, gid, col, split, tidx, ring, flag, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
                  mWb: cute.Tensor, mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
-                 mGroups: cute.Tensor):
-            """One CTA's work: row block `col` of group `gid` over K span `split`, its ring at shared address
-            `ring` (smem_bytes()); with `waits`, the activations once the int32 at `flag` is nonzero. The
-            group's size (0: an expert id outside [0, E), nothing done)."""
+                 mGroups: cute.Tensor, x_smem):
+            """One CTA's work: row blocks `col` of group `gid` over K span `split`, its ring at shared address
+            `ring` (smem_bytes()); with `waits`, the activations once the int32 at `flag` is nonzero; with
+            `x_stage`, the activations staged at shared address `x_smem` (x_stage_bytes()). The group's
+            size (0: an expert id outside [0, E), nothing done)."""
             P = mExperts.shape[0]
             E = mSa.shape[0] // self.N
 
@@ -232,10 +283,10 @@ if compat.HAVE_CUTE:
             block = col * self.n_tiles
             col_off = Int32(0)
             if const_expr(self.col_b > 0):
-                if col >= self.blocks_a:
+                if col >= self.blocks_a // self.n_tiles:
                     w_base = compat.address(mWb.iterator)
                     s_base = compat.address(mSb.iterator)
-                    block = col - self.blocks_a
+                    block = (col - self.blocks_a // self.n_tiles) * self.n_tiles
                     col_off = Int32(self.col_b)
             x_base = compat.address(mX.iterator)
             o_base = compat.address(mOut.iterator)
@@ -244,12 +295,12 @@ if compat.HAVE_CUTE:
             acc = cute.make_rmem_tensor((4,), Float32)
             if size > 0:
                 self._ring(acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
-                           mRows, tidx, ring, flag)
+                           mRows, tidx, ring, flag, x_smem)
             return size
 
         @cute.jit
         def _ring(self, acc, w_base, s_base, x_base, o_base, block, col_off, k_begin, e, first, size, split, P,
-                  mRows, tidx, ring, flag):
+                  mRows, tidx, ring, flag, x_smem):
             """The CTA's work as a stream of spans (a tile's rows by a chunk of 8 pairs, K steps each), the
             weights and scales `stages - 1` steps ahead in flight by cp.async, across span boundaries:
             each thread copies its own bytes into its own shared-memory slots and reads them back, so no
@@ -281,6 +332,9 @@ if compat.HAVE_CUTE:
                     bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
+            if const_expr(self.x_stage):  # the weights above are in flight while the row is staged
+                self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
+                x_base = Int64(x_smem)
             if const_expr(self.fmt == "int4"):  # one multiply a register at every scale
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
                              ring, scale_ring, w_at, s_at, True)
@@ -322,7 +376,10 @@ if compat.HAVE_CUTE:
                 if const_expr(not self.pairwise):
                     pair = mRows[n]
                 # this thread's word 0 of the step: group t's first 8 elements (word_order, quads or not)
-                x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + (8 if self.x_quads else 32) * t) * 2
+                if const_expr(self.x_stage):  # the staged row (shared memory): the span's words from 0
+                    x_at = x_base + 64 * t
+                else:
+                    x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + (8 if self.x_quads else 32) * t) * 2
                 for i in cutlass.range_constexpr(4):
                     acc[i] = Float32(0.0)
                 # the next span: the same rows for the next chunk, else the next tile's
@@ -361,7 +418,9 @@ if compat.HAVE_CUTE:
             THREADS: cutlass.Constexpr = 32 * self.warps
             SLOT: cutlass.Constexpr = self._slot()
             compat.cp_async_commit()
-            if const_expr(self.waits):
+            if const_expr(self.x_stage):
+                xs = [compat.ld_shared_v4(Int32(x_at + 16 * q)) for q in range(4)]
+            elif const_expr(self.waits):
                 xs = [compat.ld_cg_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
             else:
                 xs = [compat.ld_nc_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
@@ -390,6 +449,26 @@ if compat.HAVE_CUTE:
             if c_slot == D * SLOT:
                 c_slot = Int32(0)
             return p_slot, c_slot, c_block
+
+        @cute.jit
+        def _stage_x(self, x_base, x_smem, pair, P, k_begin, tidx):
+            """The CTA's activation row over its K span into shared memory at x_smem, in word order: a's
+            row of the pair ("natural"), or h's from the gate/up's partials at x_base ("situ"); then a
+            barrier (other threads' words are read)."""
+            THREADS: cutlass.Constexpr = 32 * self.warps
+            for w in cutlass.range(tidx, self.k_span // 8, THREADS, unroll=1):
+                if const_expr(self.x_stage == "natural"):
+                    words = word_order_x8(compat.ld_nc_v4(x_base + (Int64(pair // self.top_k) * self.K + k_begin
+                                                                    + 8 * w) * 2))
+                else:
+                    words = situ_glu_x8(x_base, pair, P, w, self.K, self.gu_splits, self.beta, self.linear_beta,
+                                        False)
+                compat.st_shared_v4(x_smem + 16 * w, words[0], words[1], words[2], words[3])
+            cute.arch.sync_threads()
+
+        def x_stage_bytes(self) -> int:
+            """The staged activation row's shared memory (x_stage): the K span in bf16."""
+            return 2 * self.k_span if self.x_stage else 0
 
         def smem_bytes(self) -> int:
             """The ring's shared memory: `stages` stages and, scale_steps 4, two scale blocks."""
@@ -508,16 +587,24 @@ def table_views(w, s, K: int) -> tuple:
 
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
             col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
-            scale_steps: int, fmt: str):
-    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic."""
+            scale_steps: int, fmt: str, x_stage: str = "", gu_splits: int = 1, beta: float = 0.0,
+            linear_beta: float = 0.0):
+    """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic.
+    The activations: bf16 [T, K] (word order, or natural with x_stage "natural"), or with x_stage "situ"
+    the gate/up's fp32 partials, flat."""
     params = dict(N=N, K=K, k_span=k_span, top_k=top_k, out_fp32=out_fp32, out_stride=out_stride,
                   blocks_a=blocks_a, col_b=col_b, pairwise=pairwise, warps=warps, n_tiles=n_tiles, stages=stages,
                   rows_first=rows_first, x_quads=x_quads, scale_steps=scale_steps, fmt=fmt)
+    if x_stage:  # (the key of a launch without it unchanged)
+        params.update(x_stage=x_stage, gu_splits=gu_splits, beta=float(beta), linear_beta=float(linear_beta))
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
         sym = cute.sym_int
-        x = compat.fake_tensor(cutlass.BFloat16, (sym(), K), (K, 1))
+        if x_stage == "situ":
+            x = compat.fake_tensor(cutlass.Float32, (sym(),), (1,))
+        else:
+            x = compat.fake_tensor(cutlass.BFloat16, (sym(), K), (K, 1))
         (wa, sa), (wb, sb) = table_fakes(fmt, K), table_fakes(fmt, K)
         out = compat.fake_tensor(cutlass.Float32 if out_fp32 else cutlass.BFloat16, (sym(),), (1,), align=4)
         experts = compat.fake_tensor(cutlass.Int64, (sym(),), (1,), align=8)
@@ -530,10 +617,13 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
 
 
 def launch(x, wa, sa, wb, sb, out, experts, rows, groups, **params) -> None:
-    """One compiled launch (CUDA tensors, contiguous; rows/groups any int32 tensor in pairwise mode).
-    Scale tables off 16-byte alignment (views; the op asks 4) take the 4-byte scale copies."""
+    """One compiled launch (CUDA tensors, contiguous; rows/groups any int32 tensor in pairwise mode; x
+    16-byte aligned, with x_stage "situ" the gate/up's partials gu). Scale tables off 16-byte alignment
+    (views; the op asks 4) take the 4-byte scale copies."""
     if params["scale_steps"] > 1 and (sa.data_ptr() % 16 or sb.data_ptr() % 16):
         params = {**params, "scale_steps": 1}
+    if params.get("x_stage") == "situ":
+        x = x.view(-1)
     key, build = builder(**params)
     K = params["K"]
     compat.compiled(key, build)(x, *table_views(wa, sa, K), *table_views(wb, sb, K), out.view(-1), experts, rows,
@@ -565,6 +655,13 @@ SCALE_STEPS = 1
 #: rather than four launches; off until an A/B shows it pays (docs/perf.md 0o); K3FUSE_W4A16_ONE_LAUNCH
 #: overrides it
 ONE_LAUNCH = False
+#: pairwise, each CTA stages its pair's activation row in shared memory: the gate/up from a in natural
+#: order, the down h from the gate/up's partials (its SiTU-GLU), so that 1-2 tokens take two launches
+#: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them); K3FUSE_W4A16_X_STAGE
+#: overrides it
+X_STAGE = False
+#: pairwise, a gate/up CTA's row blocks (of w1 or of w3): more than 1 makes fewer, longer CTAs
+GATE_UP_TILES_PAIRWISE = 1
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
 INT4 = True
@@ -587,31 +684,45 @@ def _stages(steps: int, stages: int) -> int:
 def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise: bool = False,
                 split: int | None = None, n_tiles: int | None = None, down_stages: int | None = None,
                 rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS,
-                one_launch: bool | None = None) -> dict:
+                one_launch: bool | None = None, x_stage: bool | None = None,
+                gate_up_tiles: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
-    pairwise, one launch or four. I and L whole 128-element steps (the op's predicate). `split`,
-    `n_tiles`, `down_stages` (the down's ring depth; default `stages`), `rows_first`, `x_quads`,
-    `scale_steps` and `one_launch` impose a choice instead (the benchmark's A/B arms)."""
+    pairwise, one launch or four, and the activations staged by each CTA or not (`x_stage`). I and L
+    whole 128-element steps (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's
+    row blocks), `down_stages` (the down's ring depth; default `stages`), `rows_first`, `x_quads`,
+    `scale_steps`, `one_launch` and `x_stage` impose a choice instead (the benchmark's A/B arms)."""
+    from k3fuse import settings
+
     if scale_steps not in (1, 4):
         raise ValueError(f"scale_steps {scale_steps} (1 or 4: a 4-byte or a 16-byte copy of a row's scale words)")
     if one_launch and not pairwise:
         raise ValueError("one_launch runs pairwise mode only (its tiles wait on a group's gate/up: a pair's)")
+    if x_stage and not pairwise:
+        raise ValueError("x_stage runs pairwise mode only (a CTA stages its one pair's activation row)")
     if one_launch is None:
-        from k3fuse import settings
-
         chosen = settings.get("K3FUSE_W4A16_ONE_LAUNCH")
         one_launch = pairwise and (ONE_LAUNCH if chosen is None else chosen)
+    if x_stage is None:
+        chosen = settings.get("K3FUSE_W4A16_X_STAGE")
+        x_stage = pairwise and not one_launch and (X_STAGE if chosen is None else chosen)
+    if x_stage and one_launch:
+        raise ValueError("x_stage and one_launch are two forms of the pairwise MLP: choose one")
+    if x_stage and x_quads:
+        raise ValueError("x_stage stages the activations in word order (the quad order is grouped mode's)")
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
+    gate_up_tiles = (GATE_UP_TILES_PAIRWISE if pairwise else 1) if gate_up_tiles is None else gate_up_tiles
+    if gate_up_tiles < 1 or (I // BLOCK_ROWS) % gate_up_tiles:
+        raise ValueError(f"gate_up_tiles {gate_up_tiles} does not divide the {I // BLOCK_ROWS} row blocks of w1 / w3")
     steps = L // STEP
     if split is None:
         split = 1
         for cand in range(1, steps + 1):  # the smallest divisor of the steps that reaches the target
             if steps % cand == 0:
                 split = cand
-                if groups * 2 * (I // BLOCK_ROWS) * cand >= TARGET_CTAS or cand >= 8:
+                if groups * 2 * (I // BLOCK_ROWS) // gate_up_tiles * cand >= TARGET_CTAS or cand >= 8:
                     break
     blocks = L // BLOCK_ROWS
     if n_tiles is None:
@@ -624,7 +735,8 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     down_stages = stages if down_stages is None else down_stages
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
-            "scale_steps": scale_steps, "one_launch": one_launch}
+            "scale_steps": scale_steps, "one_launch": one_launch, "x_stage": bool(x_stage),
+            "gate_up_tiles": gate_up_tiles}
 
 
 def _scale_steps(K: int, k_span: int, config: dict, fmt: str) -> int:
@@ -637,17 +749,24 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
     """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]. `config`:
     pick_config's keys and the grouping's "pairwise"; `fmt`: the tables' format."""
     return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
-                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS, n_tiles=1,
-                stages=config["gate_up_stages"], rows_first=config["rows_first"], x_quads=config["x_quads"],
-                scale_steps=_scale_steps(L, L // config["split"], config, fmt), fmt=fmt)
+                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
+                n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
+                x_quads=config["x_quads"], scale_steps=_scale_steps(L, L // config["split"], config, fmt), fmt=fmt,
+                x_stage="natural" if config["x_stage"] else "")
 
 
-def down_params(I: int, L: int, config: dict, fmt: str) -> dict:
-    """builder's parameters for w2: bf16 into z [P, L] (`config`, `fmt` as gate_up_params)."""
-    return dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
-                pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
-                rows_first=config["rows_first"], x_quads=config["x_quads"],
-                scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt)
+def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, float] | None = None) -> dict:
+    """builder's parameters for w2: bf16 into z [P, L] (`config`, `fmt` as gate_up_params); with the config's
+    x_stage, from the gate/up's partials through SiTU's `betas` (beta, linear beta)."""
+    params = dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
+                  pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
+                  rows_first=config["rows_first"], x_quads=config["x_quads"],
+                  scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt)
+    if config["x_stage"]:
+        if betas is None:
+            raise ValueError("x_stage: the down computes the SiTU-GLU, so it needs SiTU's betas")
+        params.update(x_stage="situ", gu_splits=config["split"], beta=float(betas[0]), linear_beta=float(betas[1]))
+    return params
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx",

@@ -34,23 +34,14 @@ from .routed_experts_w4a16 import WARPS, down_params, gate_up_params, table_fake
 
 THREADS = 32 * WARPS  # the row kernels' CTA
 STATE_HEAD = 3  # ticket, exits, x's flag
-LOG2E = 1.4426950408889634
 
 if compat.HAVE_CUTE:
     import cutlass
-    from cutlass import Float32, Int32, Int64, const_expr
+    from cutlass import Int32, Int64, const_expr
 
-    from .routed_experts_w4a16 import W4A16RowsDot, wait_flag
+    from .routed_experts_w4a16 import W4A16RowsDot, situ_glu_x8, wait_flag, word_order_x8
 
     cute = compat.cute
-
-    @cute.jit
-    def _exp(x):
-        return compat.exp2(x * LOG2E)
-
-    @cute.jit
-    def _tanh(x):
-        return Float32(2.0) / (Float32(1.0) + _exp(x * -2.0)) - Float32(1.0)
 
     class W4A16OneLaunch:
         """z [P, L] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // top_k], w3[e_p] @ a[p // top_k]), pairwise."""
@@ -104,7 +95,7 @@ if compat.HAVE_CUTE:
                 gid = t // GU
                 split = (t % GU) // self.gu.grid_y
                 size = self.gu.tile(gid, t % self.gu.grid_y, split, tidx, ring, x_flag, mX, mW1, mS1, mW3, mS3,
-                                    mGU, mExperts, mExperts, mExperts)
+                                    mGU, mExperts, mExperts, mExperts, Int32(0))
                 if size > 0:  # (an expert id outside [0, E): no tile of its group counts, waits or works)
                     compat.fence_acq_rel_gpu()  # this thread's partials before the count
                     last = self._count(said, tidx, counts + 4 * gid)
@@ -119,7 +110,7 @@ if compat.HAVE_CUTE:
                 t = ticket - 1 - P * GU
                 gid = t // DN
                 self.dn.tile(gid, t % DN, 0, tidx, ring, flags + 4 * gid, mH, mW2, mS2, mW2, mS2, mZ, mExperts,
-                             mExperts, mExperts)
+                             mExperts, mExperts, Int32(0))
 
             # the last CTA out zeroes the state for the next launch: every other CTA is past its waits
             exits = self._count(said, tidx, state + 4)
@@ -160,42 +151,18 @@ if compat.HAVE_CUTE:
             for i in cutlass.range(tidx, T * WORDS, THREADS, unroll=1):
                 row = i // WORDS
                 w = i % WORDS
-                v = compat.ld_nc_v4(a_base + Int64(i) * 16)
-                compat.st_v4_b32(x_base + (Int64(row) * WORDS + self._word_at(w)) * 16, compat.prmt(v[0], v[2], 0x5410),
-                                 compat.prmt(v[0], v[2], 0x7632), compat.prmt(v[1], v[3], 0x5410),
-                                 compat.prmt(v[1], v[3], 0x7632))
+                words = word_order_x8(compat.ld_nc_v4(a_base + Int64(i) * 16))
+                compat.st_v4_b32(x_base + (Int64(row) * WORDS + self._word_at(w)) * 16, *words)
 
         @cute.jit
         def _situ_glu(self, mGU: cute.Tensor, mH: cute.Tensor, pair, P, tidx):
             """h[pair] = situ_glu(g, u) in the down's word order: the splits' partials summed, g and u
             rounded to bf16, SiTU in fp32 (the Triton SiTU-GLU's numerics), rounded to bf16."""
-            I: cutlass.Constexpr = self.I
             gu_base = compat.address(mGU.iterator)
             h_base = compat.address(mH.iterator)
-            for w in cutlass.range(tidx, I // 8, THREADS, unroll=1):
-                g = cute.make_rmem_tensor((8,), Float32)
-                u = cute.make_rmem_tensor((8,), Float32)
-                for j in cutlass.range_constexpr(8):
-                    g[j] = Float32(0.0)
-                    u[j] = Float32(0.0)
-                for s in cutlass.range_constexpr(self.splits):
-                    at = gu_base + ((Int64(s) * P + pair) * (2 * I) + 8 * w) * 4
-                    for half in cutlass.range_constexpr(2):
-                        gv = compat.ld_cg_v4(at + 16 * half)
-                        uv = compat.ld_cg_v4(at + I * 4 + 16 * half)
-                        for j in cutlass.range_constexpr(4):
-                            g[4 * half + j] = g[4 * half + j] + compat.b32_as_f32(gv[j])
-                            u[4 * half + j] = u[4 * half + j] + compat.b32_as_f32(uv[j])
-                act = cute.make_rmem_tensor((8,), Float32)
-                for j in cutlass.range_constexpr(8):
-                    gr = compat.round_bf16(g[j])
-                    ur = compat.round_bf16(u[j])
-                    sigmoid = Float32(1.0) / (Float32(1.0) + _exp(-gr))
-                    act[j] = (self.beta * _tanh(gr / self.beta) * sigmoid
-                              * (self.linear_beta * _tanh(ur / self.linear_beta)))
-                compat.st_v4_b32(h_base + (Int64(pair) * I + 8 * self._word_at(w)) * 2, compat.bf16x2(act[0], act[4]),
-                                 compat.bf16x2(act[1], act[5]), compat.bf16x2(act[2], act[6]),
-                                 compat.bf16x2(act[3], act[7]))
+            for w in cutlass.range(tidx, self.I // 8, THREADS, unroll=1):
+                words = situ_glu_x8(gu_base, pair, P, w, self.I, self.splits, self.beta, self.linear_beta, True)
+                compat.st_v4_b32(h_base + (Int64(pair) * self.I + 8 * self._word_at(w)) * 2, *words)
 
 
 def builder(*, gate_up: dict, down: dict, beta: float, linear_beta: float):
