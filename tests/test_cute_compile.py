@@ -439,8 +439,8 @@ def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
 def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
     """The pairwise MLP in two launches whose CTAs stage their activation row in shared memory: the
     gate/up reads a's row (natural order) with 16-byte read-only loads and stores it in word order, the
-    down sums the gate/up's fp32 partials and computes the SiTU-GLU (3 exponentials an element); one
-    barrier each, after the staging; the step loops read the activations from shared memory, never
+    down sums the gate/up's fp32 partials and computes the SiTU-GLU (3 exponentials an element), a
+    thread's words unrolled; one barrier each, after the staging; the step loops read the activations from shared memory, never
     global; no spills, no multicast."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
@@ -454,12 +454,14 @@ def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
         assert params["n_tiles"] == choices.get("gate_up_tiles" if name == "gate_up" else "n_tiles", 1), where
         # a step: the weights' 2 and the activations' 4 16-byte shared loads
         assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 6, (where, ptx.count("ld.shared.v4"))
-        assert len(re.findall(r"st\.shared\.v4\.u32", ptx)) == 1, where  # the staging loop's store
+        # the staging, unrolled: a thread's words of the row, 16 bytes each (its loads in flight together)
+        words = -(-params["k_span"] // 8 // 128)
+        assert len(re.findall(r"st\.shared\.v4\.u32", ptx)) == words, where
         assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == 1, where
         # the only 16-byte global loads are the staging's: a's word, or g's and u's halves a split
         nc = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
-        assert nc == (1 if name == "gate_up" else 4 * params["gu_splits"]), (where, nc)
-        assert ptx.count("ex2.approx") == (0 if name == "gate_up" else 24), where
+        assert nc == words * (1 if name == "gate_up" else 4 * params["gu_splits"]), (where, nc)
+        assert ptx.count("ex2.approx") == (0 if name == "gate_up" else 24 * words), where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 
 

@@ -220,6 +220,7 @@ if compat.HAVE_CUTE:
             # gate/up: n_tiles blocks of w1 a CTA, then of w3; down: n_tiles blocks of w2 a CTA
             assert blocks_a % n_tiles == 0
             self.grid_y = (2 if col_b > 0 else 1) * blocks_a // n_tiles
+            assert self.smem_bytes() % 16 == 0  # the staged row's 16-byte words follow the ring
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
@@ -244,10 +245,9 @@ if compat.HAVE_CUTE:
             if const_expr(self.rows_first):  # a group's row blocks launched side by side (docs/perf.md 0m)
                 col, gid, split = cute.arch.block_idx()
             smem = compat.SmemAllocator()
-            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.smem_bytes()))
-            x_smem = Int32(0)
-            if const_expr(self.x_stage):
-                x_smem = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.x_stage_bytes(), byte_alignment=16))
+            # the staged row (x_stage) right after the ring, whose bytes are whole 16-byte words
+            ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.smem_bytes() + self.x_stage_bytes()))
+            x_smem = ring + self.smem_bytes()
             self.tile(gid, col, split, tidx, ring, Int64(0), mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups,
                       x_smem)
 
@@ -322,6 +322,9 @@ if compat.HAVE_CUTE:
                     self._issue_scales(scale_ring + (i // self.scale_steps) * self._scale_block(), tidx,
                                        s_at + i * (STEP // 32))
                 compat.cp_async_commit()
+            if const_expr(self.x_stage):  # the weights above in flight while the row is staged
+                self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
+                x_base = Int64(x_smem)
 
             # MXFP4: one bf16 multiply a register unless a scale of the CTA's rows is 2^1 or more (real
             # checkpoints' are far below): read while the first stages land, a warp-uniform choice of loop
@@ -332,9 +335,6 @@ if compat.HAVE_CUTE:
                     bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
-            if const_expr(self.x_stage):  # the weights above are in flight while the row is staged
-                self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
-                x_base = Int64(x_smem)
             if const_expr(self.fmt == "int4"):  # one multiply a register at every scale
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
                              ring, scale_ring, w_at, s_at, True)
@@ -454,9 +454,14 @@ if compat.HAVE_CUTE:
         def _stage_x(self, x_base, x_smem, pair, P, k_begin, tidx):
             """The CTA's activation row over its K span into shared memory at x_smem, in word order: a's
             row of the pair ("natural"), or h's from the gate/up's partials at x_base ("situ"); then a
-            barrier (other threads' words are read)."""
+            barrier (other threads' words are read). Unrolled, so that a thread's loads are in flight
+            together (a rolled loop waits for each); threads past the row's words redo its last one."""
             THREADS: cutlass.Constexpr = 32 * self.warps
-            for w in cutlass.range(tidx, self.k_span // 8, THREADS, unroll=1):
+            WORDS: cutlass.Constexpr = self.k_span // 8
+            for i in cutlass.range_constexpr((WORDS + THREADS - 1) // THREADS):
+                w = tidx + i * THREADS
+                if const_expr((i + 1) * THREADS > WORDS):
+                    w = cutlass.min(w, WORDS - 1)
                 if const_expr(self.x_stage == "natural"):
                     words = word_order_x8(compat.ld_nc_v4(x_base + (Int64(pair // self.top_k) * self.K + k_begin
                                                                     + 8 * w) * 2))
@@ -471,7 +476,7 @@ if compat.HAVE_CUTE:
             return 2 * self.k_span if self.x_stage else 0
 
         def smem_bytes(self) -> int:
-            """The ring's shared memory: `stages` stages and, scale_steps 4, two scale blocks."""
+            """The ring's shared memory: `stages` stages and, scale_steps 4, two scale blocks (16-byte words)."""
             return self.stages * self._slot() + 2 * self._scale_block()
 
         def _slot(self) -> int:
