@@ -576,6 +576,7 @@ def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
     monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "1")  # the setting decides pairwise mode, never grouped
     assert cute_config(1, E, 3072, L, k)["x_stage"] and not cute_config(64, E, 3072, L, k)["x_stage"]
     assert not cute_config(1, E, 3072, L, k, one_launch=True)["x_stage"]
+    assert not cute_config(1, E, 3072, L, k, x_quads=True)["x_stage"]  # an imposed quad order keeps four launches
     monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "0")
     assert not cute_config(1, E, 3072, L, k)["x_stage"]
 

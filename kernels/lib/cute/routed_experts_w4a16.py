@@ -711,7 +711,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         one_launch = pairwise and (ONE_LAUNCH if chosen is None else chosen)
     if x_stage is None:
         chosen = settings.get("K3FUSE_W4A16_X_STAGE")
-        x_stage = pairwise and not one_launch and (X_STAGE if chosen is None else chosen)
+        x_stage = pairwise and not one_launch and not x_quads and (X_STAGE if chosen is None else chosen)
     if x_stage and one_launch:
         raise ValueError("x_stage and one_launch are two forms of the pairwise MLP: choose one")
     if x_stage and x_quads:
