@@ -34,7 +34,10 @@ Launch (one class, both projections): grid (row blocks, groups, SPLIT_K), a grou
 side (or, `rows_first` off, (groups, row blocks, SPLIT_K)). gate/up: blocks of w1 then of
 w3 (`blocks_a` of each), fp32 partials over a K span into gu [SPLIT_K, P, 2I]; down: N_TILES row
 blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own group) or grouped
-(`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out.
+(`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out. Pairwise,
+`x_stage` has each CTA stage its pair's activation row in shared memory (with its first weight stages
+in flight): the gate/up from a in natural order, the down h through the SiTU-GLU of the gate/up's
+partials, so that the op is these two launches alone.
 `tile()` is one CTA's work; the pairwise one-launch form (routed_experts_w4a16_one_launch.py) runs both
 projections' tiles in one kernel through it, `waits` on: the activations after a flag, through L2.
 """
