@@ -331,6 +331,9 @@ def test_lamport_push_compiles_for_sm90():
 W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two tokens pairwise, 8 / 64 grouped
     (1, 3072), (2, 1536), (8, 384), (64, 1536), (64, 3072),
 ]
+#: the four-launch form (the activations in word order from global memory) in both modes; the pairwise
+#: two-launch form (x_stage) has its own test
+FOUR_LAUNCHES = {"x_stage": False}
 
 
 def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, L: int = 3584, E: int = 896, k: int = 16, **choices):
@@ -358,7 +361,7 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     into shared memory, waited for `stages - 1` groups behind, no barrier."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
-    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path):
+    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path, **FOUR_LAUNCHES):
         ops = _ops(ptx)
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         muls = len(re.findall(r"mul\.rn\.bf16x2", ptx))
@@ -398,7 +401,7 @@ def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
     this thread's bf16 read back as a u16; no spills, no multicast."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
-    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path):
+    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, **FOUR_LAUNCHES):
         ops = _ops(ptx)
         stages = params["stages"]
         ring_loops = 2 if params["k_span"] // w4.STEP > stages - 1 else 1
@@ -424,7 +427,7 @@ def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
     256 at TP 8): both launches compile with their ring, no spills."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
-    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, L=7168, E=384, k=8):
+    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, L=7168, E=384, k=8, **FOUR_LAUNCHES):
         ring_loops = 2 if params["k_span"] // w4.STEP > params["stages"] - 1 else 1
         assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == 8 * ring_loops, where
         assert len(re.findall(r"sub\.rn\.bf16x2", ptx)) == 32 * ring_loops, where
@@ -527,7 +530,7 @@ def test_w4a16_scale_blocks_compile_to_ptx(T, I, tmp_path):
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
     launches = {}
-    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path, scale_steps=4):
+    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path, scale_steps=4, **FOUR_LAUNCHES):
         launches[name] = params
         blocks = w4.scale_blocks_fit(params["K"], params["k_span"])
         assert params["scale_steps"] == (4 if blocks else 1), where
