@@ -191,8 +191,7 @@ if compat.HAVE_CUTE:
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
                      rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False,
-                     x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0,
-                     pdl: str = ""):
+                     x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             self.fmt = fmt
             self.scale_row = K // 32 * SCALE_BYTES[fmt]  # bytes of a row's scales
@@ -217,13 +216,6 @@ if compat.HAVE_CUTE:
             assert not x_stage or pairwise and not waits and not x_quads
             assert x_stage != "situ" or k_span == K and top_k == 1
             self.x_stage, self.gu_splits, self.beta, self.linear_beta = x_stage, gu_splits, beta, linear_beta
-            # programmatic dependent launch between the staged gate/up and down: "trigger", each gate/up
-            # CTA lets the down launch once all have started; "wait", the down (launched as a dependent)
-            # issues its first weight stages and reads its scales, then waits for the gate/up's grid
-            # before it stages h (the weight-only rule: static weights cross the sync point, activations never)
-            assert pdl in ("", "trigger", "wait") and (not pdl or x_stage)
-            self.pdl = pdl
-            self.stage_early = bool(x_stage) and pdl != "wait"  # staged with the first weights in flight
             # 16-byte scale copies: aligned rows and block starts, blocks that never straddle a span, and
             # block b + 2 issued (at step 4b + 8 - (stages - 1)) after block b's last read (4b + 3)
             assert scale_steps == 1 or (scale_steps == 4 and scale_blocks_fit(K, k_span) and stages <= 5
@@ -245,15 +237,13 @@ if compat.HAVE_CUTE:
             grid = (self.grid_y, groups, self.K // self.k_span) if const_expr(self.rows_first) else (
                 groups, self.grid_y, self.K // self.k_span)
             self.kernel(mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups).launch(
-                grid=grid, block=(32 * self.warps, 1, 1), stream=stream, use_pdl=self.pdl == "wait")
+                grid=grid, block=(32 * self.warps, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
                    mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
                    mGroups: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
-            if const_expr(self.pdl == "trigger"):
-                compat.griddep_launch_dependents()
             gid, col, split = cute.arch.block_idx()
             if const_expr(self.rows_first):  # a group's row blocks launched side by side (docs/perf.md 0m)
                 col, gid, split = cute.arch.block_idx()
@@ -335,7 +325,7 @@ if compat.HAVE_CUTE:
                     self._issue_scales(scale_ring + (i // self.scale_steps) * self._scale_block(), tidx,
                                        s_at + i * (STEP // 32))
                 compat.cp_async_commit()
-            if const_expr(self.stage_early):  # the weights above in flight while the row is staged
+            if const_expr(self.x_stage):  # the weights above in flight while the row is staged
                 self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
                 x_base = Int64(x_smem)
 
@@ -348,10 +338,6 @@ if compat.HAVE_CUTE:
                     bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
-            if const_expr(self.pdl == "wait"):  # likewise, after the gate/up's grid (PDL)
-                compat.griddep_wait()
-                self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
-                x_base = Int64(x_smem)
             if const_expr(self.fmt == "int4"):  # one multiply a register at every scale
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
                              ring, scale_ring, w_at, s_at, True)
@@ -610,7 +596,7 @@ def table_views(w, s, K: int) -> tuple:
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
             col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
             scale_steps: int, fmt: str, x_stage: str = "", gu_splits: int = 1, beta: float = 0.0,
-            linear_beta: float = 0.0, pdl: str = ""):
+            linear_beta: float = 0.0):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic.
     The activations: bf16 [T, K] (word order, or natural with x_stage "natural"), or with x_stage "situ"
     the gate/up's fp32 partials, flat."""
@@ -619,8 +605,6 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
                   rows_first=rows_first, x_quads=x_quads, scale_steps=scale_steps, fmt=fmt)
     if x_stage:  # (the key of a launch without it unchanged)
         params.update(x_stage=x_stage, gu_splits=gu_splits, beta=float(beta), linear_beta=float(linear_beta))
-    if pdl:
-        params.update(pdl=pdl)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -684,9 +668,6 @@ ONE_LAUNCH = False
 #: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them); K3FUSE_W4A16_X_STAGE
 #: overrides it
 X_STAGE = False
-#: with x_stage, the down launched as the gate/up's programmatic dependent (its first weights and scales
-#: read during the gate/up's tail); off until an A/B shows it pays
-PDL = False
 #: pairwise, a gate/up CTA's row blocks (of w1 or of w3): more than 1 makes fewer, longer CTAs
 GATE_UP_TILES_PAIRWISE = 1
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
@@ -712,7 +693,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
                 split: int | None = None, n_tiles: int | None = None, down_stages: int | None = None,
                 rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS,
                 one_launch: bool | None = None, x_stage: bool | None = None,
-                gate_up_tiles: int | None = None, pdl: bool | None = None) -> dict:
+                gate_up_tiles: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
@@ -738,9 +719,6 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         raise ValueError("x_stage and one_launch are two forms of the pairwise MLP: choose one")
     if x_stage and x_quads:
         raise ValueError("x_stage stages the activations in word order (the quad order is grouped mode's)")
-    if pdl and not x_stage:
-        raise ValueError("pdl launches the staged down as the staged gate/up's dependent: it needs x_stage")
-    pdl = bool(x_stage) and (PDL if pdl is None else pdl)
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
     gate_up_tiles = (GATE_UP_TILES_PAIRWISE if pairwise else 1) if gate_up_tiles is None else gate_up_tiles
@@ -766,7 +744,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
             "scale_steps": scale_steps, "one_launch": one_launch, "x_stage": bool(x_stage),
-            "gate_up_tiles": gate_up_tiles, "pdl": pdl}
+            "gate_up_tiles": gate_up_tiles}
 
 
 def _scale_steps(K: int, k_span: int, config: dict, fmt: str) -> int:
@@ -782,7 +760,7 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
                 blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
                 n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
                 x_quads=config["x_quads"], scale_steps=_scale_steps(L, L // config["split"], config, fmt), fmt=fmt,
-                x_stage="natural" if config["x_stage"] else "", pdl="trigger" if config["pdl"] else "")
+                x_stage="natural" if config["x_stage"] else "")
 
 
 def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, float] | None = None) -> dict:
@@ -795,8 +773,7 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
     if config["x_stage"]:
         if betas is None:
             raise ValueError("x_stage: the down computes the SiTU-GLU, so it needs SiTU's betas")
-        params.update(x_stage="situ", gu_splits=config["split"], beta=float(betas[0]), linear_beta=float(betas[1]),
-                      pdl="wait" if config["pdl"] else "")
+        params.update(x_stage="situ", gu_splits=config["split"], beta=float(betas[0]), linear_beta=float(betas[1]))
     return params
 
 
