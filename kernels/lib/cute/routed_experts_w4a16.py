@@ -665,9 +665,9 @@ SCALE_STEPS = 1
 ONE_LAUNCH = False
 #: pairwise, each CTA stages its pair's activation row in shared memory: the gate/up from a in natural
 #: order, the down h from the gate/up's partials (its SiTU-GLU), so that 1-2 tokens take two launches
-#: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them); K3FUSE_W4A16_X_STAGE
-#: overrides it
-X_STAGE = False
+#: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them); faster at 5 of the 6
+#: measured widths and token counts (docs/perf.md 0q); K3FUSE_W4A16_X_STAGE overrides it
+X_STAGE = True
 #: pairwise, a gate/up CTA's row blocks (of w1 or of w3): more than 1 makes fewer, longer CTAs
 GATE_UP_TILES_PAIRWISE = 1
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
