@@ -309,23 +309,30 @@ def test_one_launch_graph_replays_leave_its_state_zeroed(experts, T):
     assert _one_launch_states_are_zero()
 
 
+def _ids_outside_the_table(experts, cfg, seed: int, bad: list[int], launches: int = 1) -> torch.Tensor:
+    """2 tokens' pairs `bad` given expert ids outside [0, E); the others checked against float64 after
+    `launches` runs of cfg into one NaN-poisoned output; the bad pairs' rows, as the runs left them."""
+    a, ids = tokens(2, seed=seed)
+    bad_at = torch.tensor(bad, device=DEV)
+    outside = ids.clone()
+    outside[bad_at] = torch.tensor([-1, E, -7, E + 3], device=DEV)
+    out = torch.full((2 * K, L), float("nan"), device=DEV, dtype=BF16)
+    for _ in range(launches):
+        cute_run(*experts.args(a, outside), out=out, config=cfg)
+    keep = torch.ones(2 * K, dtype=torch.bool, device=DEV)
+    keep[bad_at] = False
+    z64, zbf = experts.reference(a, ids)
+    _check(out[keep], (z64[keep], zbf[keep]), (experts.I, cfg, "ids outside the table"))
+    return out[bad_at]
+
+
 def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
     """Pairs whose expert id is outside [0, E) are left out (no tile of theirs counts or waits); the
     others are right and the launch still zeroes its state."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    a, ids = tokens(2, seed=11)
-    bad = torch.tensor([0, 5, 17, 31], device=DEV)
-    outside = ids.clone()
-    outside[bad] = torch.tensor([-1, E, -7, E + 3], device=DEV)
-    out = torch.full((2 * K, L), float("nan"), device=DEV, dtype=BF16)
-    cfg = cute_config(2, E, experts.I, L, K, one_launch=True)
-    for _ in range(2):  # the second launch starts from the state the first left
-        cute_run(*experts.args(a, outside), out=out, config=cfg)
-    keep = torch.ones(2 * K, dtype=torch.bool, device=DEV)
-    keep[bad] = False
-    z64, zbf = experts.reference(a, ids)
-    _check(out[keep], (z64[keep], zbf[keep]), (experts.I, "ids outside the table"))
+    # the second launch starts from the state the first left
+    _ids_outside_the_table(experts, cute_config(2, E, experts.I, L, K, one_launch=True), 11, [0, 5, 17, 31], 2)
     assert _one_launch_states_are_zero()
 
 
@@ -345,17 +352,8 @@ def test_x_stage_leaves_out_expert_ids_outside_the_table(experts):
     reads their unwritten partials into a stored row); the others are right."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    a, ids = tokens(2, seed=12)
-    bad = torch.tensor([1, 6, 18, 30], device=DEV)
-    outside = ids.clone()
-    outside[bad] = torch.tensor([-1, E, -7, E + 3], device=DEV)
-    out = torch.full((2 * K, L), float("nan"), device=DEV, dtype=BF16)
-    cute_run(*experts.args(a, outside), out=out, config=cute_config(2, E, experts.I, L, K, x_stage=True))
-    keep = torch.ones(2 * K, dtype=torch.bool, device=DEV)
-    keep[bad] = False
-    z64, zbf = experts.reference(a, ids)
-    _check(out[keep], (z64[keep], zbf[keep]), (experts.I, "x_stage, ids outside the table"))
-    assert torch.isnan(out[bad]).all()  # nothing stored for them
+    left = _ids_outside_the_table(experts, cute_config(2, E, experts.I, L, K, x_stage=True), 12, [1, 6, 18, 30])
+    assert torch.isnan(left).all()  # nothing stored for them
 
 
 def test_op_strict_counts_the_kernel(experts):
