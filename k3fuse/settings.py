@@ -135,7 +135,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("K3FUSE_GEMV_MAX_M", "gemv_max_m", _positive_int, None,
              "largest token count the CuTe GEMV serves before split-K (default: measured per shape)"),
     Variable("K3FUSE_W4A16_ONE_LAUNCH", "w4a16_one_launch", _optional_flag, None,
-             "1/0: the 4-bit routed experts at 1-2 tokens in one CuTe launch, or in two or four (unset: the kernel's default)"),
+             "1/0: the 4-bit routed experts at 1-2 tokens in one CuTe launch, or in two or four "
+             "(unset: the kernel's default)"),
     Variable("K3FUSE_W4A16_X_STAGE", "w4a16_x_stage", _optional_flag, None,
              "1/0: at 1-2 tokens the 4-bit routed experts' CTAs stage their activations (two CuTe launches), "
              "or four launches (unset: the kernel's default)"),

@@ -443,8 +443,8 @@ def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
     """The pairwise MLP in two launches whose CTAs stage their activation row in shared memory: the
     gate/up reads a's row (natural order) with 16-byte read-only loads and stores it in word order, the
     down sums the gate/up's fp32 partials and computes the SiTU-GLU (3 exponentials an element), a
-    thread's words unrolled; one barrier each, after the staging; the step loops read the activations from shared memory, never
-    global; no spills, no multicast."""
+    thread's words unrolled; one barrier each, after the staging; the step loops read the activations
+    from shared memory, never global; no spills, no multicast."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
     for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, x_stage=True, **choices):
