@@ -212,9 +212,9 @@ def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_ste
     # (row tiles a CTA, the group's pairs, pairwise, quad order, thread, the one-launch form's flag wait,
     # the activations staged: the gate/up's natural row, or (a whole-K span, top-k 1) the down's h)
     launches = [(1, 1, True, False, 0, False, ""), (2, 1, True, True, 77, False, ""),
-                (1, 9, False, True, 37, False, ""), (2, 20, False, True, 127, False, ""), (8, 3, False, False, 5, False, ""),
-                (1, 1, True, False, 70, True, ""), (1, 1, True, False, 45, False, "natural"),
-                (2, 1, True, False, 126, False, "natural")]
+                (1, 9, False, True, 37, False, ""), (2, 20, False, True, 127, False, ""),
+                (8, 3, False, False, 5, False, ""), (1, 1, True, False, 70, True, ""),
+                (1, 1, True, False, 45, False, "natural"), (2, 1, True, False, 126, False, "natural")]
     if k_span == K:
         launches.append((2, 1, True, False, 3, False, "situ"))
     for n_tiles, size, pairwise, x_quads, tidx, waits, x_stage in launches:
