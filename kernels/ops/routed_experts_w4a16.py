@@ -243,6 +243,13 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
                                                                   pairwise=pairwise, **choices)}
 
 
+def _rows_for_16_byte_loads(a: torch.Tensor) -> torch.Tensor:
+    """a contiguous and 16-byte aligned (a view may be off): the CuTe launches that read a itself do so
+    with 16-byte loads where it lies."""
+    a = a.contiguous()
+    return a.clone() if a.data_ptr() % 16 else a
+
+
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
              situ_linear_beta, format, table=None, out: torch.Tensor | None = None, config: dict | None = None,
              **_) -> torch.Tensor:
@@ -265,9 +272,7 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
         from ..lib.cute import routed_experts_w4a16_one_launch as one
 
         gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
-        a = a.contiguous()
-        if a.data_ptr() % 16:  # the kernel reads a with 16-byte loads, where it lies (a view may be off)
-            a = a.clone()
+        a = _rows_for_16_byte_loads(a)
         one.launch(a, torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
                    w3_packed, w3_scale, gu, torch.empty((P, I), dtype=a.dtype, device=a.device), w2_packed,
                    w2_scale, z, experts, one.state(a.device, tri.MAX_PAIRS), **one.params(I, L, top_k, cfg, format),
@@ -278,9 +283,7 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
         rows = groups = experts.new_empty(4, dtype=torch.int32)
     gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
     if cfg["x_stage"]:  # pairwise, two launches: the CTAs stage a's rows and h themselves
-        a = a.contiguous()
-        if a.data_ptr() % 16:  # the gate/up reads a with 16-byte loads, where it lies (a view may be off)
-            a = a.clone()
+        a = _rows_for_16_byte_loads(a)
         cute_kernel.launch(a, w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
                            **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
         cute_kernel.launch(gu, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,

@@ -665,11 +665,9 @@ SCALE_STEPS = 1
 ONE_LAUNCH = False
 #: pairwise, each CTA stages its pair's activation row in shared memory: the gate/up from a in natural
 #: order, the down h from the gate/up's partials (its SiTU-GLU), so that 1-2 tokens take two launches
-#: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them); faster at 5 of the 6
-#: measured widths and token counts (docs/perf.md 0q); K3FUSE_W4A16_X_STAGE overrides it
+#: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them), whose launch costs
+#: weigh most at few tokens (docs/perf.md 0q); K3FUSE_W4A16_X_STAGE overrides it
 X_STAGE = True
-#: pairwise, a gate/up CTA's row blocks (of w1 or of w3): more than 1 makes fewer, longer CTAs
-GATE_UP_TILES_PAIRWISE = 1
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
 INT4 = True
@@ -721,7 +719,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         raise ValueError("x_stage stages the activations in word order (the quad order is grouped mode's)")
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
-    gate_up_tiles = (GATE_UP_TILES_PAIRWISE if pairwise else 1) if gate_up_tiles is None else gate_up_tiles
+    gate_up_tiles = 1 if gate_up_tiles is None else gate_up_tiles
     if gate_up_tiles < 1 or (I // BLOCK_ROWS) % gate_up_tiles:
         raise ValueError(f"gate_up_tiles {gate_up_tiles} does not divide the {I // BLOCK_ROWS} row blocks of w1 / w3")
     steps = L // STEP
