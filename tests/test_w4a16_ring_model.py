@@ -47,11 +47,13 @@ class ThreadModel:
         self.wait_short = wait_short  # the control: each wait leaves one more group in flight
         self.events: list[tuple] = []  # ("x",) an activation load; ("flag", groups in flight) the flag wait
         self.written: set[int] = set()  # the shared bytes this thread's copies target
+        self.sources: list[tuple[int, int]] = []  # every copy's global address and bytes, in issue order
 
     def cp_async(self, smem, addr, nbytes, cache=None):
         assert nbytes in (4, 8, 16) and smem % nbytes == 0 and addr % nbytes == 0, (smem, addr, nbytes)
         self.open.append((smem, addr, nbytes))
         self.written.update(range(smem, smem + nbytes))
+        self.sources.append((addr, nbytes))
 
     def cp_async_commit(self):
         self.groups.append(self.open)
@@ -123,7 +125,7 @@ def _thread(params: dict, model: ThreadModel):
 
     real = w4.W4A16RowsDot(**params)
     fake_cutlass = types.SimpleNamespace(range=lambda *a, unroll=None: range(*a), range_constexpr=range,
-                                         min=min, Constexpr=int)
+                                         min=min, max=max, Constexpr=int)
 
     def wait_flag(flag, tidx):  # the one-launch form's wait: noted with the groups still in flight
         model.events.append(("flag", len(model.groups)))
@@ -141,13 +143,24 @@ def _thread(params: dict, model: ThreadModel):
              "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
 
     methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_step", "_issue", "_issue_step", "_issue_scales",
-                                                "_scale_bits", "_slot", "_scale_block", "smem_bytes"), names)
+                                                "_scale_bits", "_slot", "_scale_block", "smem_bytes", "_share_ring",
+                                                "_share_stream", "_share_store", "_block_rows", "_block_bytes",
+                                                "_block_scales"), names)
     sim = type("ThreadRing", (), methods)()
     sim.__dict__.update(real.__dict__)
-    sim.mmas, sim.stores = [], []
+    sim.mmas, sim.stores, sim.parts = [], [], []
     sim._stage_x = stage_x
-    sim._mmas = lambda acc, wa, wb, sa, sb, xs, one_multiply: sim.mmas.append((wa, wb, sa, sb, [x[0] for x in xs]))
-    sim._store = lambda acc, o_base, split, P, col_off, row, first, m0, size, t, rows: sim.stores.append((row, m0))
+
+    def mmas(acc, wa, wb, sa, sb, xs, one_multiply):
+        sim.mmas.append((wa, wb, sa, sb, [x[0] for x in xs]))
+        acc[0] += 1  # the steps summed into this part, and (balanced mode) which: bit k of a block's step k
+        acc[1] += 1 << ((wa[0] - W_BASE) % (real.K // 2) // 64)
+
+    def store(acc, o_base, split, P, col_off, row, first, m0, size, t, rows):
+        sim.stores.append((row, m0))
+        sim.parts.append((split, col_off, row, first, int(acc[0]), int(acc[1])))
+
+    sim._mmas, sim._store = mmas, store
     return sim
 
 
@@ -256,3 +269,90 @@ def test_the_model_catches_a_wait_one_group_short():
     _run(p, 0, 1)  # as the kernel waits: clean
     with pytest.raises(RaceError):
         _run(p, 0, 1, wait_short=True)
+
+
+def _share_params(fmt: str, I: int, stages: int, shares: int) -> dict:
+    """A balanced gate/up launch's parameters (K3's latent K = 3584, 28 steps a block)."""
+    from k3fuse.kernels.lib.cute.routed_experts_w4a16 import share_slots
+
+    return dict(N=I, K=3584, k_span=3584, top_k=TOP_K, out_fp32=True, out_stride=2 * I, blocks_a=I // 64, col_b=I,
+                pairwise=True, warps=4, n_tiles=1, stages=stages, rows_first=True, x_quads=False, scale_steps=1,
+                fmt=fmt, x_stage="natural", shares=shares, slots=share_slots(I // 64, 28, shares))
+
+
+def _run_share(p: dict, c: int, tidx: int, table: int = 1):
+    """One thread of share c of a table (0: w1's, 1: w3's, its outputs I columns on) of pair 9, expert 5."""
+    model = ThreadModel()
+    sim = _thread(p, model)
+    w_base, s_base = W_BASE + table * (1 << 36), S_BASE + table * (1 << 36)
+    sim._share_ring([0.0] * 4, 5, c, 9, 64, tidx, 0, X_BASE, w_base, s_base, table * p["col_b"], O_BASE, [], X_SMEM)
+    sim.events, sim.sources = model.events, model.sources
+    return sim, w_base, s_base
+
+
+# (format, I, ring stages, shares a table): the rule's 33 at 1 token (K3's I = 3072, 1536, 384 at TP 1, 2, 8:
+# blocks split in 2, 3 and 6 parts) and 16 at 2 tokens, a share shorter than a block, a prime count, and
+# shares of exactly the ring's prologue
+SHARE_CASES = [("mxfp4", 3072, 3, 33), ("mxfp4", 1536, 3, 33), ("mxfp4", 384, 3, 33), ("int4", 1536, 3, 16),
+               ("mxfp4", 3072, 3, 16), ("mxfp4", 384, 2, 7), ("int4", 384, 4, 56), ("mxfp4", 384, 3, 84)]
+
+
+@pytest.mark.parametrize("fmt,I,stages,shares", SHARE_CASES)
+def test_balanced_shares_read_their_own_steps_and_fill_every_slot_once(fmt, I, stages, shares):
+    """Balanced mode, every share of a table run by the kernel's own code (_share_ring, _share_stream,
+    _share_store) for three threads: each step reads its own landed bytes (the share's steps, block by
+    block, across block ends), the row staged first with the prologue in flight; and over the shares,
+    every (slot, block row) of the partials is stored exactly once, the parts of a block covering each
+    of its steps once and the slots no part takes zero."""
+    from k3fuse.kernels.lib.cute.routed_experts_w4a16 import SCALE_BYTES, share_start
+
+    p = _share_params(fmt, I, stages, shares)
+    K, B, sb = p["K"], p["K"] // 128, SCALE_BYTES[fmt]
+    steps = p["blocks_a"] * B
+    for tidx in (0, 37, 126):
+        lane = tidx % 32
+        r, t = lane // 4, lane % 4
+        written: dict[tuple, tuple] = {}
+        for c in range(shares):
+            sim, w_base, s_base = _run_share(p, c, tidx)
+            want = []
+            for g in range(share_start(c, steps, shares), share_start(c + 1, steps, shares)):
+                row = g // B * 64 + tidx // 32 * 16 + r
+                k = g % B
+                wa = tuple(w_base + (5 * I + row) * (K // 2) + 64 * k + 16 * t + 4 * i for i in range(4))
+                sa = s_base + (5 * I + row) * (K // 32) * sb + (4 * k + t) * sb
+                x0 = X_BASE + (9 // TOP_K * K + 128 * k + 32 * t) * 2
+                want.append((wa, tuple(w + 8 * (K // 2) for w in wa), sa, sa + 8 * (K // 32) * sb,
+                             [x0 + 16 * q for q in range(4)]))
+            where = (fmt, I, stages, shares, tidx, c)
+            assert sim.mmas == want, (where, len(sim.mmas), len(want))
+            # nothing issued past the share (the last share's next bytes lie past the table's end)
+            weights = [(w[0], 16) for step in want for w in (step[0], step[1])]
+            assert [src for src in sim.sources if src[1] == 16] == weights, where
+            assert len(sim.sources) == 2 * len(weights), where  # and each row's scales of each step
+            assert sim.events == [("stage", stages - 1)], (where, sim.events)
+            for slot, col_off, row, pair, count, mask in sim.parts:
+                assert (slot, row) not in written, (where, slot, row, written[slot, row])
+                assert col_off == I and pair == 9 and 0 <= slot < p["slots"], (where, slot, col_off, pair)
+                written[slot, row] = (count, mask)
+        rows = [b * 64 + tidx // 32 * 16 + r for b in range(p["blocks_a"])]
+        assert set(written) == {(slot, row) for slot in range(p["slots"]) for row in rows}, (fmt, I, shares, tidx)
+        for row in rows:
+            parts = [written[slot, row] for slot in range(p["slots"])]
+            masks = [m for _, m in parts]
+            assert sum(masks) == (1 << B) - 1 and sum(n for n, _ in parts) == B, (fmt, I, shares, tidx, row, parts)
+            assert all(bin(m).count("1") == n for n, m in parts), (fmt, I, shares, row, parts)  # disjoint parts
+
+
+def test_balanced_slot_count_is_the_most_parts_a_block_takes():
+    """share_slots against a direct count of the shares each block's steps fall in."""
+    from k3fuse.kernels.lib.cute.routed_experts_w4a16 import first_share, share_slots, share_start
+
+    for blocks, B, shares in ((48, 28, 33), (24, 28, 33), (6, 28, 33), (6, 28, 84), (48, 28, 16), (5, 3, 7)):
+        steps = blocks * B
+        owner = [c for c in range(shares) for _ in range(share_start(c, steps, shares), share_start(c + 1, steps, shares))]
+        assert len(owner) == steps and owner == sorted(owner)
+        assert all(first_share(g, steps, shares) == owner[g] for g in range(steps))
+        sizes = {share_start(c + 1, steps, shares) - share_start(c, steps, shares) for c in range(shares)}
+        assert max(sizes) - min(sizes) <= 1, sizes  # balanced: shares differ by a step at most
+        assert share_slots(blocks, B, shares) == max(len(set(owner[b * B:(b + 1) * B])) for b in range(blocks))

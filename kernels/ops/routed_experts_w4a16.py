@@ -233,7 +233,8 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
     then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
     it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / gate_up_tiles /
-    down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage, imposed)."""
+    down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage / balanced / gate_up_shares,
+    imposed)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
@@ -271,7 +272,7 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
     if cfg.get("one_launch"):
         from ..lib.cute import routed_experts_w4a16_one_launch as one
 
-        gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
+        gu = torch.empty((cfg["partials"], P, 2 * I), dtype=torch.float32, device=a.device)
         a = _rows_for_16_byte_loads(a)
         one.launch(a, torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
                    w3_packed, w3_scale, gu, torch.empty((P, I), dtype=a.dtype, device=a.device), w2_packed,
@@ -281,7 +282,7 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
     rows, groups = tri.group(experts, E, cfg["pairwise"])
     if rows is None:  # pairwise: the launches read neither (empty: no memset in a captured graph)
         rows = groups = experts.new_empty(4, dtype=torch.int32)
-    gu = torch.empty((cfg["split"], P, 2 * I), dtype=torch.float32, device=a.device)
+    gu = torch.empty((cfg["partials"], P, 2 * I), dtype=torch.float32, device=a.device)
     if cfg["x_stage"]:  # pairwise, two launches: the CTAs stage a's rows and h themselves
         a = _rows_for_16_byte_loads(a)
         cute_kernel.launch(a, w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,

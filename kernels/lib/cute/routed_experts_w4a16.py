@@ -105,6 +105,27 @@ def scale_blocks_fit(K: int, k_span: int) -> bool:
     starts (a span of whole blocks: k_span a multiple of 4 steps; then every k_begin is too)."""
     return K % (4 * STEP) == 0 and k_span % (4 * STEP) == 0
 
+
+def share_start(c, steps: int, shares: int):
+    """The first step of CTA c's share when `shares` CTAs split `steps` (balanced mode: a pair's row
+    blocks end to end, K steps each): shares differ by one step at most. Plain integer arithmetic, the
+    same in the kernel (DSL integers) and on the host."""
+    return c * steps // shares
+
+
+def first_share(step, steps: int, shares: int):
+    """The CTA whose share holds `step`: the last c with share_start(c) <= step."""
+    return ((step + 1) * shares - 1) // steps
+
+
+def share_slots(blocks: int, block_steps: int, shares: int) -> int:
+    """The partial slots balanced mode writes: the most CTAs whose shares one block's steps are split among
+    (each part of a block its own slot: its CTA's index among them)."""
+    steps = blocks * block_steps
+    return max(first_share((b + 1) * block_steps - 1, steps, shares) - first_share(b * block_steps, steps, shares) + 1
+               for b in range(blocks))
+
+
 if compat.HAVE_CUTE:
     import cutlass
     from cutlass import Float32, Int32, Int64, const_expr
@@ -191,7 +212,8 @@ if compat.HAVE_CUTE:
         def __init__(self, *, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int,
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
                      rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False,
-                     x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0):
+                     x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0,
+                     shares: int = 0, slots: int = 1):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             self.fmt = fmt
             self.scale_row = K // 32 * SCALE_BYTES[fmt]  # bytes of a row's scales
@@ -224,6 +246,18 @@ if compat.HAVE_CUTE:
             assert blocks_a % n_tiles == 0
             self.grid_y = (2 if col_b > 0 else 1) * blocks_a // n_tiles
             assert self.smem_bytes() % 16 == 0  # the staged row's 16-byte words follow the ring
+            # balanced (pairwise fp32 partials): `shares` CTAs a pair and table (w1, w3), each streaming an
+            # equal share of the table's row blocks' K steps end to end (share_start), so that the grid is
+            # as many CTAs as fit at once and all run the same steps (no partial last wave); a block split
+            # between CTAs leaves each part in its own partial slot, and its last part zeros the `slots`
+            # (the launch's partials) no part takes, so that every slot is written once a launch
+            self.shares, self.slots = shares, slots
+            if shares:
+                assert pairwise and n_tiles == 1 and k_span == K and out_fp32 and scale_steps == 1
+                assert not waits and not x_quads
+                self.share_steps = blocks_a * (K // STEP)  # a table's steps for the pair
+                assert self.share_steps // shares >= stages - 1  # every share fills the prologue
+                assert slots == share_slots(blocks_a, K // STEP, shares)
 
         @cute.jit
         def __call__(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
@@ -236,6 +270,8 @@ if compat.HAVE_CUTE:
                 groups = cutlass.min(P, E)
             grid = (self.grid_y, groups, self.K // self.k_span) if const_expr(self.rows_first) else (
                 groups, self.grid_y, self.K // self.k_span)
+            if const_expr(self.shares):  # a pair's shares of w1's blocks, then of w3's
+                grid = ((2 if self.col_b > 0 else 1) * self.shares, P, 1)
             self.kernel(mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups).launch(
                 grid=grid, block=(32 * self.warps, 1, 1), stream=stream)
 
@@ -244,15 +280,19 @@ if compat.HAVE_CUTE:
                    mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
                    mGroups: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
-            gid, col, split = cute.arch.block_idx()
-            if const_expr(self.rows_first):  # a group's row blocks launched side by side (docs/perf.md 0m)
-                col, gid, split = cute.arch.block_idx()
             smem = compat.SmemAllocator()
             # the staged row (x_stage) right after the ring, whose bytes are whole 16-byte words
             ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.smem_bytes() + self.x_stage_bytes()))
             x_smem = ring + self.smem_bytes()
-            self.tile(gid, col, split, tidx, ring, Int64(0), mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups,
-                      x_smem)
+            if const_expr(self.shares):
+                c, pair, _ = cute.arch.block_idx()
+                self.share(c, pair, tidx, ring, mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, x_smem)
+            else:
+                gid, col, split = cute.arch.block_idx()
+                if const_expr(self.rows_first):  # a group's row blocks launched side by side (docs/perf.md 0m)
+                    col, gid, split = cute.arch.block_idx()
+                self.tile(gid, col, split, tidx, ring, Int64(0), mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows,
+                          mGroups, x_smem)
 
         @cute.jit
         def tile(self, gid, col, split, tidx, ring, flag, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
@@ -411,6 +451,143 @@ if compat.HAVE_CUTE:
                 w_at = next_w
                 s_at = next_s
                 row = next_row
+
+        @cute.jit
+        def share(self, c, pair, tidx, ring, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
+                  mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor, x_smem):
+            """Balanced mode, CTA c of pair `pair`: CTAs 0 .. shares - 1 take w1's row blocks, the next w3's
+            (a share never changes tables), each steps [share_start(c), share_start(c + 1)) of its table's
+            blocks end to end, by the ring; each block's part into its slot. An expert id outside [0, E):
+            nothing done."""
+            P = mExperts.shape[0]
+            E = mSa.shape[0] // self.N
+            e = Int64(mExperts[pair])
+            size = Int32(0)
+            if e >= 0:
+                if e < E:
+                    size = Int32(1)
+            w_base = compat.address(mWa.iterator)
+            s_base = compat.address(mSa.iterator)
+            col_off = Int32(0)
+            share = c
+            if const_expr(self.col_b > 0):
+                if c >= self.shares:
+                    w_base = compat.address(mWb.iterator)
+                    s_base = compat.address(mSb.iterator)
+                    col_off = Int32(self.col_b)
+                    share = c - self.shares
+            acc = cute.make_rmem_tensor((4,), Float32)
+            if size > 0:
+                self._share_ring(acc, e, share, pair, P, tidx, ring, compat.address(mX.iterator), w_base, s_base,
+                                 col_off, compat.address(mOut.iterator), mRows, x_smem)
+
+        @cute.jit
+        def _share_ring(self, acc, e, c, pair, P, tidx, ring, x_base, w_base, s_base, col_off, o_base, mRows, x_smem):
+            """_ring for share c of a table: its first `stages - 1` steps issued (into the next block where
+            the share crosses one), the row staged, the scale bytes of every block it touches read; then
+            its steps."""
+            D: cutlass.Constexpr = self.stages
+            B: cutlass.Constexpr = self.K // STEP
+            SLOT: cutlass.Constexpr = self._slot()
+            lane = tidx % 32
+            t = lane % 4
+            row = (tidx // 32) * ROWS_PER_WARP + lane // 4  # this thread's row a in a block
+            start = share_start(c, self.share_steps, self.shares)
+            end = share_start(c + 1, self.share_steps, self.shares)
+            blk = start // B
+            k = start - blk * B
+            at = e * self.N + row  # row a of block 0
+            w_row = w_base + at * (self.K // 2) + 16 * t
+            s_row = s_base + at * self.scale_row
+            for i in cutlass.range_constexpr(D - 1):  # (D - 1 <= every share's steps)
+                u = k + i
+                if u >= B:  # the next block's
+                    u = u + (self._block_rows() - 1) * B
+                self._issue(ring + i * SLOT, tidx, w_row + blk * self._block_bytes() + u * (STEP // 2),
+                            s_row + blk * self._block_scales() + u * self.scale_step)
+                compat.cp_async_commit()
+            if const_expr(self.x_stage):  # the weights above in flight while the row is staged
+                self._stage_x(x_base, x_smem, pair, P, Int32(0), tidx)
+                x_at = Int64(x_smem) + 64 * t
+            else:
+                x_at = x_base + (Int64(pair // self.top_k) * self.K + 32 * t) * 2
+            bits = Int32(0)
+            if const_expr(self.fmt == "mxfp4"):  # the one-multiply choice over the rows of every block touched
+                for b in cutlass.range(blk, (end - 1) // B + 1, unroll=1):
+                    bits = bits | self._scale_bits(s_row + b * self._block_scales(), t)
+            if const_expr(self.fmt == "int4"):
+                self._share_stream(acc, x_at, o_base, c, pair, P, mRows, tidx, row, t, ring, blk, k, end, w_row,
+                                   s_row, col_off, True)
+            elif compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
+                self._share_stream(acc, x_at, o_base, c, pair, P, mRows, tidx, row, t, ring, blk, k, end, w_row,
+                                   s_row, col_off, True)
+            else:
+                self._share_stream(acc, x_at, o_base, c, pair, P, mRows, tidx, row, t, ring, blk, k, end, w_row,
+                                   s_row, col_off, False)
+
+        @cute.jit
+        def _share_stream(self, acc, x_at, o_base, c, pair, P, mRows, tidx, row, t, ring, first_blk, first_k, end,
+                          w_row, s_row, col_off, one_multiply: cutlass.Constexpr):
+            """Block by block from block first_blk's step first_k to the share's end (w_row, s_row: this
+            thread's bytes of block 0): the block's steps, each issuing the share's step `stages - 1` ahead
+            while it has one (the block's, then the next block's first), as _stream's two loops; the block's
+            part stored."""
+            D: cutlass.Constexpr = self.stages
+            B: cutlass.Constexpr = self.K // STEP
+            AHEAD: cutlass.Constexpr = B - (D - 1)  # the block's steps that issue one of the same block
+            p_slot = Int32((D - 1) * self._slot())
+            c_slot = Int32(0)
+            c_block = Int32(0)
+            blk = first_blk
+            k_begin = first_k
+            for _ in cutlass.range((end - 1) // B - first_blk + 1, unroll=1):
+                k_end = cutlass.min(B, end - blk * B)
+                issues_below = end - (D - 1) - blk * B  # the block's steps whose issue is in the share
+                w_at = w_row + blk * self._block_bytes()
+                s_at = s_row + blk * self._block_scales()
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = Float32(0.0)
+                for k in cutlass.range(k_begin, cutlass.min(k_end, AHEAD), unroll=1):  # issuing k + D - 1
+                    if k < issues_below:
+                        self._issue(ring + p_slot, tidx, w_at + (k + D - 1) * (STEP // 2),
+                                    s_at + (k + D - 1) * self.scale_step)
+                    p_slot, c_slot, c_block = self._step(acc, x_at + k * (STEP * 2), ring, ring, k, tidx, t, p_slot,
+                                                         c_slot, c_block, one_multiply)
+                for k in cutlass.range(cutlass.max(k_begin, AHEAD), k_end, unroll=1):  # the next block's first
+                    if k < issues_below:
+                        self._issue(ring + p_slot, tidx, w_at + self._block_bytes() + (k - AHEAD) * (STEP // 2),
+                                    s_at + self._block_scales() + (k - AHEAD) * self.scale_step)
+                    p_slot, c_slot, c_block = self._step(acc, x_at + k * (STEP * 2), ring, ring, k, tidx, t, p_slot,
+                                                         c_slot, c_block, one_multiply)
+                self._share_store(acc, o_base, c, blk, k_end == B, pair, P, mRows, row, t, col_off)
+                blk = blk + 1
+                k_begin = Int32(0)
+
+        def _block_rows(self) -> int:
+            return ROWS_PER_WARP * self.warps
+
+        def _block_bytes(self) -> int:
+            """A row block's packed bytes: from a row's step 0 to the next block's."""
+            return self._block_rows() * (self.K // 2)
+
+        def _block_scales(self) -> int:
+            """A row block's scale bytes."""
+            return self._block_rows() * self.scale_row
+
+        @cute.jit
+        def _share_store(self, acc, o_base, c, blk, closes, pair, P, mRows, row, t, col_off):
+            """Block blk's part of share c into its slot (c's index among the shares the block is split
+            between); the accumulators zeroed; where the part `closes` the block, zeros into the slots after
+            its own."""
+            B: cutlass.Constexpr = self.K // STEP
+            slot = c - first_share(blk * B, self.share_steps, self.shares)
+            out_row = blk * (ROWS_PER_WARP * self.warps) + row
+            self._store(acc, o_base, slot, P, col_off, out_row, pair, Int32(0), Int32(1), t, mRows)
+            for i in cutlass.range_constexpr(4):
+                acc[i] = Float32(0.0)
+            if closes:
+                for z in cutlass.range(slot + 1, self.slots, unroll=1):
+                    self._store(acc, o_base, z, P, col_off, out_row, pair, Int32(0), Int32(1), t, mRows)
 
         @cute.jit
         def _step(self, acc, x_at, ring, scale_ring, s, tidx, t, p_slot, c_slot, c_block,
@@ -596,7 +773,7 @@ def table_views(w, s, K: int) -> tuple:
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
             col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
             scale_steps: int, fmt: str, x_stage: str = "", gu_splits: int = 1, beta: float = 0.0,
-            linear_beta: float = 0.0):
+            linear_beta: float = 0.0, shares: int = 0, slots: int = 1):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic.
     The activations: bf16 [T, K] (word order, or natural with x_stage "natural"), or with x_stage "situ"
     the gate/up's fp32 partials, flat."""
@@ -605,6 +782,8 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
                   rows_first=rows_first, x_quads=x_quads, scale_steps=scale_steps, fmt=fmt)
     if x_stage:  # (the key of a launch without it unchanged)
         params.update(x_stage=x_stage, gu_splits=gu_splits, beta=float(beta), linear_beta=float(linear_beta))
+    if shares:  # (likewise)
+        params.update(shares=shares, slots=slots)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -668,6 +847,10 @@ ONE_LAUNCH = False
 #: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them), whose launch costs
 #: weigh most at few tokens (docs/perf.md 0q); K3FUSE_W4A16_X_STAGE overrides it
 X_STAGE = True
+#: pairwise, the gate/up balanced: as many CTAs as fit at once (TARGET_CTAS), each an equal share of its
+#: pair's steps, rather than one CTA a row block and K split (a partial last wave at 1 token: 1.45 waves
+#: at I = 3072); off until an A/B shows it pays (docs/perf.md 0r)
+BALANCED = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
 INT4 = True
@@ -691,14 +874,18 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
                 split: int | None = None, n_tiles: int | None = None, down_stages: int | None = None,
                 rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS,
                 one_launch: bool | None = None, x_stage: bool | None = None,
-                gate_up_tiles: int | None = None) -> dict:
+                gate_up_tiles: int | None = None, balanced: bool | None = None,
+                gate_up_shares: int | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
-    pairwise, one launch or four, and the activations staged by each CTA or not (`x_stage`). I and L
-    whole 128-element steps (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's
-    row blocks), `down_stages` (the down's ring depth; default `stages`), `rows_first`, `x_quads`,
-    `scale_steps`, `one_launch` and `x_stage` impose a choice instead (the benchmark's A/B arms)."""
+    pairwise, one launch or four, the activations staged by each CTA or not (`x_stage`), and the gate/up
+    balanced or not (`balanced`: "gate_up_shares" CTAs a pair, 0 off). I and L whole 128-element steps
+    (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's row blocks), `down_stages`
+    (the down's ring depth; default `stages`), `rows_first`, `x_quads`, `scale_steps`, `one_launch`,
+    `x_stage`, `balanced` and `gate_up_shares` (balanced, with that many CTAs a pair) impose a choice
+    instead (the benchmark's A/B arms). "partials": the gate/up's fp32 partial slots (its split, or
+    balanced, share_slots)."""
     from k3fuse import settings
 
     if scale_steps not in (1, 4):
@@ -723,6 +910,12 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     if gate_up_tiles < 1 or (I // BLOCK_ROWS) % gate_up_tiles:
         raise ValueError(f"gate_up_tiles {gate_up_tiles} does not divide the {I // BLOCK_ROWS} row blocks of w1 / w3")
     steps = L // STEP
+    shares = _gate_up_shares(groups, I, steps, stages, pairwise, balanced, gate_up_shares)
+    if shares:
+        if one_launch or gate_up_tiles != 1 or split not in (None, 1) or scale_steps != 1 or x_quads:
+            raise ValueError("balanced streams whole rows, a row block at a time, with one scale copy a step in word "
+                             "order: no one_launch, gate_up_tiles, split, scale_steps 4 or x_quads beside it")
+        split = 1
     if split is None:
         split = 1
         for cand in range(1, steps + 1):  # the smallest divisor of the steps that reaches the target
@@ -742,7 +935,29 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
             "scale_steps": scale_steps, "one_launch": one_launch, "x_stage": bool(x_stage),
-            "gate_up_tiles": gate_up_tiles}
+            "gate_up_tiles": gate_up_tiles, "gate_up_shares": shares,
+            "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
+
+
+def _gate_up_shares(groups: float, I: int, steps: int, stages: int, pairwise: bool, balanced: bool | None,
+                    imposed: int | None) -> int:
+    """Balanced mode's CTAs a pair and table (0: off): TARGET_CTAS over the pairs' two tables, each share
+    at least a ring's prologue of steps (`stages - 1`); `imposed` that many (balanced)."""
+    if imposed is not None or balanced:
+        if not pairwise:
+            raise ValueError("balanced runs pairwise mode only (a CTA's share is one pair's steps)")
+    elif balanced is None:
+        balanced = pairwise and BALANCED
+    if not (balanced or imposed):
+        return 0
+    table_steps = (I // BLOCK_ROWS) * steps
+    most = table_steps // max(1, _stages(steps, stages) - 1)
+    if imposed is None:
+        return min(most, max(1, TARGET_CTAS // (2 * max(1, round(groups)))))
+    if not 1 <= imposed <= most:
+        raise ValueError(f"gate_up_shares {imposed}: 1 to {most} (each share at least the ring's {stages - 1} "
+                         f"steps of a table's {table_steps} for the pair)")
+    return imposed
 
 
 def _scale_steps(K: int, k_span: int, config: dict, fmt: str) -> int:
@@ -754,11 +969,14 @@ def _scale_steps(K: int, k_span: int, config: dict, fmt: str) -> int:
 def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
     """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]. `config`:
     pick_config's keys and the grouping's "pairwise"; `fmt`: the tables' format."""
-    return dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
-                blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
-                n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
-                x_quads=config["x_quads"], scale_steps=_scale_steps(L, L // config["split"], config, fmt), fmt=fmt,
-                x_stage="natural" if config["x_stage"] else "")
+    params = dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
+                  blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
+                  n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
+                  x_quads=config["x_quads"], scale_steps=_scale_steps(L, L // config["split"], config, fmt),
+                  fmt=fmt, x_stage="natural" if config["x_stage"] else "")
+    if config["gate_up_shares"]:
+        params.update(shares=config["gate_up_shares"], slots=config["partials"])
+    return params
 
 
 def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, float] | None = None) -> dict:
@@ -771,10 +989,11 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
     if config["x_stage"]:
         if betas is None:
             raise ValueError("x_stage: the down computes the SiTU-GLU, so it needs SiTU's betas")
-        params.update(x_stage="situ", gu_splits=config["split"], beta=float(betas[0]), linear_beta=float(betas[1]))
+        params.update(x_stage="situ", gu_splits=config["partials"], beta=float(betas[0]),
+                      linear_beta=float(betas[1]))
     return params
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx",
            "int4x8_ptx", "table_fakes", "table_views", "builder", "launch", "pick_config", "gate_up_params",
-           "down_params", "runs_int4"]
+           "down_params", "runs_int4", "share_start", "first_share", "share_slots"]
