@@ -469,6 +469,36 @@ def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
 
 
 @needs_cute
+@pytest.mark.parametrize("T,I,fmt,x_stage", [(1, 3072, "mxfp4", True), (2, 1536, "mxfp4", True),
+                                             (1, 384, "mxfp4", True), (1, 1536, "int4", True),
+                                             (1, 3072, "mxfp4", False)])
+def test_w4a16_balanced_gate_up_compiles_to_ptx(T, I, fmt, x_stage, tmp_path):
+    """The balanced gate/up (a share of a table's steps a CTA): per loop copy a block's two step loops
+    (issuing the same block's step, then the next block's first), each one step of 8 mmas, marked
+    nounroll; the ring's copies predicated on the share (the prologue's stages - 1 steps, 4 copies a
+    step); fp32 partials stored, the zero slots in a loop; staged or not, the activations as in the
+    other launches; no spills, no multicast. The down is the launch the rule would pair with it."""
+    launches = list(_w4a16_launches(T, I, fmt, tmp_path, balanced=True, x_stage=x_stage))
+    (name, params, ptx, where), down = launches[0], launches[1]
+    assert name == "gate_up" and params["shares"] == (33 if T == 1 else 16) and params["k_span"] == 3584, where
+    assert down[1]["gu_splits" if x_stage else "K"] == (params["slots"] if x_stage else I), down[3]
+    ops = _ops(ptx)
+    copies = 2 if fmt == "mxfp4" else 1  # MXFP4's ordinary and wide-scale loops
+    mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+    assert mma == copies * 2 * 8, (where, mma)
+    assert ptx.count('.pragma "nounroll"') >= copies * 3, where  # a copy's block loop and its two step loops
+    cp16 = len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 16;", ptx))
+    assert cp16 == 2 * (params["stages"] - 1 + copies * 2), (where, cp16)
+    assert len(re.findall(r"st\.global\.f32", ptx)) >= 2 * copies and "st.global.b16" not in ptx, where
+    shared_x = 4 if x_stage else 0
+    assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * (2 + shared_x), where
+    assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == (1 if x_stage else 0), where
+    nc = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
+    assert nc == (-(-3584 // 8 // 128) if x_stage else mma // 8 * 4), (where, nc)
+    assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+
+
+@needs_cute
 @pytest.mark.parametrize("T,I,quads,fmt", [(1, 3072, False, "mxfp4"), (2, 1536, False, "mxfp4"),
                                            (1, 384, False, "mxfp4"), (2, 1536, True, "mxfp4"),
                                            (1, 1536, False, "int4")])

@@ -581,6 +581,49 @@ def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
     assert not cute_config(1, E, 3072, L, k)["x_stage"]
 
 
+def test_balanced_is_one_wave_of_equal_shares_in_pairwise_mode(monkeypatch):
+    """balanced (the gate/up as TARGET_CTAS CTAs, each an equal share of a pair's table's steps): the rule's
+    shares a pair and table, whole rows (split 1) and the partial slots its blocks' parts take, which the
+    down (staged or the four-launch SiTU-GLU) sums; an imposed count; refused in grouped mode, beside the
+    choices it does not stream and past a share a ring's prologue, by name; the setting's default gives
+    way to those choices; the launch keys without it unchanged."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    for T, I, shares, slots in ((1, 3072, 33, 2), (1, 1536, 33, 3), (1, 384, 33, 6), (2, 3072, 16, 1),
+                                (2, 384, 16, 4)):
+        cfg = cute_config(T, E, I, L, k, balanced=True)
+        assert (cfg["gate_up_shares"], cfg["partials"], cfg["split"]) == (shares, slots, 1), (T, I, cfg)
+        assert 2 * shares * T * k <= w4.TARGET_CTAS < 2 * (shares + 1) * T * k
+        gate_up, down = w4.gate_up_params(I, L, k, cfg, "mxfp4"), w4.down_params(I, L, cfg, "mxfp4", (4.0, 25.0))
+        assert (gate_up["shares"], gate_up["slots"], gate_up["k_span"]) == (shares, slots, L)
+        assert down["gu_splits"] == slots and "shares" not in down
+    four = cute_config(1, E, 1536, L, k, balanced=True, x_stage=False)
+    assert four["gate_up_shares"] == 33 and "x_stage" not in w4.down_params(1536, L, four, "mxfp4")
+    assert cute_config(1, E, 1536, L, k, gate_up_shares=7)["gate_up_shares"] == 7
+    plain = cute_config(1, E, 1536, L, k)
+    assert plain["gate_up_shares"] == 0 and plain["partials"] == plain["split"]
+    assert "shares" not in w4.gate_up_params(1536, L, k, plain, "mxfp4")
+    assert w4.builder(**w4.gate_up_params(1536, L, k, plain, "mxfp4"))[0] != \
+        w4.builder(**w4.gate_up_params(1536, L, k, cute_config(1, E, 1536, L, k, balanced=True), "mxfp4"))[0]
+    with pytest.raises(ValueError, match="balanced runs pairwise mode only"):
+        cute_config(64, E, 1536, L, k, balanced=True)
+    for choice in ({"one_launch": True}, {"split": 2}, {"gate_up_tiles": 2}, {"scale_steps": 4}, {"x_quads": True,
+                                                                                            "x_stage": False}):
+        with pytest.raises(ValueError, match="balanced streams whole rows"):
+            cute_config(1, E, 1536, L, k, balanced=True, **choice)
+    with pytest.raises(ValueError, match=r"gate_up_shares 2017: 1 to 84 \(each share at least the ring's 2"):
+        cute_config(1, E, 384, L, k, gate_up_shares=2017)
+    monkeypatch.setenv("K3FUSE_W4A16_BALANCED", "1")  # the setting decides pairwise mode, never grouped
+    assert cute_config(1, E, 3072, L, k)["gate_up_shares"] == 33
+    assert not cute_config(64, E, 3072, L, k)["gate_up_shares"]
+    assert not cute_config(1, E, 3072, L, k, one_launch=True)["gate_up_shares"]  # gives way to an imposed form
+    assert not cute_config(1, E, 3072, L, k, split=2)["gate_up_shares"]
+    monkeypatch.setenv("K3FUSE_W4A16_BALANCED", "0")
+    assert not cute_config(1, E, 3072, L, k)["gate_up_shares"]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_one_launch_params_are_the_two_launches_with_one_scale_copy_a_step(fmt):
     """The one-launch form runs the two row kernels' tiles as cute_config chose them (split, stages,

@@ -350,7 +350,8 @@ def test_balanced_slot_count_is_the_most_parts_a_block_takes():
 
     for blocks, B, shares in ((48, 28, 33), (24, 28, 33), (6, 28, 33), (6, 28, 84), (48, 28, 16), (5, 3, 7)):
         steps = blocks * B
-        owner = [c for c in range(shares) for _ in range(share_start(c, steps, shares), share_start(c + 1, steps, shares))]
+        owner = [c for c in range(shares)
+                 for _ in range(share_start(c, steps, shares), share_start(c + 1, steps, shares))]
         assert len(owner) == steps and owner == sorted(owner)
         assert all(first_share(g, steps, shares) == owner[g] for g in range(steps))
         sizes = {share_start(c + 1, steps, shares) - share_start(c, steps, shares) for c in range(shares)}

@@ -910,11 +910,10 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     if gate_up_tiles < 1 or (I // BLOCK_ROWS) % gate_up_tiles:
         raise ValueError(f"gate_up_tiles {gate_up_tiles} does not divide the {I // BLOCK_ROWS} row blocks of w1 / w3")
     steps = L // STEP
-    shares = _gate_up_shares(groups, I, steps, stages, pairwise, balanced, gate_up_shares)
+    # balanced streams whole rows a row block at a time, one scale copy a step, in word order
+    fits = not one_launch and gate_up_tiles == 1 and split in (None, 1) and scale_steps == 1 and not x_quads
+    shares = _gate_up_shares(groups, I, steps, stages, pairwise, fits, balanced, gate_up_shares)
     if shares:
-        if one_launch or gate_up_tiles != 1 or split not in (None, 1) or scale_steps != 1 or x_quads:
-            raise ValueError("balanced streams whole rows, a row block at a time, with one scale copy a step in word "
-                             "order: no one_launch, gate_up_tiles, split, scale_steps 4 or x_quads beside it")
         split = 1
     if split is None:
         split = 1
@@ -939,15 +938,23 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
             "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
 
 
-def _gate_up_shares(groups: float, I: int, steps: int, stages: int, pairwise: bool, balanced: bool | None,
-                    imposed: int | None) -> int:
+def _gate_up_shares(groups: float, I: int, steps: int, stages: int, pairwise: bool, fits: bool,
+                    balanced: bool | None, imposed: int | None) -> int:
     """Balanced mode's CTAs a pair and table (0: off): TARGET_CTAS over the pairs' two tables, each share
-    at least a ring's prologue of steps (`stages - 1`); `imposed` that many (balanced)."""
+    at least a ring's prologue of steps (`stages - 1`); `imposed` that many. Imposed (`balanced` or
+    `imposed`), pairwise with the choices it `fits`; the default (K3FUSE_W4A16_BALANCED where set, else
+    BALANCED) gives way to choices it does not fit."""
+    from k3fuse import settings
+
     if imposed is not None or balanced:
         if not pairwise:
             raise ValueError("balanced runs pairwise mode only (a CTA's share is one pair's steps)")
+        if not fits:
+            raise ValueError("balanced streams whole rows, a row block at a time, with one scale copy a step in "
+                             "word order: no one_launch, gate_up_tiles, split, scale_steps 4 or x_quads beside it")
     elif balanced is None:
-        balanced = pairwise and BALANCED
+        chosen = settings.get("K3FUSE_W4A16_BALANCED")
+        balanced = pairwise and fits and (BALANCED if chosen is None else chosen)
     if not (balanced or imposed):
         return 0
     table_steps = (I // BLOCK_ROWS) * steps
