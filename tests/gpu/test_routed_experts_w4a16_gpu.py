@@ -267,9 +267,11 @@ CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": Fa
                 "x_stage": {"x_stage": True},
                 "x_stage_long": {"x_stage": True, "gate_up_tiles": 2, "n_tiles": 2, "split": 1,
                                  "stages": 5},
-                "gate_up_tiles": {"gate_up_tiles": 2}}
+                "gate_up_tiles": {"gate_up_tiles": 2},
+                "balanced": {"balanced": True}, "balanced_four": {"balanced": True, "x_stage": False},
+                "balanced_7": {"gate_up_shares": 7}}
 #: the pairwise MLP's other forms (a CTA's one pair): no grouped launch
-PAIRWISE_ONLY = ("one_launch", "x_stage")
+PAIRWISE_ONLY = ("one_launch", "x_stage", "balanced", "gate_up_shares")
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))
@@ -353,6 +355,28 @@ def test_x_stage_leaves_out_expert_ids_outside_the_table(experts):
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
     left = _ids_outside_the_table(experts, cute_config(2, E, experts.I, L, K, x_stage=True), 12, [1, 6, 18, 30])
+    assert torch.isnan(left).all()  # nothing stored for them
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_balanced_graph_replays_against_float64(experts, T):
+    """The balanced gate/up (one wave of equal shares, a block's parts in their own partial slots and zeros
+    in the rest, every slot written each launch) under 1000 CUDA-graph replays on changing tokens and
+    experts."""
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    cfg = cute_config(T, E, experts.I, L, K, balanced=True)
+    assert cfg["gate_up_shares"] > 0
+    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
+                             "balanced")
+
+
+def test_balanced_leaves_out_expert_ids_outside_the_table(experts):
+    """Pairs whose expert id is outside [0, E) are left out by the balanced gate/up's shares and the down;
+    the others are right."""
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    left = _ids_outside_the_table(experts, cute_config(2, E, experts.I, L, K, balanced=True), 13, [2, 7, 19, 29])
     assert torch.isnan(left).all()  # nothing stored for them
 
 
