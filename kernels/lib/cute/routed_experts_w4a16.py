@@ -564,6 +564,7 @@ if compat.HAVE_CUTE:
                 k_begin = Int32(0)
 
         def _block_rows(self) -> int:
+            """A row block's rows: a CTA's warps' 16 each."""
             return ROWS_PER_WARP * self.warps
 
         def _block_bytes(self) -> int:
@@ -581,7 +582,7 @@ if compat.HAVE_CUTE:
             its own."""
             B: cutlass.Constexpr = self.K // STEP
             slot = c - first_share(blk * B, self.share_steps, self.shares)
-            out_row = blk * (ROWS_PER_WARP * self.warps) + row
+            out_row = blk * self._block_rows() + row
             self._store(acc, o_base, slot, P, col_off, out_row, pair, Int32(0), Int32(1), t, mRows)
             for i in cutlass.range_constexpr(4):
                 acc[i] = Float32(0.0)
@@ -847,8 +848,8 @@ ONE_LAUNCH = False
 #: instead of four (no word-order copy, no SiTU-GLU launch, no gaps between them), whose launch costs
 #: weigh most at few tokens (docs/perf.md 0q); K3FUSE_W4A16_X_STAGE overrides it
 X_STAGE = True
-#: pairwise, the gate/up balanced: as many CTAs as fit at once (TARGET_CTAS), each an equal share of its
-#: pair's steps, rather than one CTA a row block and K split (a partial last wave at 1 token: 1.45 waves
+#: pairwise, the gate/up balanced: as many CTAs as fit at once (TARGET_CTAS), each an equal share of a
+#: pair's table steps, rather than one CTA a row block and K split (a partial last wave at 1 token: 1.45 waves
 #: at I = 3072); off until an A/B shows it pays (docs/perf.md 0r)
 BALANCED = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
@@ -880,7 +881,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
     pairwise, one launch or four, the activations staged by each CTA or not (`x_stage`), and the gate/up
-    balanced or not (`balanced`: "gate_up_shares" CTAs a pair, 0 off). I and L whole 128-element steps
+    balanced or not (`balanced`: "gate_up_shares" CTAs a pair and table, 0 off). I and L whole 128-element steps
     (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's row blocks), `down_stages`
     (the down's ring depth; default `stages`), `rows_first`, `x_quads`, `scale_steps`, `one_launch`,
     `x_stage`, `balanced` and `gate_up_shares` (balanced, with that many CTAs a pair) impose a choice
@@ -974,8 +975,9 @@ def _scale_steps(K: int, k_span: int, config: dict, fmt: str) -> int:
 
 
 def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
-    """builder's parameters for w1 and w3 at once: fp32 partials into gu [split, P, 2I]. `config`:
-    pick_config's keys and the grouping's "pairwise"; `fmt`: the tables' format."""
+    """builder's parameters for w1 and w3 at once: fp32 partials into gu [partials, P, 2I] (a K split's, or
+    balanced, a row block's parts). `config`: pick_config's keys and the grouping's "pairwise"; `fmt`: the
+    tables' format."""
     params = dict(N=I, K=L, k_span=L // config["split"], top_k=top_k, out_fp32=True, out_stride=2 * I,
                   blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
                   n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
