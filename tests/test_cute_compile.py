@@ -437,14 +437,18 @@ def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
 
 @needs_cute
 @pytest.mark.parametrize("T,I,fmt,choices", [(1, 3072, "mxfp4", {}), (2, 1536, "mxfp4", {}), (1, 384, "mxfp4", {}),
-                                             (1, 1536, "int4", {}),
+                                             (1, 1536, "int4", {}), (1, 1536, "mxfp4", {"pdl": True}),
+                                             (1, 3072, "int4", {"pdl": True, "balanced": True}),
                                              (1, 3072, "mxfp4", {"gate_up_tiles": 2, "n_tiles": 2, "stages": 5})])
 def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
     """The pairwise MLP in two launches whose CTAs stage their activation row in shared memory: the
     gate/up reads a's row (natural order) with 16-byte read-only loads and stores it in word order, the
     down sums the gate/up's fp32 partials and computes the SiTU-GLU (3 exponentials an element), a
     thread's words unrolled; one barrier each, after the staging; the step loops read the activations
-    from shared memory, never global; no spills, no multicast."""
+    from shared memory, never global; no spills, no multicast. With PDL the gate/up lets the down launch
+    first thing, and the down waits for its grid after its first weight copies, before any partial,
+    which it reads through L2 (a read-only load may move above the wait); the balanced gate/up (two
+    step loops a copy) stages the same way."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
     for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, x_stage=True, **choices):
@@ -462,9 +466,17 @@ def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
         assert len(re.findall(r"st\.shared\.v4\.u32", ptx)) == words, where
         assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == 1, where
         # the only 16-byte global loads are the staging's: a's word, or g's and u's halves a split
-        nc = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
-        assert nc == words * (1 if name == "gate_up" else 4 * params["gu_splits"]), (where, nc)
+        pdl = choices.get("pdl", False)
+        loads = len(re.findall(r"ld\.global\.(?:nc|cg)\.v4\.u32", ptx))
+        assert loads == words * (1 if name == "gate_up" else 4 * params["gu_splits"]), (where, loads)
+        assert ("ld.global.cg.v4" in ptx) == (pdl and name == "down"), where
         assert ptx.count("ex2.approx") == (0 if name == "gate_up" else 24 * words), where
+        assert ptx.count("griddepcontrol.launch_dependents") == (pdl and name == "gate_up"), where
+        assert ptx.count("griddepcontrol.wait") == (pdl and name == "down"), where
+        assert ("shares" in params) == (choices.get("balanced", False) and name == "gate_up"), where
+        if pdl and name == "down":  # the wait after the first weight copies and before the first partial
+            at = ptx.index("griddepcontrol.wait")
+            assert ptx.index("cp.async.cg.shared.global") < at < ptx.index("ld.global.cg.v4.u32"), where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 
 

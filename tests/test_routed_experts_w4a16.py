@@ -556,7 +556,19 @@ def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
     gate_up, down = w4.gate_up_params(1536, L, k, cfg, "mxfp4"), w4.down_params(1536, L, cfg, "mxfp4", (4.0, 25.0))
     assert cfg["x_stage"] and not cfg["x_quads"] and not cfg["one_launch"]
     assert gate_up["x_stage"] == "natural" and gate_up["n_tiles"] == 2 and gate_up["top_k"] == k
-    assert down["x_stage"] == "situ" and down["gu_splits"] == cfg["split"] and (down["beta"], down["linear_beta"]) == (4.0, 25.0)
+    assert down["x_stage"] == "situ" and down["gu_splits"] == cfg["split"]
+    assert (down["beta"], down["linear_beta"]) == (4.0, 25.0) and not down["pdl"] and not gate_up["pdl"]
+    # PDL: the gate/up triggers, the down waits; only between the staged launches
+    linked = cute_config(1, E, 1536, L, k, x_stage=True, pdl=True)
+    assert w4.gate_up_params(1536, L, k, linked, "int4")["pdl"] == "trigger"
+    assert w4.down_params(1536, L, linked, "int4", (4.0, 25.0))["pdl"] == "wait"
+    with pytest.raises(ValueError, match="pdl .* needs x_stage"):
+        cute_config(1, E, 1536, L, k, x_stage=False, pdl=True)
+    assert not cute_config(64, E, 1536, L, k)["pdl"]
+    monkeypatch.setenv("K3FUSE_W4A16_PDL", "1")  # the setting's default gives way where nothing is staged
+    assert cute_config(1, E, 1536, L, k)["pdl"] and not cute_config(1, E, 1536, L, k, x_stage=False)["pdl"]
+    assert not cute_config(64, E, 1536, L, k)["pdl"]
+    monkeypatch.delenv("K3FUSE_W4A16_PDL")
     with pytest.raises(ValueError, match="needs SiTU's betas"):
         w4.down_params(1536, L, cfg, "mxfp4")
     # the four-launch form's keys are unchanged by the staged form's parameters

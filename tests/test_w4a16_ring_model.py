@@ -90,6 +90,9 @@ class ThreadModel:
 
     ld_cg_v4 = ld_nc_v4  # (the one-launch form's activations, written in the launch: through L2)
 
+    def griddep_wait(self):  # PDL: the down waits for the gate/up's grid, its first stages in flight
+        self.events.append(("grid", len(self.groups)))
+
     def ld_nc_b32(self, addr):
         return 0  # the scale bytes' OR: ordinary scales, the one-multiply loop
 
@@ -200,10 +203,10 @@ def _run(p: dict, tidx: int, size: int, wait_short: bool = False):
     return sim, list(_expected(p, tidx, e, block, k_begin, first, size, rows))
 
 
-def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False, x_stage=""):
+def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False, x_stage="", pdl=""):
     return dict(N=1024, K=K, k_span=k_span, top_k=TOP_K, out_fp32=False, out_stride=1024, blocks_a=16, col_b=0,
                 pairwise=pairwise, warps=4, n_tiles=n_tiles, stages=stages, rows_first=True, x_quads=x_quads,
-                scale_steps=scale_steps, fmt=fmt, waits=waits, x_stage=x_stage)
+                scale_steps=scale_steps, fmt=fmt, waits=waits, x_stage=x_stage, pdl=pdl)
 
 
 def _cases():
@@ -228,10 +231,12 @@ def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_ste
                 (1, 9, False, True, 37, False, ""), (2, 20, False, True, 127, False, ""),
                 (8, 3, False, False, 5, False, ""), (1, 1, True, False, 70, True, ""),
                 (1, 1, True, False, 45, False, "natural"), (2, 1, True, False, 126, False, "natural")]
-    if k_span == K:
-        launches.append((2, 1, True, False, 3, False, "situ"))
+    if k_span == K:  # the down's h, after the gate/up's grid with PDL
+        launches += [(2, 1, True, False, 3, False, "situ"), (1, 1, True, False, 99, False, "situ+pdl")]
     for n_tiles, size, pairwise, x_quads, tidx, waits, x_stage in launches:
-        p = _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits, x_stage)
+        x_stage, _, pdl = x_stage.partition("+")
+        p = _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits, x_stage,
+                    "wait" if pdl else "")
         if x_stage == "situ":
             p["top_k"] = 1
         sim, want = _run(p, tidx, size)
@@ -243,10 +248,11 @@ def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_ste
         assert len(sim.stores) == n_tiles * -(-size // 8) and rows == sorted(rows), (where, sim.stores)
         # the weight-only rule (the one-launch form): the flag is waited for with the first stages' weights
         # and scales in flight, and before any activation is read; a staged row is staged with them in
-        # flight, and no activation is read from global memory after it
+        # flight, and no activation is read from global memory after it; with PDL, after the grid wait
         first = ("flag", stages - 1) if waits else ("stage", stages - 1) if x_stage else ("x",)
-        assert sim.events[0] == first, (where, sim.events[:2])
-        assert not x_stage or sim.events == [first], (where, sim.events[:3])
+        waited = [("grid", stages - 1)] * bool(p["pdl"])
+        assert sim.events[0] == (waited + [first])[0], (where, sim.events[:2])
+        assert not x_stage or sim.events == waited + [first], (where, sim.events[:3])
 
 
 @pytest.mark.parametrize("fmt,scale_steps", [("mxfp4", 1), ("mxfp4", 4), ("int4", 1)])

@@ -268,10 +268,12 @@ CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": Fa
                 "x_stage_long": {"x_stage": True, "gate_up_tiles": 2, "n_tiles": 2, "split": 1,
                                  "stages": 5},
                 "gate_up_tiles": {"gate_up_tiles": 2},
+                "x_stage_pdl": {"x_stage": True, "pdl": True},
                 "balanced": {"balanced": True}, "balanced_four": {"balanced": True, "x_stage": False},
+                "balanced_pdl": {"balanced": True, "pdl": True},
                 "balanced_7": {"gate_up_shares": 7}}
 #: the pairwise MLP's other forms (a CTA's one pair): no grouped launch
-PAIRWISE_ONLY = ("one_launch", "x_stage", "balanced", "gate_up_shares")
+PAIRWISE_ONLY = ("one_launch", "x_stage", "balanced", "gate_up_shares", "pdl")
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))
@@ -338,15 +340,18 @@ def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
     assert _one_launch_states_are_zero()
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["x_stage", "x_stage_pdl"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_x_stage_graph_replays_against_float64(experts, T):
+def test_x_stage_graph_replays_against_float64(experts, T, pdl):
     """The pairwise MLP in two launches whose CTAs stage a's rows and h (the SiTU-GLU of the gate/up's
-    partials) themselves, under 1000 CUDA-graph replays on changing tokens and experts."""
+    partials) themselves, the down a programmatic dependent or not (0q's PDL raced here: its partials
+    read-only, free to move above the wait), under 1000 CUDA-graph replays on changing tokens and
+    experts."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, x_stage=True)
+    cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl)
     _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
-                             "x_stage")
+                             cfg)
 
 
 def test_x_stage_leaves_out_expert_ids_outside_the_table(experts):
@@ -358,17 +363,18 @@ def test_x_stage_leaves_out_expert_ids_outside_the_table(experts):
     assert torch.isnan(left).all()  # nothing stored for them
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["balanced", "balanced_pdl"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_balanced_graph_replays_against_float64(experts, T):
+def test_balanced_graph_replays_against_float64(experts, T, pdl):
     """The balanced gate/up (one wave of equal shares, a block's parts in their own partial slots and zeros
     in the rest, every slot written each launch) under 1000 CUDA-graph replays on changing tokens and
     experts."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, balanced=True)
+    cfg = cute_config(T, E, experts.I, L, K, balanced=True, pdl=pdl)
     assert cfg["gate_up_shares"] > 0
     _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
-                             "balanced")
+                             cfg)
 
 
 def test_balanced_leaves_out_expert_ids_outside_the_table(experts):

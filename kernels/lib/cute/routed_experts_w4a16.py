@@ -213,7 +213,7 @@ if compat.HAVE_CUTE:
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
                      rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False,
                      x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0,
-                     shares: int = 0, slots: int = 1):
+                     shares: int = 0, slots: int = 1, pdl: str = ""):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             self.fmt = fmt
             self.scale_row = K // 32 * SCALE_BYTES[fmt]  # bytes of a row's scales
@@ -238,6 +238,15 @@ if compat.HAVE_CUTE:
             assert not x_stage or pairwise and not waits and not x_quads
             assert x_stage != "situ" or k_span == K and top_k == 1
             self.x_stage, self.gu_splits, self.beta, self.linear_beta = x_stage, gu_splits, beta, linear_beta
+            # programmatic dependent launch between the staged gate/up and down: "trigger", each gate/up
+            # CTA lets the down launch once all have started; "wait", the down (launched as a dependent)
+            # issues its first weight stages and reads its scales, then waits for the gate/up's grid
+            # before it stages h (the weight-only rule: static weights cross the sync point, activations
+            # never), reading the partials through L2: a read-only load is free to move above the wait
+            assert pdl in ("", "trigger", "wait") and (not pdl or x_stage)
+            assert pdl != "wait" or x_stage == "situ"
+            self.pdl = pdl
+            self.stage_early = bool(x_stage) and pdl != "wait"  # staged with the first weights in flight
             # 16-byte scale copies: aligned rows and block starts, blocks that never straddle a span, and
             # block b + 2 issued (at step 4b + 8 - (stages - 1)) after block b's last read (4b + 3)
             assert scale_steps == 1 or (scale_steps == 4 and scale_blocks_fit(K, k_span) and stages <= 5
@@ -273,13 +282,15 @@ if compat.HAVE_CUTE:
             if const_expr(self.shares):  # a pair's shares of w1's blocks, then of w3's
                 grid = ((2 if self.col_b > 0 else 1) * self.shares, P, 1)
             self.kernel(mX, mWa, mSa, mWb, mSb, mOut, mExperts, mRows, mGroups).launch(
-                grid=grid, block=(32 * self.warps, 1, 1), stream=stream)
+                grid=grid, block=(32 * self.warps, 1, 1), stream=stream, use_pdl=self.pdl == "wait")
 
         @cute.kernel
         def kernel(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
                    mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
                    mGroups: cute.Tensor):
             tidx, _, _ = cute.arch.thread_idx()
+            if const_expr(self.pdl == "trigger"):
+                compat.griddep_launch_dependents()
             smem = compat.SmemAllocator()
             # the staged row (x_stage) right after the ring, whose bytes are whole 16-byte words
             ring = compat.smem_address(smem.allocate_array(cutlass.Uint8, self.smem_bytes() + self.x_stage_bytes()))
@@ -365,7 +376,7 @@ if compat.HAVE_CUTE:
                     self._issue_scales(scale_ring + (i // self.scale_steps) * self._scale_block(), tidx,
                                        s_at + i * (STEP // 32))
                 compat.cp_async_commit()
-            if const_expr(self.x_stage):  # the weights above in flight while the row is staged
+            if const_expr(self.stage_early):  # the weights above in flight while the row is staged
                 self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
                 x_base = Int64(x_smem)
 
@@ -378,6 +389,10 @@ if compat.HAVE_CUTE:
                     bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
+            if const_expr(self.pdl == "wait"):  # likewise, after the gate/up's grid (PDL)
+                compat.griddep_wait()
+                self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
+                x_base = Int64(x_smem)
             if const_expr(self.fmt == "int4"):  # one multiply a register at every scale
                 self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
                              ring, scale_ring, w_at, s_at, True)
@@ -648,7 +663,7 @@ if compat.HAVE_CUTE:
                                                                     + 8 * w) * 2))
                 else:
                     words = situ_glu_x8(x_base, pair, P, w, self.K, self.gu_splits, self.beta, self.linear_beta,
-                                        False)
+                                        self.pdl == "wait")
                 compat.st_shared_v4(x_smem + 16 * w, words[0], words[1], words[2], words[3])
             cute.arch.sync_threads()
 
@@ -774,7 +789,7 @@ def table_views(w, s, K: int) -> tuple:
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
             col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
             scale_steps: int, fmt: str, x_stage: str = "", gu_splits: int = 1, beta: float = 0.0,
-            linear_beta: float = 0.0, shares: int = 0, slots: int = 1):
+            linear_beta: float = 0.0, shares: int = 0, slots: int = 1, pdl: str = ""):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic.
     The activations: bf16 [T, K] (word order, or natural with x_stage "natural"), or with x_stage "situ"
     the gate/up's fp32 partials, flat."""
@@ -785,6 +800,8 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
         params.update(x_stage=x_stage, gu_splits=gu_splits, beta=float(beta), linear_beta=float(linear_beta))
     if shares:  # (likewise)
         params.update(shares=shares, slots=slots)
+    if pdl:
+        params.update(pdl=pdl)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -852,6 +869,10 @@ X_STAGE = True
 #: pair's table steps, rather than one CTA a row block and K split (a partial last wave at 1 token: 1.45 waves
 #: at I = 3072); off until an A/B shows it pays (docs/perf.md 0r)
 BALANCED = False
+#: with x_stage, the down launched as the gate/up's programmatic dependent (its first weights and scales
+#: read while the gate/up drains); off: within -3% and +7% of x_stage alone in 0q's A/B, whose form
+#: raced (docs/perf.md 0q, 0r); K3FUSE_W4A16_PDL overrides it
+PDL = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
 INT4 = True
@@ -876,15 +897,16 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
                 rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS,
                 one_launch: bool | None = None, x_stage: bool | None = None,
                 gate_up_tiles: int | None = None, balanced: bool | None = None,
-                gate_up_shares: int | None = None) -> dict:
+                gate_up_shares: int | None = None, pdl: bool | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
     pairwise, one launch or four, the activations staged by each CTA or not (`x_stage`), and the gate/up
-    balanced or not (`balanced`: "gate_up_shares" CTAs a pair and table, 0 off). I and L whole 128-element steps
+    balanced or not (`balanced`: "gate_up_shares" CTAs a pair and table, 0 off), and with x_stage the down
+    launched as the gate/up's programmatic dependent or not (`pdl`). I and L whole 128-element steps
     (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's row blocks), `down_stages`
     (the down's ring depth; default `stages`), `rows_first`, `x_quads`, `scale_steps`, `one_launch`,
-    `x_stage`, `balanced` and `gate_up_shares` (balanced, with that many CTAs a pair) impose a choice
+    `x_stage`, `balanced`, `gate_up_shares` (balanced, with that many CTAs a pair) and `pdl` impose a choice
     instead (the benchmark's A/B arms). "partials": the gate/up's fp32 partial slots (its split, or
     balanced, share_slots)."""
     from k3fuse import settings
@@ -905,6 +927,12 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         raise ValueError("x_stage and one_launch are two forms of the pairwise MLP: choose one")
     if x_stage and x_quads:
         raise ValueError("x_stage stages the activations in word order (the quad order is grouped mode's)")
+    if pdl and not x_stage:
+        raise ValueError("pdl launches the staged down as the staged gate/up's dependent: it needs x_stage")
+    if pdl is None:
+        chosen = settings.get("K3FUSE_W4A16_PDL")
+        pdl = PDL if chosen is None else chosen
+    pdl = bool(x_stage) and pdl
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
     gate_up_tiles = 1 if gate_up_tiles is None else gate_up_tiles
@@ -935,7 +963,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
             "scale_steps": scale_steps, "one_launch": one_launch, "x_stage": bool(x_stage),
-            "gate_up_tiles": gate_up_tiles, "gate_up_shares": shares,
+            "gate_up_tiles": gate_up_tiles, "gate_up_shares": shares, "pdl": pdl,
             "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
 
 
@@ -982,7 +1010,7 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
                   blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
                   n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
                   x_quads=config["x_quads"], scale_steps=_scale_steps(L, L // config["split"], config, fmt),
-                  fmt=fmt, x_stage="natural" if config["x_stage"] else "")
+                  fmt=fmt, x_stage="natural" if config["x_stage"] else "", pdl="trigger" if config["pdl"] else "")
     if config["gate_up_shares"]:
         params.update(shares=config["gate_up_shares"], slots=config["partials"])
     return params
@@ -999,7 +1027,7 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
         if betas is None:
             raise ValueError("x_stage: the down computes the SiTU-GLU, so it needs SiTU's betas")
         params.update(x_stage="situ", gu_splits=config["partials"], beta=float(betas[0]),
-                      linear_beta=float(betas[1]))
+                      linear_beta=float(betas[1]), pdl="wait" if config["pdl"] else "")
     return params
 
 
