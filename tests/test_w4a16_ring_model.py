@@ -90,6 +90,9 @@ class ThreadModel:
 
     ld_cg_v4 = ld_nc_v4  # (the one-launch form's activations, written in the launch: through L2)
 
+    def address(self, iterator):  # (a fake tensor's iterator is its base address)
+        return iterator
+
     def griddep_wait(self):  # PDL: the down waits for the gate/up's grid, its first stages in flight
         self.events.append(("grid", len(self.groups)))
 
@@ -146,9 +149,9 @@ def _thread(params: dict, model: ThreadModel):
              "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
 
     methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_step", "_issue", "_issue_step", "_issue_scales",
-                                                "_scale_bits", "_slot", "_scale_block", "smem_bytes", "_share_ring",
-                                                "_share_stream", "_share_store", "_block_rows", "_block_bytes",
-                                                "_block_scales"), names)
+                                                "_scale_bits", "_slot", "_scale_block", "smem_bytes", "share",
+                                                "_share_ring", "_share_stream", "_share_store", "_block_rows",
+                                                "_block_bytes", "_block_scales"), names)
     sim = type("ThreadRing", (), methods)()
     sim.__dict__.update(real.__dict__)
     sim.mmas, sim.stores, sim.parts = [], [], []
@@ -363,3 +366,38 @@ def test_balanced_slot_count_is_the_most_parts_a_block_takes():
         sizes = {share_start(c + 1, steps, shares) - share_start(c, steps, shares) for c in range(shares)}
         assert max(sizes) - min(sizes) <= 1, sizes  # balanced: shares differ by a step at most
         assert share_slots(blocks, B, shares) == max(len(set(owner[b * B:(b + 1) * B])) for b in range(blocks))
+
+
+
+class _Experts(list):
+    """A launch's expert ids as the kernel reads them: indexable, with a shape."""
+
+    @property
+    def shape(self):
+        return (len(self),)
+
+
+def test_balanced_ctas_take_w1_then_w3_and_leave_out_ids_outside_the_table():
+    """share(): a pair's first `shares` CTAs stream w1's blocks into its gate columns, the next `shares`
+    w3's into its up columns (I on), each as share c - shares of its table; an expert id outside [0, E)
+    reads and stores nothing."""
+    p = _share_params("mxfp4", 1536, 3, 33)
+    E, N = 896, 1536
+    w1, s1, w3, s3 = (types.SimpleNamespace(iterator=base, shape=(E * N,))
+                      for base in (W_BASE, S_BASE, W_BASE + (1 << 36), S_BASE + (1 << 36)))
+
+    def cta(c: int, expert: int):
+        sim = _thread(p, ThreadModel())
+        sim.share(c, 9, 0, 0, types.SimpleNamespace(iterator=X_BASE), w1, s1, w3, s3,
+                  types.SimpleNamespace(iterator=O_BASE), _Experts([0] * 9 + [expert] + [0] * 6), [], X_SMEM)
+        return sim
+
+    for c in (0, 17, 32, 33, 50, 65):
+        sim = cta(c, 5)
+        up = c >= 33
+        alone, _, _ = _run_share(p, c % 33, 0, table=int(up))
+        assert sim.mmas and sim.mmas == alone.mmas, c  # its table's share c % 33, at that table's base
+        assert {part[1] for part in sim.parts} == {N if up else 0}, c
+    for outside in (-1, E, 10**6):
+        sim = cta(40, outside)
+        assert not sim.mmas and not sim.parts, outside
