@@ -344,9 +344,8 @@ def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
 @pytest.mark.parametrize("T", [1, 2])
 def test_x_stage_graph_replays_against_float64(experts, T, pdl):
     """The pairwise MLP in two launches whose CTAs stage a's rows and h (the SiTU-GLU of the gate/up's
-    partials) themselves, the down a programmatic dependent or not (0q's PDL raced here: its partials
-    read-only, free to move above the wait), under 1000 CUDA-graph replays on changing tokens and
-    experts."""
+    partials) themselves, the down a programmatic dependent or not (then its partials must be read
+    after the grid wait), under 1000 CUDA-graph replays on changing tokens and experts."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
     cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl)

@@ -365,7 +365,7 @@ if compat.HAVE_CUTE:
             SLOT: cutlass.Constexpr = self._slot()
             lane = tidx % 32
             t = lane % 4
-            row_a = block * (ROWS_PER_WARP * self.warps) + (tidx // 32) * ROWS_PER_WARP + lane // 4
+            row_a = block * self._block_rows() + (tidx // 32) * ROWS_PER_WARP + lane // 4
             scale_ring = ring + D * SLOT  # the 16-byte scale copies' two blocks (scale_steps 4), 16 B aligned
             # this thread's bytes of row a at the span's first step (row b is 8 rows on)
             w_at = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
@@ -385,7 +385,7 @@ if compat.HAVE_CUTE:
             bits = Int32(0)
             if const_expr(self.fmt == "mxfp4"):
                 for row_tile in cutlass.range(self.n_tiles, unroll=1):
-                    row = row_a + row_tile * (ROWS_PER_WARP * self.warps)
+                    row = row_a + row_tile * self._block_rows()
                     bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
@@ -414,7 +414,6 @@ if compat.HAVE_CUTE:
             S: cutlass.Constexpr = self.k_span // STEP
             K: cutlass.Constexpr = self.K
             SLOT: cutlass.Constexpr = self._slot()
-            TILE_ROWS: cutlass.Constexpr = ROWS_PER_WARP * self.warps
             lane = tidx % 32
             r = lane // 4
             t = lane % 4
@@ -447,9 +446,9 @@ if compat.HAVE_CUTE:
                 next_row = row
                 if next_chunk == chunks:
                     next_chunk = Int32(0)
-                    next_w = w_at + TILE_ROWS * (K // 2)
-                    next_s = s_at + TILE_ROWS * self.scale_row
-                    next_row = row + TILE_ROWS
+                    next_w = w_at + self._block_bytes()
+                    next_s = s_at + self._block_scales()
+                    next_row = row + self._block_rows()
                 has_next = g + 1 < spans
                 for s in cutlass.range(S - (D - 1), unroll=1):  # issuing this span's later steps
                     p_block = self._issue_step(ring + p_slot, scale_ring, p_block, tidx, w_at, s_at, s + D - 1)
@@ -866,12 +865,12 @@ ONE_LAUNCH = False
 #: weigh most at few tokens (docs/perf.md 0q); K3FUSE_W4A16_X_STAGE overrides it
 X_STAGE = True
 #: pairwise, the gate/up balanced: as many CTAs as fit at once (TARGET_CTAS), each an equal share of a
-#: pair's table steps, rather than one CTA a row block and K split (a partial last wave at 1 token: 1.45 waves
-#: at I = 3072); off until an A/B shows it pays (docs/perf.md 0r)
+#: pair's table steps, rather than one CTA a row block and K split, whose last wave can leave SMs part
+#: empty; off until an A/B shows it pays (docs/perf.md 0r); K3FUSE_W4A16_BALANCED overrides it
 BALANCED = False
 #: with x_stage, the down launched as the gate/up's programmatic dependent (its first weights and scales
-#: read while the gate/up drains); off: within -3% and +7% of x_stage alone in 0q's A/B, whose form
-#: raced (docs/perf.md 0q, 0r); K3FUSE_W4A16_PDL overrides it
+#: read while the gate/up drains); off until an A/B shows it pays (docs/perf.md 0q, 0r);
+#: K3FUSE_W4A16_PDL overrides it
 PDL = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
