@@ -24,12 +24,14 @@ dequantized, grouped GEMMs), "w4a16" (kernels/lib/triton/routed_experts_w4a16.py
 indexed W4A16 MoE GEMMs, gate/up and down only: bench/humming_moe.py; --humming-inter picks the
 widths it compiles for, its JIT takes seconds a shape) and "cute" (the CuTe expert GEMMs on MXFP4 and
 on int4 with bf16 scales, kernels/lib/cute/routed_experts_w4a16.py, between the Triton grouping and
-SiTU-GLU). --cute-stages and
+SiTU-GLU; its launch is the rule's, or the tuned table's where that has the shape). --cute-stages and
 --cute-choices add CuTe arms at other ring depths or with an imposed split / row tiles / down depth,
-for A/B in one run; --profile records the CuTe arm's kernels in one profiled replay. Each row reports the distinct experts the
-timed steps touched, their packed bytes (weights and scales) and the w4a16 arm's share of the copy
-bandwidth measured in the same run on a 256 MiB buffer; the JSON also has a copy over each whole
-packed table. The steps' experts are random over tables of several GB, far past the 60 MB L2.
+for A/B in one run (an arm of no choices, `"rule": {}`, is the rule's launch without the table: what
+bench/tune_w4a16.py weighs the other arms against); --profile records the CuTe arm's kernels in one
+profiled replay. Each row reports the distinct experts the timed steps touched, their packed bytes
+(weights and scales) and the w4a16 arm's share of the copy bandwidth measured in the same run on a
+256 MiB buffer; the JSON also has a copy over each whole packed table. The steps' experts are random
+over tables of several GB, far past the 60 MB L2.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="W4A16 table: CuTe arms at these ring depths besides the default (2 or more)")
     ap.add_argument("--cute-choices", default=None,
                     help='W4A16 table: CuTe arms with imposed launch choices, JSON {"name": {"split": 2, '
-                         '"n_tiles": 1, "down_stages": 4}}')
+                         '"n_tiles": 1, "down_stages": 4}}; {"rule": {}}: the rule without the tuned table')
     ap.add_argument("--profile", action="store_true",
                     help="W4A16 table: the CuTe arm's kernels in one profiled replay (the middle call)")
     ap.add_argument("--w4a16-config", default=None, help="W4A16: a GATE_UP/DOWN override (JSON) for both kernels")

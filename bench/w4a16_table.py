@@ -19,7 +19,8 @@ from k3fuse.tools.bench.profile import profile_steps
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
-from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run
+from k3fuse.kernels.ops.routed_experts_w4a16 import (RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run,
+                                                     tuned_choices)
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
 
 E, K, L = 896, 16, 3584
@@ -200,15 +201,17 @@ def run_w4a16(args) -> int:
                     return lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
                                              config=cfg) for i in range(STEPS)]
 
-                if "cute" in arms and cute_here:
+                if "cute" in arms and cute_here:  # the op's own launch: the rule's, or the tuned table's
                     results[T]["cute"] = timed(cute_steps(), r.refill, args.replays)
+                    results[T]["cute_config"] = cute_config(T, E, I, L, K, format=fmt)
+                    results[T]["cute_tuned"] = tuned_choices(fmt, T, E, I, L, K)
                 for depth in cute_depths if cute_here else ():  # the same kernel at other ring depths
                     results[T][f"cute_stages_{depth}"] = timed(cute_steps(cute_config(T, E, I, L, K, stages=depth)),
                                                                r.refill, args.replays)
                 for name, choice in cute_choices.items() if cute_here else ():  # imposed launch choices
                     arms_here = results[T].setdefault("cute_choices", {})
                     try:
-                        cfg = cute_config(T, E, I, L, K, **choice)
+                        cfg = cute_config(T, E, I, L, K, tuned=False, **choice)
                     except ValueError as exc:  # a choice of one mode (one_launch: pairwise), not this one's
                         arms_here[name] = {"not_run": str(exc)}
                         continue
@@ -259,11 +262,12 @@ def run_w4a16(args) -> int:
                 for name, arm in res.get("cute_choices", {}).items():
                     row.setdefault("cute_choices", {})[name] = arm if "not_run" in arm else {
                         **arm, "pct_copy_bw": 100 * touched_bytes / (arm["us"] * 1e-6) / copy_bw}
-                for extra in ("stock_error", "humming_rel_vs_w4a16", "cute_profile"):
+                for extra in ("stock_error", "humming_rel_vs_w4a16", "cute_config", "cute_tuned", "cute_profile"):
                     if extra in res:
                         row[extra] = res[extra]
                 rows.append(row)
-                cute = f"  cute {row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else ""
+                cute = (f"  cute{'[tuned ' + json.dumps(row['cute_tuned']) + ']' if row.get('cute_tuned') else ''} "
+                        f"{row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else "")
                 cute += "".join(f"  cute[stages {d}] {row[f'cute_stages_{d}']:8.1f} µs "
                                 f"{row[f'cute_stages_{d}_pct_copy_bw']:5.1f}%" for d in cute_depths
                                 if f"cute_stages_{d}" in row)

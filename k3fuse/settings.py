@@ -146,6 +146,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("K3FUSE_W4A16_PDL", "w4a16_pdl", _optional_flag, None,
              "1/0: with staged activations, the 4-bit routed experts' down launched as the gate/up's "
              "programmatic dependent, or after it (unset: the kernel's default)"),
+    Variable("K3FUSE_W4A16_TUNED", "w4a16_tuned", _flag, True,
+             "the 4-bit routed experts' CuTe launch choices from the measured table where it has the shape, or the "
+             "rule's alone (0); a launch-form switch set (ONE_LAUNCH, X_STAGE, BALANCED, PDL above) sets it aside too"),
     Variable("K3FUSE_W4A16_CUTE_INT4", "w4a16_cute_int4", _optional_flag, None,
              "1/0: int4 routed experts (bf16 scales) on the CuTe kernel, or on Triton (unset: the kernel's, CuTe)"),
     Variable("K3FUSE_AR_PROTOCOL", "ar_protocol", _protocol, "lamport",
@@ -179,6 +182,7 @@ class Settings:
     w4a16_x_stage: bool | None = None
     w4a16_balanced: bool | None = None
     w4a16_pdl: bool | None = None
+    w4a16_tuned: bool = True
     w4a16_cute_int4: bool | None = None
     ar_protocol: ArProtocol = "lamport"
     ar_pdl: bool = False

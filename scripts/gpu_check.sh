@@ -16,7 +16,9 @@
 #   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
 #   test-moe: the routed-experts (BF16 and W4A16), route top-k and combine kernels, bench-moe their benchmarks,
-#   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths), ncu-w4a16 the CuTe
+#   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths; with --cute-choices arms
+#   and a {"rule": {}} one, `python bench/tune_w4a16.py $OUT/bench_routed_experts_w4a16.json` turns its
+#   JSON into the tuned launch table, on any machine), ncu-w4a16 the CuTe
 #   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --formats / --inter / --tokens /
 #   --choices)
 #   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from

@@ -336,13 +336,14 @@ W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two to
 FOUR_LAUNCHES = {"x_stage": False}
 
 
-def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, L: int = 3584, E: int = 896, k: int = 16, **choices):
+def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, L: int = 3584, E: int = 896, k: int = 16,
+                    config: dict | None = None, **choices):
     """(name, builder params, PTX, where) of the CuTe W4A16 gate/up and down launches cute_config picks for
-    T tokens at I (default K3's latent L, experts E, top-k), over `fmt` tables."""
+    T tokens at I (default K3's latent L, experts E, top-k), over `fmt` tables; or of `config`'s."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    cfg = cute_config(T, E, I, L, k, **choices)
+    cfg = config or cute_config(T, E, I, L, k, **choices)
     for name, params in (("gate_up", w4.gate_up_params(I, L, k, cfg, fmt)),
                          ("down", w4.down_params(I, L, cfg, fmt, betas=(4.0, 25.0)))):
         key, build = w4.builder(**params)
@@ -477,6 +478,31 @@ def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
         if pdl and name == "down":  # the wait after the first weight copies and before the first partial
             at = ptx.index("griddepcontrol.wait")
             assert ptx.index("cp.async.cg.shared.global") < at < ptx.index("ld.global.cg.v4.u32"), where
+        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+
+
+def _tuned_launches() -> list[tuple]:
+    """The tuned table's entries that launch other than the rule (an empty entry is the rule's launch)."""
+    from k3fuse.kernels.lib.cute.routed_experts_w4a16_tuned import TUNED
+
+    return [key for key, choices in sorted(TUNED.items()) if choices]
+
+
+@needs_cute
+@pytest.mark.parametrize("key", _tuned_launches(), ids=lambda k: "_".join(map(str, k)))
+def test_w4a16_tuned_launches_compile_to_ptx(key, tmp_path, monkeypatch):
+    """Every launch the tuned table puts in place of the rule's, as the op's own configuration picks it for
+    the entry's shape, compiles for sm_90a with no spills and no multicast."""
+    from k3fuse.kernels.ops.routed_experts_w4a16 import LAUNCH_FORM_SETTINGS, cute_config
+
+    for name in (*LAUNCH_FORM_SETTINGS, "K3FUSE_W4A16_TUNED"):
+        monkeypatch.delenv(name, raising=False)
+    fmt, E, I, L, k, T = key
+    tuned = cute_config(T, E, I, L, k, format=fmt)
+    assert tuned != cute_config(T, E, I, L, k), key
+    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, L=L, E=E, k=k, config=tuned):
+        ops = _ops(ptx)
+        assert "mma.sync.aligned.m16n8k16" in ptx, where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 
 

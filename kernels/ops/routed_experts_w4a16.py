@@ -228,16 +228,48 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
     return None
 
 
+#: the launch-form switches: where one is set, the tuned table steps aside, so that the switch's A/B is
+#: against the rule alone
+LAUNCH_FORM_SETTINGS = ("K3FUSE_W4A16_ONE_LAUNCH", "K3FUSE_W4A16_X_STAGE", "K3FUSE_W4A16_BALANCED",
+                        "K3FUSE_W4A16_PDL")
+
+
+def tuned_choices(format: str, T: int, E: int, I: int, L: int, top_k: int) -> dict[str, int | bool] | None:
+    """The measured table's launch choices for a call (lib/cute/routed_experts_w4a16_tuned.py, written by
+    bench/tune_w4a16.py): its entry for (format, E, I, L, top_k) at the nearest measured token count of the
+    call's mode (pairwise or grouped; the lower count on a tie), {} where the rule's launch measured best there.
+    None where the table has no such entry, or is set aside (K3FUSE_W4A16_TUNED=0, a launch-form switch set)."""
+    from k3fuse import settings
+
+    from ..lib.cute.routed_experts_w4a16_tuned import TUNED
+    from ..lib.triton import routed_experts_w4a16 as tri
+
+    if not settings.get("K3FUSE_W4A16_TUNED") or any(settings.get(v) is not None for v in LAUNCH_FORM_SETTINGS):
+        return None
+    pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS
+    measured = [key[-1] for key in TUNED if key[:-1] == (format, E, I, L, top_k)
+                and (key[-1] * top_k <= tri.PAIRWISE_MAX_PAIRS) == pairwise]
+    if not measured:
+        return None
+    nearest = min(measured, key=lambda t: (abs(t - T), t))
+    return dict(TUNED[(format, E, I, L, top_k, nearest)])
+
+
 def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
-                stages: int | None = None, **choices: int | bool) -> dict:
+                stages: int | None = None, *, format: str | None = None, tuned: bool = True,
+                **choices: int | bool) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
     then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
     it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / gate_up_tiles /
-    down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage / balanced / gate_up_shares,
-    imposed)."""
+    down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage / balanced / gate_up_shares /
+    pdl, imposed). With the call's `format` and nothing imposed, the measured table's choices where it has
+    them (tuned_choices; `tuned=False`: the rule's alone)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
+    if tuned and format is not None and pairwise is None and stages is None and not choices:
+        choices = tuned_choices(format, T, E, I, L, top_k) or {}
+        stages = choices.pop("stages", None)
     pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
     stages = cute_kernel.STAGES if stages is None else stages
     return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages,
@@ -265,7 +297,7 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
     E, I = w1_packed.shape[0], w1_packed.shape[1]
     top_k = int(top_k)
     P = T * top_k
-    cfg = config or cute_config(T, E, I, L, top_k)
+    cfg = config or cute_config(T, E, I, L, top_k, format=format)
     z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
     if P == 0:
         return z
@@ -304,7 +336,7 @@ def cute_warmup(shapes) -> None:
     for s in shapes:
         args = _warmup_args(s)
         if cute_accepts(RoutedExpertsW4A16Spec.from_call(*args)) is None:
-            cute_run(*args, config=cute_config(s["M"], s["E"], s["I"], s["L"], s["top_k"]))
+            cute_run(*args, config=cute_config(s["M"], s["E"], s["I"], s["L"], s["top_k"], format=s["format"]))
 
 
 DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "

@@ -385,6 +385,24 @@ def test_balanced_leaves_out_expert_ids_outside_the_table(experts):
     assert torch.isnan(left).all()  # nothing stored for them
 
 
+def test_tuned_launches_graph_replays_against_float64(experts):
+    """The op's own launch where the tuned table has a launch for this format and width (cute_run's config
+    from the table, not the rule's), at each such entry's token count, under 1000 CUDA-graph replays."""
+    from k3fuse.kernels.lib.cute.routed_experts_w4a16_tuned import TUNED
+
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    shape = (experts.fmt, E, experts.I, L, K)
+    counts = [key[-1] for key, choices in TUNED.items() if key[:-1] == shape and choices]
+    if not counts:
+        pytest.skip(f"the tuned table has no launch for {experts.fmt} at I={experts.I}")
+    for T in counts:
+        cfg = cute_config(T, E, experts.I, L, K, format=experts.fmt)
+        assert cfg != cute_config(T, E, experts.I, L, K), (T, cfg)  # a launch other than the rule's
+        _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z),
+                                 f"tuned {cfg}")
+
+
 def test_op_strict_counts_the_kernel(experts):
     dispatch.load_gpu_impls()
     a, ids = tokens(8, seed=7)
