@@ -242,17 +242,22 @@ def tuned_choices(format: str, T: int, E: int, I: int, L: int, top_k: int) -> di
     from k3fuse import settings
 
     from ..lib.cute.routed_experts_w4a16_tuned import TUNED
-    from ..lib.triton import routed_experts_w4a16 as tri
 
     if not settings.get("K3FUSE_W4A16_TUNED") or any(settings.get(v) is not None for v in LAUNCH_FORM_SETTINGS):
         return None
-    pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS
     measured = [key[-1] for key in TUNED if key[:-1] == (format, E, I, L, top_k)
-                and (key[-1] * top_k <= tri.PAIRWISE_MAX_PAIRS) == pairwise]
+                and _pairwise(key[-1], top_k) == _pairwise(T, top_k)]
     if not measured:
         return None
     nearest = min(measured, key=lambda t: (abs(t - T), t))
     return dict(TUNED[(format, E, I, L, top_k, nearest)])
+
+
+def _pairwise(T: int, top_k: int) -> bool:
+    """The Triton grouping's mode for T tokens: a group a pair up to its pair count."""
+    from ..lib.triton import routed_experts_w4a16 as tri
+
+    return T * top_k <= tri.PAIRWISE_MAX_PAIRS
 
 
 def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
@@ -270,7 +275,7 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
     if tuned and format is not None and pairwise is None and stages is None and not choices:
         choices = tuned_choices(format, T, E, I, L, top_k) or {}
         stages = choices.pop("stages", None)
-    pairwise = T * top_k <= tri.PAIRWISE_MAX_PAIRS if pairwise is None else pairwise
+    pairwise = _pairwise(T, top_k) if pairwise is None else pairwise
     stages = cute_kernel.STAGES if stages is None else stages
     return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages,
                                                                   pairwise=pairwise, **choices)}
