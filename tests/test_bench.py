@@ -240,6 +240,34 @@ def test_tables_print_when_every_arm_failed(capsys):
     assert "mxfp4 experts" in out and "k3fuse (error)" in out
 
 
+def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys, monkeypatch):
+    """The K3 preset's 4-bit experts at TP 2 (I = 1536 a rank): per token count, the tuned table's entry the
+    op takes (its own cute_config), printed under the latency table; bf16 experts have none."""
+    pytest.importorskip("triton")
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16_tuned as tuned
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+    from k3fuse.model import get_config
+    from k3fuse.tools.bench.report import print_tables
+    from k3fuse.tools.bench.runner import w4a16_launches
+
+    for name in ("K3FUSE_W4A16_TUNED", "K3FUSE_W4A16_X_STAGE", "K3FUSE_W4A16_BALANCED", "K3FUSE_W4A16_PDL",
+                 "K3FUSE_W4A16_ONE_LAUNCH"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = get_config("k3")
+    monkeypatch.setattr(tuned, "TUNED", {("mxfp4", cfg.n_experts, cfg.moe_inter // 2, cfg.latent, cfg.top_k, 1):
+                                         {"split": 1}, ("mxfp4", cfg.n_experts, 1536, cfg.latent, cfg.top_k, 8): {}})
+    launches = w4a16_launches(cfg, 2, (1, 8, 64))
+    assert [launches[T]["tuned"] for T in (1, 8, 64)] == [{"split": 1}, {}, {}]  # 64: the nearest grouped entry
+    assert launches[1]["config"] == cute_config(1, cfg.n_experts, 1536, cfg.latent, cfg.top_k, split=1)
+    assert w4a16_launches(get_config("k3_moe_inter128"), 1, (1,)) is None  # bf16 experts
+    result = {"conditions": {"preset": "k3", "overrides": {}, "layers": 1, "residual": "plain", "tp": 2,
+                             "device": "cuda", "steps_per_graph": 10, "replays": 20, "routing": "uniform"},
+              "model": {"moe_inter": 3072, "expert_format": "mxfp4"}, "weight_read_floor": {}, "arms": {},
+              "w4a16_launch": launches}
+    print_tables(result)
+    assert "T=1 tuned {'split': 1}; T=8 the rule; T=64 the rule" in capsys.readouterr().out
+
+
 def test_the_gemm_sweep_keeps_the_tuned_entries_of_sites_it_did_not_sweep():
     """bench/sweep_decode_gemm.py --sites sweeps a few K3 sites (the TP 1 q/k/v/g projection, say):
     its --emit replaces those (N, K) shapes' entries in splitk_tuned.py, keeps every other, and the

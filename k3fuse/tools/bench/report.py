@@ -98,7 +98,7 @@ def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
     return {"conditions": conditions(cfg, reports), "arms": arms, "weight_read_floor": floor,
             "distinct_experts": distinct, "distinct_experts_per_step_layer":
                 {int(T): d["per_step_layer"] for T, d in r0.get("distinct_experts", {}).items()},
-            "model": r0["model"]}
+            "model": r0["model"], "w4a16_launch": r0.get("w4a16_launch")}
 
 
 def _worst_rank_err(reports: list[dict[str, Any]], arm: str, T: int) -> float | None:
@@ -157,6 +157,10 @@ def print_tables(result: dict[str, Any]) -> None:
     table.add_row("  uniform expectation", *[_fmt(floor.get(T, {}).get("experts_touched_uniform"), ".0f")
                                              for T in tokens])
     console.print(table)
+    if result.get("w4a16_launch"):
+        console.print("4-bit routed experts' CuTe launch (where the op runs on CuTe): " + "; ".join(
+            f"T={T} " + ("error" if "error" in w else "the rule" if not w["tuned"] else f"tuned {w['tuned']}")
+            for T, w in sorted(result["w4a16_launch"].items())), highlight=False)
 
     first_t = f"T={tokens[0]}" if tokens else "no measured batch"
     kt = Table(title=f"at {first_t}: kernels per step, kernel time run concurrently; compile time")

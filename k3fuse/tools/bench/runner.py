@@ -4,7 +4,7 @@ Per arm: torch.compile (stock Inductor, or the k3fuse backend in strict mode wit
 then for each token count a CUDA graph of `steps` decode steps (the KDA state threaded from step to
 step, fresh random inputs per replay) timed over `replays` replays, one replay profiled (kernels
 per step, device time per kernel, the timeline of one step), and the runtime counters read back, so
-every figure says which implementation ran. Compile time is the first calls' wall time; the passes'
+every figure says which implementation ran (and, for 4-bit experts, which CuTe launch: w4a16_launches). Compile time is the first calls' wall time; the passes'
 share is the time the rewrite log recorded for the rules. Before the arms, an eager probe runs each
 token count's decode steps on the same inputs and counts the distinct experts every step touches
 (routing.py), which the weight-read floor uses.
@@ -162,6 +162,25 @@ def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: to
     return row, first
 
 
+def w4a16_launches(model_cfg: Any, tp: int, tokens: tuple[int, ...]) -> dict[int, dict[str, Any]] | None:
+    """Per token count, the CuTe W4A16 launch the routed-experts op picks for this model's 4-bit experts at
+    TP `tp` (the op's own cute_config): the tuned table's entry ("tuned"; {} the rule's launch measured best,
+    None no entry) and the configuration. None for bf16 experts."""
+    if not model_cfg.quantized_experts:
+        return None
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config, tuned_choices
+
+    fmt = model_cfg.expert_format
+    shape = (model_cfg.n_experts, model_cfg.moe_inter // tp, model_cfg.latent, model_cfg.top_k)
+    launches: dict[int, dict[str, Any]] = {}
+    for T in tokens:
+        try:
+            launches[T] = {"tuned": tuned_choices(fmt, T, *shape), "config": cute_config(T, *shape, format=fmt)}
+        except ValueError as exc:  # widths off the CuTe kernel's steps: the op runs Triton there
+            launches[T] = {"error": str(exc)}
+    return launches
+
+
 def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
     """Run every arm at every token count on this rank; returns this rank's report."""
     import k3fuse
@@ -190,6 +209,7 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
         ctx = k3fuse.DecodeContext.from_process_group() if world_size > 1 else k3fuse.DecodeContext()
         status = ctx.multicast_status()
         report["multicast"] = {"available": status.available, "reason": status.reason}
+        report["w4a16_launch"] = w4a16_launches(model_cfg, world_size, cfg.tokens)
     stock_out: dict[int, torch.Tensor] = {}  # the stock arm's output per T: every figure says how far
     for arm in cfg.arm_list():                # the arm's numbers are from stock's on the same inputs
         compiled, rlog = _compile(model, arm, cfg, rank)
@@ -229,4 +249,4 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
     return report
 
 
-__all__ = ["BenchConfig", "bench_rank", "weight_floor"]
+__all__ = ["BenchConfig", "bench_rank", "weight_floor", "w4a16_launches"]
