@@ -4,10 +4,10 @@ Per arm: torch.compile (stock Inductor, or the k3fuse backend in strict mode wit
 then for each token count a CUDA graph of `steps` decode steps (the KDA state threaded from step to
 step, fresh random inputs per replay) timed over `replays` replays, one replay profiled (kernels
 per step, device time per kernel, the timeline of one step), and the runtime counters read back, so
-every figure says which implementation ran (and, for 4-bit experts, which CuTe launch: w4a16_launches). Compile time is the first calls' wall time; the passes'
-share is the time the rewrite log recorded for the rules. Before the arms, an eager probe runs each
-token count's decode steps on the same inputs and counts the distinct experts every step touches
-(routing.py), which the weight-read floor uses.
+every figure says which implementation ran (and, for 4-bit experts, which CuTe launch: w4a16_launches).
+Compile time is the first calls' wall time; the passes' share is the time the rewrite log recorded for
+the rules. Before the arms, an eager probe runs each token count's decode steps on the same inputs and
+counts the distinct experts every step touches (routing.py), which the weight-read floor uses.
 """
 from __future__ import annotations
 
