@@ -245,13 +245,12 @@ def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys, mon
     op takes (its own cute_config), printed under the latency table; bf16 experts have none."""
     pytest.importorskip("triton")
     from k3fuse.kernels.lib.cute import routed_experts_w4a16_tuned as tuned
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+    from k3fuse.kernels.ops.routed_experts_w4a16 import LAUNCH_FORM_SETTINGS, cute_config
     from k3fuse.model import get_config
     from k3fuse.tools.bench.report import print_tables
     from k3fuse.tools.bench.runner import w4a16_launches
 
-    for name in ("K3FUSE_W4A16_TUNED", "K3FUSE_W4A16_X_STAGE", "K3FUSE_W4A16_BALANCED", "K3FUSE_W4A16_PDL",
-                 "K3FUSE_W4A16_ONE_LAUNCH"):
+    for name in ("K3FUSE_W4A16_TUNED", *LAUNCH_FORM_SETTINGS):
         monkeypatch.delenv(name, raising=False)
     cfg = get_config("k3")
     monkeypatch.setattr(tuned, "TUNED", {("mxfp4", cfg.n_experts, cfg.moe_inter // 2, cfg.latent, cfg.top_k, 1):
