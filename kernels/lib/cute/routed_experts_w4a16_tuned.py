@@ -16,10 +16,10 @@ TUNED: dict[tuple[str, int, int, int, int, int], dict[str, int | bool]] = {
     ('mxfp4', 896, 3072, 3584, 16, 2): {},
 }
 SOURCES: dict[tuple[str, int, int, int, int, int], str] = {
-    ('mxfp4', 896, 384, 3584, 16, 1): 'h200_routed_experts_w4a16_x_stage_ab.json',
-    ('mxfp4', 896, 384, 3584, 16, 2): 'h200_routed_experts_w4a16_x_stage_ab.json',
-    ('mxfp4', 896, 1536, 3584, 16, 1): 'h200_routed_experts_w4a16_x_stage_ab.json',
-    ('mxfp4', 896, 1536, 3584, 16, 2): 'h200_routed_experts_w4a16_x_stage_ab.json',
-    ('mxfp4', 896, 3072, 3584, 16, 1): 'h200_routed_experts_w4a16_x_stage_ab.json',
-    ('mxfp4', 896, 3072, 3584, 16, 2): 'h200_routed_experts_w4a16_x_stage_ab.json',
+    ('mxfp4', 896, 384, 3584, 16, 1): 'h200_routed_experts_w4a16_balanced_ab.json',
+    ('mxfp4', 896, 384, 3584, 16, 2): 'h200_routed_experts_w4a16_balanced_ab.json',
+    ('mxfp4', 896, 1536, 3584, 16, 1): 'h200_routed_experts_w4a16_balanced_ab.json',
+    ('mxfp4', 896, 1536, 3584, 16, 2): 'h200_routed_experts_w4a16_balanced_ab.json',
+    ('mxfp4', 896, 3072, 3584, 16, 1): 'h200_routed_experts_w4a16_balanced_ab.json',
+    ('mxfp4', 896, 3072, 3584, 16, 2): 'h200_routed_experts_w4a16_balanced_ab.json',
 }
