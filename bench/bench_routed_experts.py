@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--formats", default=None, help="4-bit expert formats (mxfp4,int4): the W4A16 table")
     ap.add_argument("--humming-inter", default=None, help="widths to time humming at (default: every --inter)")
-    ap.add_argument("--arms", default="w4a16,bf16,humming,stock", help="W4A16 table: the arms to time (also cute, read)")
+    ap.add_argument("--arms", default="w4a16,bf16,humming,stock",
+                    help="W4A16 table: the arms to time (also cute, read)")
     ap.add_argument("--cute-stages", default="",
                     help="W4A16 table: CuTe arms at these ring depths besides the default (2 or more)")
     ap.add_argument("--cute-choices", default=None,
