@@ -1,6 +1,7 @@
 """One call of the CuTe W4A16 op per (format, width, token count), for Nsight Compute: the hardware's view
 of its launches (DRAM and L2 traffic, L1/TEX requests by kind, stalls, occupancy) where the benchmark only
-has times. --choices profiles launch choices (cute_config's) after the default, on the same tokens.
+has times. "default" is the op's own launch (the rule's, or the tuned table's where it has the shape);
+--choices profiles launch choices (cute_config's; {"rule": {}} is the rule alone) after it, on the same tokens.
 
 Each call runs on tokens and experts drawn as bench/w4a16_table.py draws them (16 of 896 a token,
 over a random packed table of several GB), after a call on other tokens that compiles it; only the
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = Routing(T)
                 for name, choice in arms.items():
                     try:
-                        cfg = cute_config(T, E, I, L, K, **choice)
+                        cfg = cute_config(T, E, I, L, K, format=fmt, tuned=not choice, **choice)
                     except ValueError as exc:  # a choice of the other mode (one_launch: pairwise only)
                         print(f"not profiled {fmt} I={I} T={T} {name}: {exc}", flush=True)
                         continue
