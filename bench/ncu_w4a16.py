@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inter", default="3072", help="expert widths per rank, comma-separated")
     ap.add_argument("--tokens", default="1,64", help="token counts, comma-separated")
     ap.add_argument("--choices", default=None,
-                    help='JSON {name: cute_config choices}: each profiled after the default, e.g. {"s256":{"step":256}}')
+                    help='JSON {name: cute_config choices}: each profiled after the default, e.g. {"rule":{}}')
     args = ap.parse_args(argv)
     arms = {"default": {}, **(json.loads(args.choices) if args.choices else {})}
     for fmt in args.formats.split(","):
