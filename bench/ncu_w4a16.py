@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = Routing(T)
                 for name, choice in arms.items():
                     try:
-                        cfg = cute_config(T, E, I, L, K, format=fmt, tuned=not choice, **choice)
+                        cfg = cute_config(T, E, I, L, K, format=fmt, tuned=name == "default", **choice)
                     except ValueError as exc:  # a choice of the other mode (one_launch: pairwise only)
                         print(f"not profiled {fmt} I={I} T={T} {name}: {exc}", flush=True)
                         continue
