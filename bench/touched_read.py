@@ -79,11 +79,10 @@ class Phase:
         work = [(i, s) for i, n in enumerate(self.sizes) for s in range(triton.cdiv(n, span))]
         self.work = torch.tensor(work, dtype=torch.int32, device=tables[0].device)
 
-    def __call__(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """The xors [ids, items] of reading every table's rows for each id (-1: none)."""
         grid = (ids.numel(), self.work.shape[0])
-        if out is None:
-            out = torch.empty(grid, device=ids.device, dtype=torch.int32)  # every program stores its word
+        out = torch.empty(grid, device=ids.device, dtype=torch.int32)  # every program stores its word
         pad = 4 - len(self.tables)  # unused slots repeat table 0 (no work item names them)
         _read_words[grid](ids, self.work, out, *self.tables, *[self.tables[0]] * pad, *self.sizes,
                           *[self.sizes[0]] * pad, BLOCK=BLOCK, ROUNDS=ROUNDS)
