@@ -298,6 +298,15 @@ if HAVE_CUTE:
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
+    def ld_shared_v4_if(smem, pred, *, loc=None, ip=None):
+        """ld_shared_v4 where `pred` (an Int32) is nonzero, four zero words elsewhere: lanes whose words
+        are never used issue no shared-memory request (the LSU's wavefronts count only active lanes)."""
+        st = _asm(struct_type(4, "i32"), [Int32(smem).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+                  "{\n.reg .pred p;\nsetp.ne.u32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+                  "mov.b32 $3, 0;\n@p ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,r,r")
+        return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
     def st_shared_v4(smem, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
         """16 bytes, four 32-bit words, to shared memory; 16-byte aligned."""
         words = [Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]

@@ -37,7 +37,9 @@ blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own g
 (`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out. Pairwise,
 `x_stage` has each CTA stage its pair's activation row in shared memory (with its first weight stages
 in flight): the gate/up from a in natural order, the down h through the SiTU-GLU of the gate/up's
-partials, so that the op is these two launches alone.
+partials, so that the op is these two launches alone. The row is staged in quad order, and only lanes
+0-3 read it (the pair is the mma's column 0; the other lanes' B words are zeros): a step's activations
+cost 4 shared-memory wavefronts a warp rather than 32 (docs/perf.md 0u).
 `tile()` is one CTA's work; the pairwise one-launch form (routed_experts_w4a16_one_launch.py) runs both
 projections' tiles in one kernel through it, `waits` on: the activations after a flag, through L2.
 """
@@ -98,6 +100,13 @@ def int4x8_ptx() -> str:
         lines += [f"lop3.b32 q, {'q' if j else '$4'}, 0x000F000F, 0x43004300, 0xEA;",
                   "sub.rn.bf16x2 q, q, c;", f"mul.rn.bf16x2 ${j}, q, $5;"]
     return "{\n" + "\n".join(lines) + "\n}"
+
+
+def staged_word(w):
+    """Where a staged activation row (x_stage) keeps its word w (16 bytes: 8 elements in word order), in
+    words: each step's 16 words in quad order, word 4t + i at 4i + t. Plain integer arithmetic, the same
+    in the kernel (DSL integers) and on the host."""
+    return w // 16 * 16 + w % 4 * 4 + w % 16 // 4
 
 
 def scale_blocks_fit(K: int, k_span: int) -> bool:
@@ -433,8 +442,8 @@ if compat.HAVE_CUTE:
                 if const_expr(not self.pairwise):
                     pair = mRows[n]
                 # this thread's word 0 of the step: group t's first 8 elements (word_order, quads or not)
-                if const_expr(self.x_stage):  # the staged row (shared memory): the span's words from 0
-                    x_at = x_base + 64 * t
+                if const_expr(self.x_stage):  # the staged row (shared memory, quad order): the span's words from 0
+                    x_at = x_base + 16 * t
                 else:
                     x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + (8 if self.x_quads else 32) * t) * 2
                 for i in cutlass.range_constexpr(4):
@@ -522,7 +531,7 @@ if compat.HAVE_CUTE:
                 compat.cp_async_commit()
             if const_expr(self.x_stage):  # the weights above in flight while the row is staged
                 self._stage_x(x_base, x_smem, pair, P, Int32(0), tidx)
-                x_at = Int64(x_smem) + 64 * t
+                x_at = Int64(x_smem) + 16 * t
             else:
                 x_at = x_base + (Int64(pair // self.top_k) * self.K + 32 * t) * 2
             bits = Int32(0)
@@ -613,8 +622,9 @@ if compat.HAVE_CUTE:
             THREADS: cutlass.Constexpr = 32 * self.warps
             SLOT: cutlass.Constexpr = self._slot()
             compat.cp_async_commit()
-            if const_expr(self.x_stage):
-                xs = [compat.ld_shared_v4(Int32(x_at + 16 * q)) for q in range(4)]
+            if const_expr(self.x_stage):  # the pair is the mma's column 0: lanes 0-3's B words alone are used
+                reads = Int32(tidx % 32 < 4)
+                xs = [compat.ld_shared_v4_if(Int32(x_at + 64 * q), reads) for q in range(4)]
             elif const_expr(self.waits):
                 xs = [compat.ld_cg_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
             else:
@@ -647,10 +657,12 @@ if compat.HAVE_CUTE:
 
         @cute.jit
         def _stage_x(self, x_base, x_smem, pair, P, k_begin, tidx):
-            """The CTA's activation row over its K span into shared memory at x_smem, in word order: a's
-            row of the pair ("natural"), or h's from the gate/up's partials at x_base ("situ"); then a
-            barrier (other threads' words are read). Unrolled, so that a thread's loads are in flight
-            together (a rolled loop waits for each); threads past the row's words redo its last one."""
+            """The CTA's activation row over its K span into shared memory at x_smem, in word order and each
+            step's words in quad order (word 4t + i at 4i + t: a quad's 16-byte reads of word i are 64
+            contiguous bytes, one wavefront rather than two): a's row of the pair ("natural"), or h's from
+            the gate/up's partials at x_base ("situ"); then a barrier (other threads' words are read).
+            Unrolled, so that a thread's loads are in flight together (a rolled loop waits for each);
+            threads past the row's words redo its last one."""
             THREADS: cutlass.Constexpr = 32 * self.warps
             WORDS: cutlass.Constexpr = self.k_span // 8
             for i in cutlass.range_constexpr((WORDS + THREADS - 1) // THREADS):
@@ -663,7 +675,7 @@ if compat.HAVE_CUTE:
                 else:
                     words = situ_glu_x8(x_base, pair, P, w, self.K, self.gu_splits, self.beta, self.linear_beta,
                                         self.pdl == "wait")
-                compat.st_shared_v4(x_smem + 16 * w, words[0], words[1], words[2], words[3])
+                compat.st_shared_v4(x_smem + 16 * staged_word(w), words[0], words[1], words[2], words[3])
             cute.arch.sync_threads()
 
         def x_stage_bytes(self) -> int:
@@ -1032,4 +1044,4 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx",
            "int4x8_ptx", "table_fakes", "table_views", "builder", "launch", "pick_config", "gate_up_params",
-           "down_params", "runs_int4", "share_start", "first_share", "share_slots"]
+           "down_params", "runs_int4", "share_start", "first_share", "share_slots", "staged_word"]
