@@ -440,14 +440,16 @@ def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
 @pytest.mark.parametrize("T,I,fmt,choices", [(1, 3072, "mxfp4", {}), (2, 1536, "mxfp4", {}), (1, 384, "mxfp4", {}),
                                              (1, 1536, "int4", {}), (1, 1536, "mxfp4", {"pdl": True}),
                                              (1, 3072, "int4", {"pdl": True, "balanced": True}),
-                                             (1, 3072, "mxfp4", {"gate_up_tiles": 2, "n_tiles": 2, "stages": 5})])
+                                             (1, 3072, "mxfp4", {"gate_up_tiles": 2, "n_tiles": 2, "stages": 5}),
+                                             (1, 1536, "mxfp4", {"x_quads": True}),
+                                             (2, 3072, "int4", {"x_quads": True, "pdl": True})])
 def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
     """The pairwise MLP in two launches whose CTAs stage their activation row in shared memory: the
     gate/up reads a's row (natural order) with 16-byte read-only loads and stores it in word order (each
-    step's words in quad order), the down sums the gate/up's fp32 partials and computes the SiTU-GLU (3
-    exponentials an element), a thread's words unrolled; one barrier each, after the staging; the step
-    loops read the activations from shared memory, never global, lanes 0-3 alone (predicated loads); no
-    spills, no multicast. With PDL the gate/up lets the down launch
+    step's words in quad order with x_quads), the down sums the gate/up's fp32 partials and computes the
+    SiTU-GLU (3 exponentials an element), a thread's words unrolled; one barrier each, after the staging;
+    the step loops read the activations from shared memory, never global (with x_quads, lanes 0-3 alone:
+    predicated loads); no spills, no multicast. With PDL the gate/up lets the down launch
     first thing, and the down waits for its grid after its first weight copies, before any partial,
     which it reads through L2 (a read-only load may move above the wait); the balanced gate/up (two
     step loops a copy) stages the same way."""
@@ -461,9 +463,9 @@ def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
         assert mma == copies * 8 * ring_loops, (where, mma)
         assert params["x_stage"] == ("natural" if name == "gate_up" else "situ"), where
         assert params["n_tiles"] == choices.get("gate_up_tiles" if name == "gate_up" else "n_tiles", 1), where
-        # a step: the weights' 2 and the activations' 4 16-byte shared loads, these by lanes 0-3 alone
+        # a step: the weights' 2 and the activations' 4 16-byte shared loads, in quad order by lanes 0-3 alone
         assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 6, (where, ptx.count("ld.shared.v4"))
-        assert len(re.findall(r"@p ld\.shared\.v4\.u32", ptx)) == mma // 8 * 4, where
+        assert len(re.findall(r"@p ld\.shared\.v4\.u32", ptx)) == (mma // 8 * 4 if params["x_quads"] else 0), where
         # the staging, unrolled: a thread's words of the row, 16 bytes each (its loads in flight together)
         words = -(-params["k_span"] // 8 // 128)
         assert len(re.findall(r"st\.shared\.v4\.u32", ptx)) == words, where
@@ -532,7 +534,7 @@ def test_w4a16_balanced_gate_up_compiles_to_ptx(T, I, fmt, x_stage, tmp_path):
     assert len(re.findall(r"st\.global\.f32", ptx)) >= 2 * copies and "st.global.b16" not in ptx, where
     shared_x = 4 if x_stage else 0
     assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * (2 + shared_x), where
-    assert len(re.findall(r"@p ld\.shared\.v4\.u32", ptx)) == mma // 8 * shared_x, where  # lanes 0-3's
+    assert "@p ld.shared" not in ptx, where  # (balanced stages in word order: every lane reads)
     assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == (1 if x_stage else 0), where
     nc = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
     assert nc == (-(-3584 // 8 // 128) if x_stage else mma // 8 * 4), (where, nc)

@@ -545,9 +545,10 @@ def test_cute_config_covers_the_sms_and_takes_imposed_choices(monkeypatch):
 
 def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
     """x_stage (the pairwise MLP in two launches whose CTAs stage their activation row): refused in
-    grouped mode, beside one_launch and with the quad order, by name; the gate/up stages a's rows
-    ("natural"), the down h from the gate/up's partials (its split) through SiTU's betas, which it then
-    needs; gate_up_tiles gives a gate/up CTA several row blocks and must divide w1's."""
+    grouped mode and beside one_launch, by name; the gate/up stages a's rows ("natural"), the down h from
+    the gate/up's partials (its split) through SiTU's betas, which it then needs; with the quad order
+    both stage it so (another kernel); gate_up_tiles gives a gate/up CTA several row blocks and must
+    divide w1's."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
@@ -579,8 +580,12 @@ def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
         cute_config(64, E, 1536, L, k, x_stage=True)
     with pytest.raises(ValueError, match="choose one"):
         cute_config(1, E, 1536, L, k, x_stage=True, one_launch=True)
-    with pytest.raises(ValueError, match="word order"):
-        cute_config(1, E, 1536, L, k, x_stage=True, x_quads=True)
+    quads = cute_config(1, E, 1536, L, k, x_stage=True, x_quads=True)
+    quads_gate_up, quads_down = w4.gate_up_params(1536, L, k, quads, "mxfp4"), w4.down_params(1536, L, quads, "mxfp4",
+                                                                                                (4.0, 25.0))
+    assert quads_gate_up["x_quads"] and quads_gate_up["x_stage"] == "natural" and quads_down["x_quads"]
+    assert w4.builder(**quads_gate_up)[0] != w4.builder(**gate_up)[0]
+    assert w4.builder(**quads_down)[0] != w4.builder(**down)[0]
     with pytest.raises(ValueError, match="gate_up_tiles 5 does not divide the 24 row blocks"):
         cute_config(1, E, 1536, L, k, gate_up_tiles=5)
     # fewer, longer gate/up CTAs: the split rule counts them
@@ -588,7 +593,7 @@ def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
     monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "1")  # the setting decides pairwise mode, never grouped
     assert cute_config(1, E, 3072, L, k)["x_stage"] and not cute_config(64, E, 3072, L, k)["x_stage"]
     assert not cute_config(1, E, 3072, L, k, one_launch=True)["x_stage"]
-    assert not cute_config(1, E, 3072, L, k, x_quads=True)["x_stage"]  # an imposed quad order keeps four launches
+    assert cute_config(1, E, 3072, L, k, x_quads=True)["x_stage"]  # an imposed quad order stages the row so
     monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "0")
     assert not cute_config(1, E, 3072, L, k)["x_stage"]
 

@@ -269,6 +269,9 @@ CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": Fa
                                  "stages": 5},
                 "gate_up_tiles": {"gate_up_tiles": 2},
                 "x_stage_pdl": {"x_stage": True, "pdl": True},
+                "x_stage_quads": {"x_stage": True, "x_quads": True},
+                "x_stage_quads_long": {"x_stage": True, "x_quads": True, "gate_up_tiles": 2, "n_tiles": 2,
+                                       "split": 1, "stages": 5},
                 "balanced": {"balanced": True}, "balanced_four": {"balanced": True, "x_stage": False},
                 "balanced_pdl": {"balanced": True, "pdl": True},
                 "balanced_7": {"gate_up_shares": 7}}
@@ -340,15 +343,17 @@ def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
     assert _one_launch_states_are_zero()
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["x_stage", "x_stage_pdl"])
+@pytest.mark.parametrize("pdl,quads", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["x_stage", "x_stage_pdl", "x_stage_quads", "x_stage_quads_pdl"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_x_stage_graph_replays_against_float64(experts, T, pdl):
+def test_x_stage_graph_replays_against_float64(experts, T, pdl, quads):
     """The pairwise MLP in two launches whose CTAs stage a's rows and h (the SiTU-GLU of the gate/up's
-    partials) themselves, the down a programmatic dependent or not (then its partials must be read
-    after the grid wait), under 1000 CUDA-graph replays on changing tokens and experts."""
+    partials) themselves, in word order or quad order (lanes 0-3 reading it), the down a programmatic
+    dependent or not (then its partials must be read after the grid wait), under 1000 CUDA-graph replays
+    on changing tokens and experts."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl)
+    cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl, x_quads=quads)
     _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
                              cfg)
 

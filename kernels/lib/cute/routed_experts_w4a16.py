@@ -37,9 +37,9 @@ blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own g
 (`rows` / `groups` from the Triton grouping kernel). Expert ids outside [0, E) are left out. Pairwise,
 `x_stage` has each CTA stage its pair's activation row in shared memory (with its first weight stages
 in flight): the gate/up from a in natural order, the down h through the SiTU-GLU of the gate/up's
-partials, so that the op is these two launches alone. The row is staged in quad order, and only lanes
-0-3 read it (the pair is the mma's column 0; the other lanes' B words are zeros): a step's activations
-cost 4 shared-memory wavefronts a warp rather than 32 (docs/perf.md 0u).
+partials, so that the op is these two launches alone; with `x_quads`, the row is staged in quad order
+and only lanes 0-3 read it (the pair is the mma's column 0; the other lanes' B words are zeros): a
+step's activations cost 4 shared-memory wavefronts a warp rather than 32 (docs/perf.md 0u).
 `tile()` is one CTA's work; the pairwise one-launch form (routed_experts_w4a16_one_launch.py) runs both
 projections' tiles in one kernel through it, `waits` on: the activations after a flag, through L2.
 """
@@ -103,9 +103,10 @@ def int4x8_ptx() -> str:
 
 
 def staged_word(w):
-    """Where a staged activation row (x_stage) keeps its word w (16 bytes: 8 elements in word order), in
-    words: each step's 16 words in quad order, word 4t + i at 4i + t. Plain integer arithmetic, the same
-    in the kernel (DSL integers) and on the host."""
+    """Where a staged activation row (x_stage with x_quads) keeps its word w (16 bytes: 8 elements in word
+    order), in words: each step's 16 words in quad order, word 4t + i at 4i + t, so that a quad's 16-byte
+    reads of word i are 64 contiguous bytes (one wavefront; 64 bytes apart, lanes t and t + 2 share banks).
+    Plain integer arithmetic, the same in the kernel (DSL integers) and on the host."""
     return w // 16 * 16 + w % 4 * 4 + w % 16 // 4
 
 
@@ -242,9 +243,10 @@ if compat.HAVE_CUTE:
             # pairwise (a CTA's one pair), its activations' row staged in shared memory in word order by
             # the CTA first: "natural", from a in natural order (the gate/up, no word-order copy before
             # it); "situ", h = situ_glu of the gate/up's gu_splits fp32 partials (the down, no SiTU-GLU
-            # launch before it; SiTU's betas then fixed here)
+            # launch before it; SiTU's betas then fixed here); x_quads, each step's words in quad order
+            # (staged_word), read by lanes 0-3 alone
             assert x_stage in ("", "natural", "situ")
-            assert not x_stage or pairwise and not waits and not x_quads
+            assert not x_stage or pairwise and not waits
             assert x_stage != "situ" or k_span == K and top_k == 1
             self.x_stage, self.gu_splits, self.beta, self.linear_beta = x_stage, gu_splits, beta, linear_beta
             # programmatic dependent launch between the staged gate/up and down: "trigger", each gate/up
@@ -442,8 +444,8 @@ if compat.HAVE_CUTE:
                 if const_expr(not self.pairwise):
                     pair = mRows[n]
                 # this thread's word 0 of the step: group t's first 8 elements (word_order, quads or not)
-                if const_expr(self.x_stage):  # the staged row (shared memory, quad order): the span's words from 0
-                    x_at = x_base + 16 * t
+                if const_expr(self.x_stage):  # the staged row (shared memory): the span's words from 0
+                    x_at = x_base + (16 if self.x_quads else 64) * t
                 else:
                     x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + (8 if self.x_quads else 32) * t) * 2
                 for i in cutlass.range_constexpr(4):
@@ -531,7 +533,7 @@ if compat.HAVE_CUTE:
                 compat.cp_async_commit()
             if const_expr(self.x_stage):  # the weights above in flight while the row is staged
                 self._stage_x(x_base, x_smem, pair, P, Int32(0), tidx)
-                x_at = Int64(x_smem) + 16 * t
+                x_at = Int64(x_smem) + 64 * t
             else:
                 x_at = x_base + (Int64(pair // self.top_k) * self.K + 32 * t) * 2
             bits = Int32(0)
@@ -622,9 +624,11 @@ if compat.HAVE_CUTE:
             THREADS: cutlass.Constexpr = 32 * self.warps
             SLOT: cutlass.Constexpr = self._slot()
             compat.cp_async_commit()
-            if const_expr(self.x_stage):  # the pair is the mma's column 0: lanes 0-3's B words alone are used
+            if const_expr(bool(self.x_stage) and self.x_quads):  # the pair is the mma's column 0: lanes 0-3's B words
                 reads = Int32(tidx % 32 < 4)
                 xs = [compat.ld_shared_v4_if(Int32(x_at + 64 * q), reads) for q in range(4)]
+            elif const_expr(self.x_stage):
+                xs = [compat.ld_shared_v4(Int32(x_at + 16 * q)) for q in range(4)]
             elif const_expr(self.waits):
                 xs = [compat.ld_cg_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
             else:
@@ -657,10 +661,9 @@ if compat.HAVE_CUTE:
 
         @cute.jit
         def _stage_x(self, x_base, x_smem, pair, P, k_begin, tidx):
-            """The CTA's activation row over its K span into shared memory at x_smem, in word order and each
-            step's words in quad order (word 4t + i at 4i + t: a quad's 16-byte reads of word i are 64
-            contiguous bytes, one wavefront rather than two): a's row of the pair ("natural"), or h's from
-            the gate/up's partials at x_base ("situ"); then a barrier (other threads' words are read).
+            """The CTA's activation row over its K span into shared memory at x_smem, in word order (x_quads,
+            each step's words in quad order: staged_word): a's row of the pair ("natural"), or h's from the
+            gate/up's partials at x_base ("situ"); then a barrier (other threads' words are read).
             Unrolled, so that a thread's loads are in flight together (a rolled loop waits for each);
             threads past the row's words redo its last one."""
             THREADS: cutlass.Constexpr = 32 * self.warps
@@ -675,7 +678,8 @@ if compat.HAVE_CUTE:
                 else:
                     words = situ_glu_x8(x_base, pair, P, w, self.K, self.gu_splits, self.beta, self.linear_beta,
                                         self.pdl == "wait")
-                compat.st_shared_v4(x_smem + 16 * staged_word(w), words[0], words[1], words[2], words[3])
+                at = x_smem + 16 * (staged_word(w) if self.x_quads else w)
+                compat.st_shared_v4(at, words[0], words[1], words[2], words[3])
             cute.arch.sync_threads()
 
         def x_stage_bytes(self) -> int:
@@ -861,7 +865,9 @@ STAGES = 3
 ROWS_FIRST = True
 #: the activations' words in quad order (word_order(x, quads=True)), a quad's loads 64 contiguous
 #: bytes, in grouped mode, where a load's 8 lanes read up to 8 tokens' rows and the L1 sectors count;
-#: pairwise every lane reads one token's row, and the word order measured as fast (docs/perf.md 0n)
+#: pairwise every lane reads one token's row, and the word order measured as fast (docs/perf.md 0n).
+#: With x_stage, quad order stages the row so and has lanes 0-3 alone read it (a step's shared reads 4
+#: wavefronts a warp, not 32): as fast as word order on the H100, not yet measured on the H200 (0u)
 X_QUADS_GROUPED, X_QUADS_PAIRWISE = True, False
 #: steps whose scale words one copy brings: 4 is a quarter of the scale copies and their L1 lookups
 #: (where the widths and the split allow: scale_blocks_fit) for 14 more instructions a step; 1 until
@@ -933,11 +939,9 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         one_launch = pairwise and (ONE_LAUNCH if chosen is None else chosen)
     if x_stage is None:
         chosen = settings.get("K3FUSE_W4A16_X_STAGE")
-        x_stage = pairwise and not one_launch and not x_quads and (X_STAGE if chosen is None else chosen)
+        x_stage = pairwise and not one_launch and (X_STAGE if chosen is None else chosen)
     if x_stage and one_launch:
         raise ValueError("x_stage and one_launch are two forms of the pairwise MLP: choose one")
-    if x_stage and x_quads:
-        raise ValueError("x_stage stages the activations in word order (the quad order is grouped mode's)")
     if pdl and not x_stage:
         raise ValueError("pdl launches the staged down as the staged gate/up's dependent: it needs x_stage")
     if pdl is None:
