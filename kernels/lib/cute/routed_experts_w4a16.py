@@ -867,7 +867,7 @@ ROWS_FIRST = True
 #: bytes, in grouped mode, where a load's 8 lanes read up to 8 tokens' rows and the L1 sectors count;
 #: pairwise every lane reads one token's row, and the word order measured as fast (docs/perf.md 0n).
 #: With x_stage, quad order stages the row so and has lanes 0-3 alone read it (a step's shared reads 4
-#: wavefronts a warp, not 32): no faster than word order on the H100, not yet measured on the H200 (0u)
+#: wavefronts a warp, not 32); off while no A/B shows the saved wavefronts bound the op (docs/perf.md 0u)
 X_QUADS_GROUPED, X_QUADS_PAIRWISE = True, False
 #: steps whose scale words one copy brings: 4 is a quarter of the scale copies and their L1 lookups
 #: (where the widths and the split allow: scale_blocks_fit) for 14 more instructions a step; 1 until
