@@ -29,7 +29,7 @@ TABLE = Path(__file__).resolve().parent.parent / "kernels" / "lib" / "cute" / "r
 #: pick_config's choices in the order they are tried when a launch is spelled as choices ("stages" sets the
 #: gate/up's ring depth, and the down's unless down_stages follows)
 CHOICES = ("stages", "split", "n_tiles", "gate_up_tiles", "down_stages", "rows_first", "x_quads", "scale_steps",
-           "one_launch", "x_stage", "gate_up_shares", "pdl")
+           "one_launch", "x_stage", "gate_up_shares", "pdl", "rounds")
 Key = tuple[str, int, int, int, int, int]  # format, E, I, L, top_k, tokens
 
 

@@ -485,6 +485,74 @@ def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 
 
+def _step_loop_sass_per_step(ptx: str, tmp_path) -> float:
+    """Instructions a step in the ordinary (one-multiply) step loop, the first backward-branching SASS loop
+    with mmas, as ptxas for sm_90a (Triton's) builds it from `ptx`."""
+    import subprocess
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    # Triton's ptxas (CUDA 12.8) reads PTX up to ISA 8.7; these kernels use nothing newer than 8.0 (cp.async,
+    # mma.sync, griddepcontrol), so a newer DSL's header is lowered for it
+    ptx = re.sub(r"^\.version 8\.(8|9)$", ".version 8.7", ptx, flags=re.M)
+    (tmp_path / "k.ptx").write_text(ptx)
+    subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-O3", str(tmp_path / "k.ptx"), "-o",
+                    str(tmp_path / "k.cubin")], check=True, capture_output=True)
+    sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", str(tmp_path / "k.cubin")], check=True,
+                          capture_output=True, text=True).stdout
+    lines, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(lines)
+        elif re.match(r"\s*/\*[0-9a-f]{4}\*/", line):
+            lines.append(line.split("*/")[1])
+    for i, line in enumerate(lines):
+        if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)]:i + 1]
+            if mmas := sum("HMMA" in b for b in body):
+                return len(body) / (mmas / 8)
+    raise AssertionError("no step loop in the SASS")
+
+
+@needs_cute
+@pytest.mark.parametrize("T,I,fmt,choices", [(1, 1536, "mxfp4", {}), (1, 3072, "mxfp4", {}), (2, 1536, "mxfp4", {}),
+                                             (1, 384, "mxfp4", {}), (1, 1536, "int4", {}),
+                                             (1, 1536, "mxfp4", {"pdl": True, "x_quads": True}),
+                                             (1, 3072, "mxfp4", {"gate_up_tiles": 2, "n_tiles": 2, "stages": 5}),
+                                             (1, 1536, "mxfp4", {"x_stage": False})])
+def test_w4a16_rounds_compiles_to_ptx(T, I, fmt, choices, tmp_path):
+    """rounds: a span's steps that issue one of its own as a loop of `stages` steps, the others unrolled, each
+    row tile a span (the mma count); every weight copy and weight read at a constant offset in the instruction
+    on a base register (the point: no address or slot arithmetic a step); no spills, no multicast. At
+    I = 1536 with 1 token, its SASS step loop has at least 10 fewer instructions a step than the loop's."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+
+    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, rounds=True, **choices):
+        assert params["rounds"], where
+        D, S = params["stages"], params["k_span"] // w4.STEP
+        rounds_loop = D if (S - (D - 1)) // D else 0
+        steps = params["n_tiles"] * (rounds_loop + S - (S - (D - 1)) // D * D)
+        copies = 2 if fmt == "mxfp4" else 1  # MXFP4's ordinary and wide-scale loops
+        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+        assert mma == copies * 8 * steps, (where, mma, steps)
+        weights = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+(\+\d+)?\], 16;", ptx)
+        prologue = 2 * (D - 1)  # the ring's first steps, issued before the stream as the loop form issues them
+        folded = [w for w in weights[prologue:] if w[1]]
+        assert len(weights) > prologue and len(folded) >= (len(weights) - prologue) // 2, (where, weights)
+        reads = re.findall(r"ld\.shared\.v4\.u32 \{[^}]*\}, \[%r\d+\+(\d+)\];", ptx)
+        assert len(reads) >= mma // 8, (where, len(reads))  # a step's row b (at least) at a constant offset
+        ops = _ops(ptx)
+        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+        if (T, I, fmt, choices) == (1, 1536, "mxfp4", {}):
+            loop_ptx = next(p for n, _, p, _ in _w4a16_launches(T, I, fmt, tmp_path / "loop") if n == name)
+            per_step = _step_loop_sass_per_step(ptx, tmp_path / f"{name}_rounds")
+            loop_per_step = _step_loop_sass_per_step(loop_ptx, tmp_path / f"{name}_loop")
+            assert per_step <= loop_per_step - 10, (where, per_step, loop_per_step)
+            print(f"{name}: {per_step:.1f} instructions a step in rounds, {loop_per_step:.1f} in the loop")
+
+
 def _tuned_launches() -> list[tuple]:
     """The tuned table's entries that launch other than the rule (an empty entry is the rule's launch)."""
     from k3fuse.kernels.lib.cute.routed_experts_w4a16_tuned import TUNED

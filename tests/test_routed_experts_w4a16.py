@@ -598,6 +598,31 @@ def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
     assert not cute_config(1, E, 3072, L, k)["x_stage"]
 
 
+def test_rounds_is_a_pairwise_choice_with_its_own_launch_keys():
+    """rounds (the step loops in rounds of the ring's depth, constant slots and offsets): off by default,
+    imposed in pairwise mode with or without the staged row, its launches' keys apart from the loop's
+    (whose keys it leaves as they were); refused by name in grouped mode, with one_launch, with the
+    scale blocks and beside balanced."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    assert not w4.ROUNDS and not cute_config(1, E, 1536, L, k)["rounds"]
+    for choices in ({}, {"x_stage": False}, {"x_quads": True, "pdl": True}, {"gate_up_tiles": 2, "n_tiles": 2}):
+        loop, rounds = cute_config(1, E, 1536, L, k, **choices), cute_config(1, E, 1536, L, k, rounds=True, **choices)
+        assert rounds["rounds"] and {**rounds, "rounds": False} == loop, (choices, rounds, loop)
+        for params in (lambda c: w4.gate_up_params(1536, L, k, c, "mxfp4"),
+                       lambda c: w4.down_params(1536, L, c, "mxfp4", (4.0, 25.0))):
+            assert params(rounds)["rounds"] and not params(loop)["rounds"]
+            assert w4.builder(**params(rounds))[0] != w4.builder(**params(loop))[0]
+            assert "rounds" not in dict(w4.builder(**params(loop))[0][1])  # the loop's keys as before
+    for T, choices in ((64, {}), (1, {"pairwise": False}), (1, {"one_launch": True}), (1, {"scale_steps": 4})):
+        with pytest.raises(ValueError, match="rounds runs pairwise mode's two- or four-launch forms"):
+            cute_config(T, E, 1536, L, k, rounds=True, **choices)
+    with pytest.raises(ValueError, match="balanced streams whole rows.*rounds"):
+        cute_config(1, E, 1536, L, k, rounds=True, balanced=True)
+
+
 def test_balanced_is_one_wave_of_equal_shares_in_pairwise_mode(monkeypatch):
     """balanced (the gate/up as TARGET_CTAS CTAs, each an equal share of a pair's table's steps): the rule's
     shares a pair and table, whole rows (split 1) and the partial slots its blocks' parts take, which the

@@ -49,7 +49,8 @@ class ThreadModel:
         self.written: set[int] = set()  # the shared bytes this thread's copies target
         self.sources: list[tuple[int, int]] = []  # every copy's global address and bytes, in issue order
 
-    def cp_async(self, smem, addr, nbytes, cache=None):
+    def cp_async(self, smem, addr, nbytes, cache=None, smem_offset=0, offset=0):
+        smem, addr = smem + smem_offset, addr + offset
         assert nbytes in (4, 8, 16) and smem % nbytes == 0 and addr % nbytes == 0, (smem, addr, nbytes)
         self.open.append((smem, addr, nbytes))
         self.written.update(range(smem, smem + nbytes))
@@ -75,21 +76,21 @@ class ThreadModel:
         assert None not in src and src == list(range(src[0], src[0] + nbytes)), (smem, src)
         return src[0]
 
-    def ld_shared_v4(self, smem):
-        return tuple(self._read(smem + 4 * i, 4) for i in range(4))
+    def ld_shared_v4(self, smem, offset=0):
+        return tuple(self._read(smem + offset + 4 * i, 4) for i in range(4))
 
-    def ld_shared_v4_if(self, smem, pred):
-        return self.ld_shared_v4(smem) if pred else (0, 0, 0, 0)
+    def ld_shared_v4_if(self, smem, offset=0, *, pred):
+        return self.ld_shared_v4(smem, offset) if pred else (0, 0, 0, 0)
 
-    def ld_shared_u8(self, smem):
-        return self._read(smem, 1)
+    def ld_shared_u8(self, smem, offset=0):
+        return self._read(smem + offset, 1)
 
-    def ld_shared_u16(self, smem):
-        return self._read(smem, 2)
+    def ld_shared_u16(self, smem, offset=0):
+        return self._read(smem + offset, 2)
 
-    def ld_nc_v4(self, addr):
+    def ld_nc_v4(self, addr, offset=0):
         self.events.append(("x",))
-        return tuple(addr + 4 * i for i in range(4))
+        return tuple(addr + offset + 4 * i for i in range(4))
 
     ld_cg_v4 = ld_nc_v4  # (the one-launch form's activations, written in the launch: through L2)
 
@@ -153,7 +154,8 @@ def _thread(params: dict, model: ThreadModel):
              "const_expr": lambda v: v, "wait_flag": wait_flag,
              "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
 
-    methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_step", "_issue", "_issue_step", "_issue_scales",
+    methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_stream_rounds", "_step", "_consume", "_fold",
+                                                "_issue", "_issue_step", "_issue_scales",
                                                 "_scale_bits", "_slot", "_scale_block", "smem_bytes", "share",
                                                 "_share_ring", "_share_stream", "_share_store", "_block_rows",
                                                 "_block_bytes", "_block_scales"), names)
@@ -213,10 +215,11 @@ def _run(p: dict, tidx: int, size: int, wait_short: bool = False):
     return sim, list(_expected(p, tidx, e, block, k_begin, first, size, rows))
 
 
-def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False, x_stage="", pdl=""):
+def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False, x_stage="", pdl="",
+            rounds=False):
     return dict(N=1024, K=K, k_span=k_span, top_k=TOP_K, out_fp32=False, out_stride=1024, blocks_a=16, col_b=0,
                 pairwise=pairwise, warps=4, n_tiles=n_tiles, stages=stages, rows_first=True, x_quads=x_quads,
-                scale_steps=scale_steps, fmt=fmt, waits=waits, x_stage=x_stage, pdl=pdl)
+                scale_steps=scale_steps, fmt=fmt, waits=waits, x_stage=x_stage, pdl=pdl, rounds=rounds)
 
 
 def _cases():
@@ -246,14 +249,19 @@ def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_ste
     if k_span == K:  # the down's h, after the gate/up's grid with PDL
         launches += [(2, 1, True, False, 3, False, "situ"), (1, 1, True, False, 99, False, "situ+pdl"),
                      (1, 1, True, True, 50, False, "situ"), (2, 1, True, True, 3, False, "situ+pdl")]
-    for n_tiles, size, pairwise, x_quads, tidx, waits, x_stage in launches:
+    # rounds (pairwise, one scale copy a step): the same launches, and 4 row tiles, whose spans start the
+    # ring at every slot when a span's steps are not a multiple of the depth
+    rounds = [launch for launch in launches + [(4, 1, True, False, 21, False, ""), (4, 1, True, True, 90, False, "natural")]
+              if launch[2] and not launch[5]] if scale_steps == 1 else []
+    for (n_tiles, size, pairwise, x_quads, tidx, waits, x_stage), in_rounds in (
+            [(launch, False) for launch in launches] + [(launch, True) for launch in rounds]):
         x_stage, _, pdl = x_stage.partition("+")
         p = _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits, x_stage,
-                    "wait" if pdl else "")
+                    "wait" if pdl else "", in_rounds)
         if x_stage == "situ":
             p["top_k"] = 1
         sim, want = _run(p, tidx, size)
-        where = (n_tiles, size, pairwise, tidx, waits, x_stage)
+        where = (n_tiles, size, pairwise, tidx, waits, x_stage, in_rounds)
         assert len(sim.mmas) == len(want), (where, len(sim.mmas), len(want))
         for step, (got, expect) in enumerate(zip(sim.mmas, want)):
             assert got == expect, (where, step, got, expect)

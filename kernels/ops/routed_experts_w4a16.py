@@ -267,7 +267,7 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
     then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
     it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / gate_up_tiles /
     down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage / balanced / gate_up_shares /
-    pdl, imposed). With the call's `format` and nothing imposed, the measured table's choices where it has
+    pdl / rounds, imposed). With the call's `format` and nothing imposed, the measured table's choices where it has
     them (tuned_choices; `tuned=False`: the rule's alone)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri

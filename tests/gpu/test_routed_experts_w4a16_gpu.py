@@ -267,9 +267,14 @@ CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": Fa
                                        "split": 1, "stages": 5},
                 "balanced": {"balanced": True}, "balanced_four": {"balanced": True, "x_stage": False},
                 "balanced_pdl": {"balanced": True, "pdl": True},
-                "balanced_7": {"gate_up_shares": 7}}
+                "balanced_7": {"gate_up_shares": 7},
+                "rounds": {"x_stage": True, "rounds": True},
+                "rounds_long": {"x_stage": True, "rounds": True, "gate_up_tiles": 2, "n_tiles": 2, "split": 1,
+                                "stages": 5},
+                "rounds_quads_pdl": {"x_stage": True, "rounds": True, "x_quads": True, "pdl": True},
+                "rounds_four": {"x_stage": False, "rounds": True}}
 #: the pairwise MLP's other forms (a CTA's one pair): no grouped launch
-PAIRWISE_ONLY = ("one_launch", "x_stage", "balanced", "gate_up_shares", "pdl")
+PAIRWISE_ONLY = ("one_launch", "x_stage", "balanced", "gate_up_shares", "pdl", "rounds")
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))
@@ -347,6 +352,19 @@ def test_x_stage_graph_replays_against_float64(experts, T, pdl, quads):
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
     cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl, x_quads=quads)
+    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
+                             cfg)
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["rounds", "rounds_pdl"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_rounds_graph_replays_against_float64(experts, T, pdl):
+    """The staged two-launch MLP with its step loops in rounds (constant ring slots and offsets), the down
+    a programmatic dependent or not, under 1000 CUDA-graph replays on changing tokens and experts."""
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl, rounds=True)
+    assert cfg["rounds"] and cfg["x_stage"], cfg
     _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
                              cfg)
 

@@ -91,6 +91,11 @@ if HAVE_CUTE:
         return llvm.inline_asm(ret, args, text, cons, has_side_effects=True,
                                is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
+    def _at(operand: int, offset: int) -> str:
+        """A PTX address: operand $n, plus `offset` bytes in the instruction itself (a constant the caller
+        knows at compile time: one base register serves several addresses, not an add and a register each)."""
+        return f"[${operand}+{int(offset)}]" if offset else f"[${operand}]"
+
     @dsl_user_op
     def ld_acquire_sys_s32(ptr, *, loc=None, ip=None) -> Int32:
         """Acquire load at system scope: what a peer released before its flag is visible after."""
@@ -192,18 +197,18 @@ if HAVE_CUTE:
         return Int64(ptr.toint(loc=loc, ip=ip))
 
     @dsl_user_op
-    def ld_nc_v4(addr, *, loc=None, ip=None):
-        """16 read-only bytes (non-coherent path) as four 32-bit words; addr 16-byte aligned."""
+    def ld_nc_v4(addr, offset: int = 0, *, loc=None, ip=None):
+        """16 read-only bytes (non-coherent path) at addr + offset as four 32-bit words; 16-byte aligned."""
         st = asm_pure(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                      "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+                      f"ld.global.nc.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};", "=r,=r,=r,=r,l")
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
-    def ld_cg_v4(addr, *, loc=None, ip=None):
-        """16 bytes through L2 (`.cg`) as four 32-bit words: bytes other CTAs of the launch wrote (after
-        an acquire); side-effecting, so never moved above the wait that orders it."""
+    def ld_cg_v4(addr, offset: int = 0, *, loc=None, ip=None):
+        """16 bytes at addr + offset through L2 (`.cg`) as four 32-bit words: bytes other CTAs of the launch
+        wrote (after an acquire); side-effecting, so never moved above the wait that orders it."""
         st = _asm(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                  "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+                  f"ld.global.cg.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};", "=r,=r,=r,=r,l")
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
@@ -272,14 +277,15 @@ if HAVE_CUTE:
         return Int32(ptr.toint(loc=loc, ip=ip))
 
     @dsl_user_op
-    def cp_async(smem, addr, nbytes: int, cache: str | None = None, *, loc=None, ip=None) -> None:
-        """nbytes (4, 8 or 16) global -> shared, addr aligned to them; by default 16 bytes skip L1 (`.cg`:
-        the weights are read once), smaller copies must go through it (`.ca`); `cache` "ca" keeps a
-        16-byte copy's line in L1 (bytes that neighbouring copies read again)."""
+    def cp_async(smem, addr, nbytes: int, cache: str | None = None, smem_offset: int = 0, offset: int = 0, *,
+                 loc=None, ip=None) -> None:
+        """nbytes (4, 8 or 16) global (addr + offset) -> shared (smem + smem_offset), aligned to them; by
+        default 16 bytes skip L1 (`.cg`: the weights are read once), smaller copies must go through it
+        (`.ca`); `cache` "ca" keeps a 16-byte copy's line in L1 (bytes that neighbouring copies read again)."""
         cache = cache or ("cg" if nbytes == 16 else "ca")
         assert cache == "ca" or cache == "cg" and nbytes == 16, (cache, nbytes)
         _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int64(addr).ir_value(loc=loc, ip=ip)],
-             f"cp.async.{cache}.shared.global [$0], [$1], {int(nbytes)};", "r,l")
+             f"cp.async.{cache}.shared.global {_at(0, smem_offset)}, {_at(1, offset)}, {int(nbytes)};", "r,l")
 
     @dsl_user_op
     def cp_async_commit(*, loc=None, ip=None) -> None:
@@ -291,19 +297,19 @@ if HAVE_CUTE:
         _asm(None, [], f"cp.async.wait_group {int(pending)};", "")
 
     @dsl_user_op
-    def ld_shared_v4(smem, *, loc=None, ip=None):
-        """16 bytes from shared memory as four 32-bit words; 16-byte aligned."""
+    def ld_shared_v4(smem, offset: int = 0, *, loc=None, ip=None):
+        """16 bytes from shared memory (smem + offset) as four 32-bit words; 16-byte aligned."""
         st = _asm(struct_type(4, "i32"), [Int32(smem).ir_value(loc=loc, ip=ip)],
-                  "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r")
+                  f"ld.shared.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};", "=r,=r,=r,=r,r")
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
-    def ld_shared_v4_if(smem, pred, *, loc=None, ip=None):
+    def ld_shared_v4_if(smem, offset: int = 0, *, pred, loc=None, ip=None):
         """ld_shared_v4 where `pred` (an Int32) is nonzero, four zero words elsewhere: lanes whose words
         are never used issue no shared-memory request (the LSU's wavefronts count only active lanes)."""
         st = _asm(struct_type(4, "i32"), [Int32(smem).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
                   "{\n.reg .pred p;\nsetp.ne.u32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-                  "mov.b32 $3, 0;\n@p ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,r,r")
+                  f"mov.b32 $3, 0;\n@p ld.shared.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};\n}}", "=r,=r,=r,=r,r,r")
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
@@ -323,12 +329,14 @@ if HAVE_CUTE:
         return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];", "=r,r"))
 
     @dsl_user_op
-    def ld_shared_u8(smem, *, loc=None, ip=None) -> Int32:
-        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.u8 $0, [$1];", "=r,r"))
+    def ld_shared_u8(smem, offset: int = 0, *, loc=None, ip=None) -> Int32:
+        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], f"ld.shared.u8 $0, {_at(1, offset)};",
+                          "=r,r"))
 
     @dsl_user_op
-    def ld_shared_u16(smem, *, loc=None, ip=None) -> Int32:
-        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.u16 $0, [$1];", "=r,r"))
+    def ld_shared_u16(smem, offset: int = 0, *, loc=None, ip=None) -> Int32:
+        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], f"ld.shared.u16 $0, {_at(1, offset)};",
+                          "=r,r"))
 
     @dsl_user_op
     def st_f32(addr, v, *, loc=None, ip=None) -> None:

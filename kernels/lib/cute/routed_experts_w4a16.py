@@ -223,7 +223,7 @@ if compat.HAVE_CUTE:
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
                      rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False,
                      x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0,
-                     shares: int = 0, slots: int = 1, pdl: str = ""):
+                     shares: int = 0, slots: int = 1, pdl: str = "", rounds: bool = False):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             self.fmt = fmt
             self.scale_row = K // 32 * SCALE_BYTES[fmt]  # bytes of a row's scales
@@ -272,6 +272,11 @@ if compat.HAVE_CUTE:
             # between CTAs leaves each part in its own partial slot, and its last part zeros the `slots`
             # (the launch's partials) no part takes, so that every slot is written once a launch
             self.shares, self.slots = shares, slots
+            # pairwise, the step loop in rounds of `stages` steps: a CTA's spans are its row tiles of one
+            # pair, so each step's ring slot and byte offsets are constants where the kernel is compiled
+            # (no slot arithmetic, no address arithmetic a step); one scale copy a step
+            assert not rounds or (pairwise and scale_steps == 1 and not shares and not waits)
+            self.rounds = rounds
             if shares:
                 assert pairwise and n_tiles == 1 and k_span == K and out_fp32 and scale_steps == 1
                 assert not waits and not x_quads
@@ -404,15 +409,16 @@ if compat.HAVE_CUTE:
                 compat.griddep_wait()
                 self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
                 x_base = Int64(x_smem)
+            stream = self._stream_rounds if const_expr(self.rounds) else self._stream
             if const_expr(self.fmt == "int4"):  # one multiply a register at every scale
-                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                             ring, scale_ring, w_at, s_at, True)
+                stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                       ring, scale_ring, w_at, s_at, True)
             elif compat.warp_any(bits & -2139062144) == 0:  # 0x80808080: bit 7 of each byte
-                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                             ring, scale_ring, w_at, s_at, True)
+                stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                       ring, scale_ring, w_at, s_at, True)
             else:
-                self._stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
-                             ring, scale_ring, w_at, s_at, False)
+                stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                       ring, scale_ring, w_at, s_at, False)
 
         @cute.jit
         def _stream(self, acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a, ring,
@@ -476,6 +482,51 @@ if compat.HAVE_CUTE:
                 w_at = next_w
                 s_at = next_s
                 row = next_row
+
+        @cute.jit
+        def _stream_rounds(self, acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
+                           ring, scale_ring, w_at, s_at, one_multiply: cutlass.Constexpr):
+            """_stream's steps (rounds: pairwise, one scale copy a step) with constant slots and offsets: the
+            CTA's spans are its n_tiles row tiles of its one pair, so step s of span g is step g * S + s of
+            its stream, in ring slot (g * S + s) % stages. Each span's steps that issue one of its own run
+            as a loop of rounds of `stages` steps (one address update a round), the rest unrolled."""
+            D: cutlass.Constexpr = self.stages
+            S: cutlass.Constexpr = self.k_span // STEP
+            M: cutlass.Constexpr = S - (D - 1)  # a span's steps that issue a later step of the same span
+            SLOT: cutlass.Constexpr = self._slot()
+            W: cutlass.Constexpr = STEP // 2  # a row's weight bytes a step
+            X: cutlass.Constexpr = STEP * 2  # a step's activation bytes
+            SW: cutlass.Constexpr = self.scale_step
+            t = tidx % 32 % 4
+            if const_expr(self.x_stage):
+                x_at = x_base + (16 if self.x_quads else 64) * t
+            else:
+                x_at = x_base + (Int64(first // self.top_k) * self.K + k_begin + (8 if self.x_quads else 32) * t) * 2
+            row = row_a
+            for g in cutlass.range_constexpr(self.n_tiles):
+                q = g * S % D  # the span's first slot
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = Float32(0.0)
+                if const_expr(M // D > 0):
+                    w_r, s_r, x_r = w_at, s_at, x_at
+                    for r in cutlass.range(M // D, unroll=1):  # round r: its bases move on in w_r, s_r, x_r
+                        for i in cutlass.range_constexpr(D):
+                            self._issue(ring, tidx, w_r, s_r, (q + i + D - 1) % D * SLOT, (i + D - 1) * W,
+                                        (i + D - 1) * SW)
+                            self._consume(acc, x_r, ring, ring, 0, tidx, t, one_multiply, i * X, (q + i) % D * SLOT)
+                        w_r, s_r, x_r = w_r + D * W, s_r + D * SW, x_r + D * X
+                for s in cutlass.range_constexpr(M // D * D, S):
+                    if const_expr(s < M):  # a later step of this span
+                        self._issue(ring, tidx, w_at, s_at, (q + s + D - 1) % D * SLOT, (s + D - 1) * W,
+                                    (s + D - 1) * SW)
+                    elif const_expr(g + 1 < self.n_tiles):  # the next span's first steps
+                        self._issue(ring, tidx, w_at, s_at, (q + s + D - 1) % D * SLOT,
+                                    self._block_bytes() + (s - M) * W, self._block_scales() + (s - M) * SW)
+                    self._consume(acc, x_at, ring, ring, 0, tidx, t, one_multiply, s * X, (q + s) % D * SLOT)
+                self._store(acc, o_base, split, P, col_off, row, first, Int32(0), size, t, mRows)
+                w_at = w_at + self._block_bytes()
+                s_at = s_at + self._block_scales()
+                row = row + self._block_rows()
 
         @cute.jit
         def share(self, c, pair, tidx, ring, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
@@ -618,36 +669,11 @@ if compat.HAVE_CUTE:
         @cute.jit
         def _step(self, acc, x_at, ring, scale_ring, s, tidx, t, p_slot, c_slot, c_block,
                   one_multiply: cutlass.Constexpr):
-            """Commit what was issued, load the step's activations, wait for its stage (and, scale_steps
-            4, its scale block: issued with the block's first step), its 8 mmas; the slots move on."""
+            """_consume the stage at c_slot (and, scale_steps 4, the scale block at c_block); the slots move
+            on."""
             D: cutlass.Constexpr = self.stages
-            THREADS: cutlass.Constexpr = 32 * self.warps
             SLOT: cutlass.Constexpr = self._slot()
-            compat.cp_async_commit()
-            if const_expr(bool(self.x_stage) and self.x_quads):  # the pair is the mma's column 0: lanes 0-3's B words
-                reads = Int32(tidx % 32 < 4)
-                xs = [compat.ld_shared_v4_if(Int32(x_at + 64 * q), reads) for q in range(4)]
-            elif const_expr(self.x_stage):
-                xs = [compat.ld_shared_v4(Int32(x_at + 16 * q)) for q in range(4)]
-            elif const_expr(self.waits):
-                xs = [compat.ld_cg_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
-            else:
-                xs = [compat.ld_nc_v4(x_at + (64 if self.x_quads else 16) * q) for q in range(4)]
-            compat.cp_async_wait(D - 1)  # this step's group has landed
-            slot = ring + c_slot
-            wa = compat.ld_shared_v4(slot + tidx * 16)
-            wb = compat.ld_shared_v4(slot + THREADS * 16 + tidx * 16)
-            if const_expr(self.fmt == "int4"):  # row a's 8 bytes, then row b's, in the stage; this thread's bf16
-                scales = slot + THREADS * 32 + tidx * 8 + 2 * t
-                sa = compat.ld_shared_u16(scales)
-                sb = compat.ld_shared_u16(scales + THREADS * 8)
-            else:
-                scales = slot + THREADS * 32 + tidx * 4 + t  # row a's word, then row b's, in the stage
-                if const_expr(self.scale_steps > 1):  # this step's word in the block's 16 bytes
-                    scales = scale_ring + c_block + tidx * 16 + (s % self.scale_steps) * 4 + t
-                sa = compat.ld_shared_u8(scales)
-                sb = compat.ld_shared_u8(scales + THREADS * (4 if self.scale_steps == 1 else 16))
-            self._mmas(acc, wa, wb, sa, sb, xs, one_multiply)
+            self._consume(acc, x_at, ring + c_slot, scale_ring + c_block, s, tidx, t, one_multiply)
             if const_expr(self.scale_steps > 1):
                 if s % self.scale_steps == self.scale_steps - 1:
                     c_block = self._scale_block() - c_block
@@ -658,6 +684,50 @@ if compat.HAVE_CUTE:
             if c_slot == D * SLOT:
                 c_slot = Int32(0)
             return p_slot, c_slot, c_block
+
+        @cute.jit
+        def _consume(self, acc, x_at, slot, block, s, tidx, t, one_multiply: cutlass.Constexpr,
+                     x_off: cutlass.Constexpr = 0, slot_off: cutlass.Constexpr = 0):
+            """Commit what was issued, load step s's activations (at x_at + x_off), wait for its stage (at
+            shared address slot + slot_off; and, scale_steps 4, its scale block at `block`: issued with the
+            block's first step), its 8 mmas. The offsets are the instructions' own (rounds: constants on a
+            round's base registers)."""
+            D: cutlass.Constexpr = self.stages
+            THREADS: cutlass.Constexpr = 32 * self.warps
+            compat.cp_async_commit()
+            x_step = 64 if self.x_quads else 16  # a quad's words' bytes apart
+            if const_expr(bool(self.x_stage) and self.x_quads):  # the pair is the mma's column 0: lanes 0-3's B words
+                reads = Int32(tidx % 32 < 4)
+                xs = [compat.ld_shared_v4_if(*self._fold(Int32(x_at), x_off + 64 * q), pred=reads) for q in range(4)]
+            elif const_expr(self.x_stage):
+                xs = [compat.ld_shared_v4(*self._fold(Int32(x_at), x_off + 16 * q)) for q in range(4)]
+            elif const_expr(self.waits):
+                xs = [compat.ld_cg_v4(*self._fold(x_at, x_off + x_step * q)) for q in range(4)]
+            else:
+                xs = [compat.ld_nc_v4(*self._fold(x_at, x_off + x_step * q)) for q in range(4)]
+            compat.cp_async_wait(D - 1)  # this step's group has landed
+            wa = compat.ld_shared_v4(*self._fold(slot, slot_off, tidx * 16))
+            wb = compat.ld_shared_v4(*self._fold(slot, slot_off + THREADS * 16, tidx * 16))
+            if const_expr(self.fmt == "int4"):  # row a's 8 bytes, then row b's, in the stage; this thread's bf16
+                sa = compat.ld_shared_u16(*self._fold(slot, slot_off + THREADS * 32, tidx * 8 + 2 * t))
+                sb = compat.ld_shared_u16(*self._fold(slot, slot_off + THREADS * 40, tidx * 8 + 2 * t))
+            elif const_expr(self.scale_steps > 1):  # this step's word in the block's 16 bytes
+                scales = block + tidx * 16 + (s % self.scale_steps) * 4 + t
+                sa = compat.ld_shared_u8(scales)
+                sb = compat.ld_shared_u8(scales + THREADS * 16)
+            else:  # row a's word, then row b's, in the stage
+                sa = compat.ld_shared_u8(*self._fold(slot, slot_off + THREADS * 32, tidx * 4 + t))
+                sb = compat.ld_shared_u8(*self._fold(slot, slot_off + THREADS * 36, tidx * 4 + t))
+            self._mmas(acc, wa, wb, sa, sb, xs, one_multiply)
+
+        def _fold(self, base, offset: int, lane=None):
+            """An address base + offset (+ lane, this thread's bytes) as (register, immediate): with rounds the
+            offset in the instruction itself (a round's steps share base registers), else added to the
+            register, in the loop's own order (base + offset + lane)."""
+            if self.rounds:
+                return (base if lane is None else base + lane), offset
+            at = base + offset if offset else base
+            return (at if lane is None else at + lane), 0
 
         @cute.jit
         def _stage_x(self, x_base, x_smem, pair, P, k_begin, tidx):
@@ -712,18 +782,24 @@ if compat.HAVE_CUTE:
             return p_block
 
         @cute.jit
-        def _issue(self, slot, tidx, w_at, s_at):
-            """cp.async of one step into this thread's part of a stage: 16 weight bytes of rows a and a + 8,
-            and each row's scales of the quad's 4 groups (MXFP4 a 4-byte word, this thread's at byte t;
-            int4 8 bytes, its bf16 at 2t)."""
+        def _issue(self, slot, tidx, w_at, s_at, slot_off: cutlass.Constexpr = 0, w_off: cutlass.Constexpr = 0,
+                   s_off: cutlass.Constexpr = 0):
+            """cp.async of one step into this thread's part of a stage (at slot + slot_off): 16 weight bytes of
+            rows a and a + 8 (at w_at + w_off), and each row's scales of the quad's 4 groups (at s_at + s_off;
+            MXFP4 a 4-byte word, this thread's at byte t; int4 8 bytes, its bf16 at 2t). The offsets are the
+            instructions' own (rounds: constants on a round's base registers)."""
             K: cutlass.Constexpr = self.K
             THREADS: cutlass.Constexpr = 32 * self.warps
             SW: cutlass.Constexpr = self.scale_step
-            compat.cp_async(slot + tidx * 16, w_at, 16)
-            compat.cp_async(slot + THREADS * 16 + tidx * 16, w_at + 8 * (K // 2), 16)
+            for row, w_row in ((0, 0), (THREADS * 16, 8 * (K // 2))):  # rows a and a + 8
+                smem, smem_off = self._fold(slot, slot_off + row, tidx * 16)
+                addr, addr_off = self._fold(w_at, w_off + w_row)
+                compat.cp_async(smem, addr, 16, smem_offset=smem_off, offset=addr_off)
             if const_expr(self.scale_steps == 1):
-                compat.cp_async(slot + THREADS * 32 + tidx * SW, s_at, SW)
-                compat.cp_async(slot + THREADS * (32 + SW) + tidx * SW, s_at + 8 * self.scale_row, SW)
+                for row, s_row in ((THREADS * 32, 0), (THREADS * (32 + SW), 8 * self.scale_row)):
+                    smem, smem_off = self._fold(slot, slot_off + row, tidx * SW)
+                    addr, addr_off = self._fold(s_at, s_off + s_row)
+                    compat.cp_async(smem, addr, SW, smem_offset=smem_off, offset=addr_off)
 
         @cute.jit
         def _issue_scales(self, block, tidx, s_at):
@@ -804,7 +880,7 @@ def table_views(w, s, K: int) -> tuple:
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
             col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
             scale_steps: int, fmt: str, x_stage: str = "", gu_splits: int = 1, beta: float = 0.0,
-            linear_beta: float = 0.0, shares: int = 0, slots: int = 1, pdl: str = ""):
+            linear_beta: float = 0.0, shares: int = 0, slots: int = 1, pdl: str = "", rounds: bool = False):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic.
     The activations: bf16 [T, K] (word order, or natural with x_stage "natural"), or with x_stage "situ"
     the gate/up's fp32 partials, flat."""
@@ -817,6 +893,8 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
         params.update(shares=shares, slots=slots)
     if pdl:
         params.update(pdl=pdl)
+    if rounds:
+        params.update(rounds=True)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -890,6 +968,10 @@ BALANCED = False
 #: read while the gate/up drains); off until an A/B shows it pays (docs/perf.md 0q, 0r);
 #: K3FUSE_W4A16_PDL overrides it
 PDL = False
+#: pairwise, the step loop in rounds of `stages` steps with its ring slots and byte offsets constants
+#: (about 12 fewer instructions a step than the loop with slot arithmetic, in SASS for sm_90a); off until an
+#: A/B on the H200, where the few-token op is bound by its issue rate, shows it pays (docs/perf.md 0v)
+ROUNDS = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
 INT4 = True
@@ -914,16 +996,17 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
                 rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS,
                 one_launch: bool | None = None, x_stage: bool | None = None,
                 gate_up_tiles: int | None = None, balanced: bool | None = None,
-                gate_up_shares: int | None = None, pdl: bool | None = None) -> dict:
+                gate_up_shares: int | None = None, pdl: bool | None = None, rounds: bool | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
     pairwise, one launch or four, the activations staged by each CTA or not (`x_stage`), and the gate/up
     balanced or not (`balanced`: "gate_up_shares" CTAs a pair and table, 0 off), and with x_stage the down
-    launched as the gate/up's programmatic dependent or not (`pdl`). I and L whole 128-element steps
+    launched as the gate/up's programmatic dependent or not (`pdl`), and pairwise the step loop in rounds
+    or not (`rounds`). I and L whole 128-element steps
     (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's row blocks), `down_stages`
     (the down's ring depth; default `stages`), `rows_first`, `x_quads`, `scale_steps`, `one_launch`,
-    `x_stage`, `balanced`, `gate_up_shares` (balanced, with that many CTAs a pair) and `pdl` impose a choice
+    `x_stage`, `balanced`, `gate_up_shares` (balanced, with that many CTAs a pair), `pdl` and `rounds` impose a choice
     instead (the benchmark's A/B arms). "partials": the gate/up's fp32 partial slots (its split, or
     balanced, share_slots)."""
     from k3fuse import settings
@@ -950,12 +1033,17 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     pdl = bool(x_stage) and pdl
     if x_quads is None:
         x_quads = X_QUADS_PAIRWISE if pairwise else X_QUADS_GROUPED
+    if rounds and not (pairwise and scale_steps == 1 and not one_launch):
+        raise ValueError("rounds runs pairwise mode's two- or four-launch forms with one scale copy a step (a "
+                         "CTA's steps known where it is compiled): no grouped mode, one_launch or scale_steps 4")
+    rounds = pairwise and not one_launch and scale_steps == 1 and (ROUNDS if rounds is None else rounds)
     gate_up_tiles = 1 if gate_up_tiles is None else gate_up_tiles
     if gate_up_tiles < 1 or (I // BLOCK_ROWS) % gate_up_tiles:
         raise ValueError(f"gate_up_tiles {gate_up_tiles} does not divide the {I // BLOCK_ROWS} row blocks of w1 / w3")
     steps = L // STEP
     # balanced streams whole rows a row block at a time, one scale copy a step, in word order
-    fits = not one_launch and gate_up_tiles == 1 and split in (None, 1) and scale_steps == 1 and not x_quads
+    fits = (not one_launch and gate_up_tiles == 1 and split in (None, 1) and scale_steps == 1 and not x_quads
+            and not rounds)
     shares = _gate_up_shares(groups, I, steps, stages, pairwise, fits, balanced, gate_up_shares)
     if shares:
         split = 1
@@ -978,7 +1066,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     return {"split": split, "n_tiles": n_tiles, "gate_up_stages": _stages(steps // split, stages),
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
             "scale_steps": scale_steps, "one_launch": one_launch, "x_stage": bool(x_stage),
-            "gate_up_tiles": gate_up_tiles, "gate_up_shares": shares, "pdl": pdl,
+            "gate_up_tiles": gate_up_tiles, "gate_up_shares": shares, "pdl": pdl, "rounds": rounds,
             "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
 
 
@@ -995,7 +1083,8 @@ def _gate_up_shares(groups: float, I: int, steps: int, stages: int, pairwise: bo
             raise ValueError("balanced runs pairwise mode only (a CTA's share is one pair's steps)")
         if not fits:
             raise ValueError("balanced streams whole rows, a row block at a time, with one scale copy a step in "
-                             "word order: no one_launch, gate_up_tiles, split, scale_steps 4 or x_quads beside it")
+                             "word order: no one_launch, gate_up_tiles, split, scale_steps 4, x_quads or rounds "
+                             "beside it")
     elif balanced is None:
         chosen = settings.get("K3FUSE_W4A16_BALANCED")
         balanced = pairwise and fits and (BALANCED if chosen is None else chosen)
@@ -1025,7 +1114,8 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
                   blocks_a=I // BLOCK_ROWS, col_b=I, pairwise=config["pairwise"], warps=WARPS,
                   n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
                   x_quads=config["x_quads"], scale_steps=_scale_steps(L, L // config["split"], config, fmt),
-                  fmt=fmt, x_stage="natural" if config["x_stage"] else "", pdl="trigger" if config["pdl"] else "")
+                  fmt=fmt, x_stage="natural" if config["x_stage"] else "", pdl="trigger" if config["pdl"] else "",
+                  rounds=config["rounds"])
     if config["gate_up_shares"]:
         params.update(shares=config["gate_up_shares"], slots=config["partials"])
     return params
@@ -1037,7 +1127,7 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
     params = dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
                   pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
                   rows_first=config["rows_first"], x_quads=config["x_quads"],
-                  scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt)
+                  scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt, rounds=config["rounds"])
     if config["x_stage"]:
         if betas is None:
             raise ValueError("x_stage: the down computes the SiTU-GLU, so it needs SiTU's betas")
