@@ -251,8 +251,8 @@ def test_every_step_reads_its_own_landed_bytes(fmt, K, k_span, stages, scale_ste
                      (1, 1, True, True, 50, False, "situ"), (2, 1, True, True, 3, False, "situ+pdl")]
     # rounds (pairwise, one scale copy a step): the same launches, and 4 row tiles, whose spans start the
     # ring at every slot when a span's steps are not a multiple of the depth
-    rounds = [launch for launch in launches + [(4, 1, True, False, 21, False, ""), (4, 1, True, True, 90, False, "natural")]
-              if launch[2] and not launch[5]] if scale_steps == 1 else []
+    four_tiles = [(4, 1, True, False, 21, False, ""), (4, 1, True, True, 90, False, "natural")]
+    rounds = [launch for launch in launches + four_tiles if launch[2] and not launch[5]] if scale_steps == 1 else []
     for (n_tiles, size, pairwise, x_quads, tidx, waits, x_stage), in_rounds in (
             [(launch, False) for launch in launches] + [(launch, True) for launch in rounds]):
         x_stage, _, pdl = x_stage.partition("+")

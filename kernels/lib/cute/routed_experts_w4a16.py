@@ -969,8 +969,8 @@ BALANCED = False
 #: K3FUSE_W4A16_PDL overrides it
 PDL = False
 #: pairwise, the step loop in rounds of `stages` steps with its ring slots and byte offsets constants
-#: (about 12 fewer instructions a step than the loop with slot arithmetic, in SASS for sm_90a); off until an
-#: A/B on the H200, where the few-token op is bound by its issue rate, shows it pays (docs/perf.md 0v)
+#: (166 SASS instructions a step for sm_90a against the loop's 183, for 66-72 registers against 56-64); off
+#: until an A/B on the H200, where the few-token op is bound by its issue rate, shows it pays (docs/perf.md 0v)
 ROUNDS = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
