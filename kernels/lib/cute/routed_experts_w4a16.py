@@ -429,7 +429,6 @@ if compat.HAVE_CUTE:
             D: cutlass.Constexpr = self.stages
             BLOCK: cutlass.Constexpr = self._scale_block()
             S: cutlass.Constexpr = self.k_span // STEP
-            K: cutlass.Constexpr = self.K
             SLOT: cutlass.Constexpr = self._slot()
             lane = tidx % 32
             r = lane // 4
@@ -449,11 +448,7 @@ if compat.HAVE_CUTE:
                 pair = n
                 if const_expr(not self.pairwise):
                     pair = mRows[n]
-                # this thread's word 0 of the step: group t's first 8 elements (word_order, quads or not)
-                if const_expr(self.x_stage):  # the staged row (shared memory): the span's words from 0
-                    x_at = x_base + (16 if self.x_quads else 64) * t
-                else:
-                    x_at = x_base + (Int64(pair // self.top_k) * K + k_begin + (8 if self.x_quads else 32) * t) * 2
+                x_at = self._x_at(x_base, pair, k_begin, t)
                 for i in cutlass.range_constexpr(4):
                     acc[i] = Float32(0.0)
                 # the next span: the same rows for the next chunk, else the next tile's
@@ -483,6 +478,13 @@ if compat.HAVE_CUTE:
                 s_at = next_s
                 row = next_row
 
+        def _x_at(self, x_base, pair, k_begin, t):
+            """This thread's word 0 of a span's first step (group t's first 8 elements, in word order, quads
+            or not): in the staged row (shared memory) the span's words from 0, else in pair's row of x."""
+            if self.x_stage:
+                return x_base + (16 if self.x_quads else 64) * t
+            return x_base + (Int64(pair // self.top_k) * self.K + k_begin + (8 if self.x_quads else 32) * t) * 2
+
         @cute.jit
         def _stream_rounds(self, acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
                            ring, scale_ring, w_at, s_at, one_multiply: cutlass.Constexpr):
@@ -498,10 +500,7 @@ if compat.HAVE_CUTE:
             X: cutlass.Constexpr = STEP * 2  # a step's activation bytes
             SW: cutlass.Constexpr = self.scale_step
             t = tidx % 32 % 4
-            if const_expr(self.x_stage):
-                x_at = x_base + (16 if self.x_quads else 64) * t
-            else:
-                x_at = x_base + (Int64(first // self.top_k) * self.K + k_begin + (8 if self.x_quads else 32) * t) * 2
+            x_at = self._x_at(x_base, first, k_begin, t)
             row = row_a
             for g in cutlass.range_constexpr(self.n_tiles):
                 q = g * S % D  # the span's first slot
@@ -968,9 +967,9 @@ BALANCED = False
 #: read while the gate/up drains); off until an A/B shows it pays (docs/perf.md 0q, 0r);
 #: K3FUSE_W4A16_PDL overrides it
 PDL = False
-#: pairwise, the step loop in rounds of `stages` steps with its ring slots and byte offsets constants
-#: (166 SASS instructions a step for sm_90a against the loop's 183, for 66-72 registers against 56-64); off
-#: until an A/B on the H200, where the few-token op is bound by its issue rate, shows it pays (docs/perf.md 0v)
+#: pairwise, the step loop in rounds of `stages` steps with its ring slots and byte offsets constants: no slot
+#: or address arithmetic a step, for more registers (fewer CTAs an SM); off until an A/B on the H200, where the
+#: few-token op is bound by its issue rate, shows it pays (docs/perf.md 0v)
 ROUNDS = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
