@@ -154,9 +154,8 @@ def _thread(params: dict, model: ThreadModel):
              "const_expr": lambda v: v, "wait_flag": wait_flag,
              "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
 
-    methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_stream_rounds", "_x_at", "_step", "_consume", "_fold",
-                                                "_issue", "_issue_step", "_issue_scales",
-                                                "_scale_bits", "_slot", "_scale_block", "smem_bytes", "share",
+    methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_stream_rounds", "_x_at", "_step", "_consume",
+                                                "_fold", "_issue", "_issue_step", "_issue_scales", "_scale_bits", "_slot", "_scale_block", "smem_bytes", "share",
                                                 "_share_ring", "_share_stream", "_share_store", "_block_rows",
                                                 "_block_bytes", "_block_scales"), names)
     sim = type("ThreadRing", (), methods)()
