@@ -30,7 +30,9 @@ for A/B in one run (an arm of no choices, `"rule": {}`, is the rule's launch wit
 bench/tune_w4a16.py weighs the other arms against); --profile records the CuTe arm's kernels in one
 profiled replay. "read" (bench/touched_read.py) reads the step's distinct experts' packed bytes in the op's
 two launches and does nothing else: the ceiling a few-token step's size and scatter leave any kernel,
-against the same copy. Each row reports the distinct experts the timed steps touched, their packed bytes
+against the same copy; "read_rows" and "read_block" read them on the CuTe op's grid, a 64-row block a
+program, 128 elements a step, in the op's order (each row's next 64 bytes) and each block front to back
+(the order of weights repacked into steps). Each row reports the distinct experts the timed steps touched, their packed bytes
 (weights and scales) and the w4a16 arm's share of the copy bandwidth measured in the same run on a
 256 MiB buffer; the JSON also has a copy over each whole packed table. The steps' experts are random
 over tables of several GB, far past the 60 MB L2.
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default=None, help="4-bit expert formats (mxfp4,int4): the W4A16 table")
     ap.add_argument("--humming-inter", default=None, help="widths to time humming at (default: every --inter)")
     ap.add_argument("--arms", default="w4a16,bf16,humming,stock",
-                    help="W4A16 table: the arms to time (also cute, read)")
+                    help="W4A16 table: the arms to time (also cute, read, read_rows, read_block)")
     ap.add_argument("--cute-stages", default="",
                     help="W4A16 table: CuTe arms at these ring depths besides the default (2 or more)")
     ap.add_argument("--cute-choices", default=None,

@@ -22,11 +22,12 @@ from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
 from k3fuse.kernels.ops.routed_experts_w4a16 import (RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run,
                                                      tuned_choices)
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
-from touched_read import TouchedRead, distinct
+from touched_read import TiledRead, TouchedRead, distinct
 
 E, K, L = 896, 16, 3584
 STEPS = 8
 SITU = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
+READ_ARMS = ("read", "read_rows", "read_block")  # bench/touched_read.py's readers of the step's bytes
 COPY_BUFFER = 256 << 20  # bytes: the copy bandwidth the targets are stated against
 MXFP4_CODE_RMS = math.sqrt(sum(v * v for v in quant.E2M1_MAGNITUDES) / 8)
 INT4_CODE_RMS = math.sqrt(sum((q - 8) ** 2 for q in range(16)) / 16)
@@ -198,16 +199,21 @@ def run_w4a16(args) -> int:
                                                                 out=out[i], config=config) for i in range(STEPS)],
                                             r.refill, args.replays)
 
-                if "read" in arms:  # the read ceiling: the step's bytes in the op's two launches, read and no more
-                    reader, ids = TouchedRead(packed), torch.empty_like(r.experts)
+                readers = {"read": lambda: TouchedRead(packed),  # the read ceiling: the step's bytes, no more
+                           "read_rows": lambda: TiledRead(packed, contiguous=False),  # on the op's grid, its order
+                           "read_block": lambda: TiledRead(packed, contiguous=True)}  # ... each block in order
+                ids = torch.empty_like(r.experts)
 
-                    def refill_ids() -> None:  # the distinct ids outside the timing, as the routing is
-                        r.refill()
-                        ids.copy_(torch.stack([distinct(e) for e in r.experts]))
+                def refill_ids() -> None:  # the distinct ids outside the timing, as the routing is
+                    r.refill()
+                    ids.copy_(torch.stack([distinct(e) for e in r.experts]))
 
-                    refill_ids()
-                    results[T]["read"] = timed(lambda: [reader(ids[i]) for i in range(STEPS)], refill_ids,
-                                               args.replays)
+                for arm, make in readers.items():
+                    if arm in arms:
+                        reader = make()
+                        refill_ids()
+                        results[T][arm] = timed(lambda: [reader(ids[i]) for i in range(STEPS)], refill_ids,
+                                                args.replays)
 
                 def cute_steps(cfg=None):  # the CuTe op's STEPS calls; cfg: cute_config's
                     return lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
@@ -261,8 +267,10 @@ def run_w4a16(args) -> int:
                        "vs_bf16": bf16_us[T] / res["w4a16"] if T in bf16_us else None,
                        "vs_stock": res["stock"] / res["w4a16"] if res.get("stock") else None,
                        "vs_humming": res["humming"] / res["w4a16"] if res.get("humming") else None}
-                if res.get("read"):
-                    row.update(read=res["read"], read_pct_copy_bw=100 * touched_bytes / (res["read"] * 1e-6) / copy_bw)
+                for arm in READ_ARMS:
+                    if res.get(arm):
+                        row.update({arm: res[arm],
+                                    f"{arm}_pct_copy_bw": 100 * touched_bytes / (res[arm] * 1e-6) / copy_bw})
                 if res.get("cute"):
                     row.update(cute=res["cute"], cute_pct_copy_bw=100 * touched_bytes / (res["cute"] * 1e-6) / copy_bw,
                                cute_vs_w4a16=res["w4a16"] / res["cute"],
@@ -282,7 +290,8 @@ def run_w4a16(args) -> int:
                 rows.append(row)
                 cute = (f"  cute{'[tuned ' + json.dumps(row['cute_tuned']) + ']' if row.get('cute_tuned') else ''} "
                         f"{row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else "")
-                cute += f"  read {row['read']:8.1f} µs {row['read_pct_copy_bw']:5.1f}%" if "read" in row else ""
+                cute += "".join(f"  {arm} {row[arm]:8.1f} µs {row[f'{arm}_pct_copy_bw']:5.1f}%"
+                                for arm in READ_ARMS if arm in row)
                 cute += "".join(f"  cute[stages {d}] {row[f'cute_stages_{d}']:8.1f} µs "
                                 f"{row[f'cute_stages_{d}_pct_copy_bw']:5.1f}%" for d in cute_depths
                                 if f"cute_stages_{d}" in row)
