@@ -19,6 +19,7 @@ from k3fuse.tools.bench.profile import profile_steps
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
+from k3fuse.kernels.lib.cute.routed_experts_w4a16 import block_order
 from k3fuse.kernels.ops.routed_experts_w4a16 import (RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run,
                                                      tuned_choices)
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
@@ -183,6 +184,14 @@ def run_w4a16(args) -> int:
             torch.cuda.empty_cache()
         for fmt in formats:
             packed = packed_table(fmt, I, seed=I + 1)
+            blocked: list[torch.Tensor] = []  # the tables in block order, made for the first blocked arm
+
+            def blocked_tables() -> list[torch.Tensor]:
+                if not blocked:
+                    for w, sc in zip(packed[0::2], packed[1::2]):
+                        blocked.extend(block_order(w, sc))
+                return blocked
+
             table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None
             per_expert = kernel.packed_bytes(fmt, 1, I, L)
             # the CuTe arms where its kernel takes this table (MXFP4; int4 with bf16 scales, K3FUSE_W4A16_CUTE_INT4)
@@ -215,8 +224,9 @@ def run_w4a16(args) -> int:
                         results[T][arm] = timed(lambda: [reader(ids[i]) for i in range(STEPS)], refill_ids,
                                                 args.replays)
 
-                def cute_steps(cfg=None):  # the CuTe op's STEPS calls; cfg: cute_config's
-                    return lambda: [cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, out=out[i],
+                def cute_steps(cfg=None):  # the CuTe op's STEPS calls; cfg: cute_config's (blocked: block order's)
+                    tables = blocked_tables() if cfg and cfg.get("blocked") else packed
+                    return lambda: [cute_run(r.a[i], r.experts[i], *tables, K, *SITU, fmt, table, out=out[i],
                                              config=cfg) for i in range(STEPS)]
 
                 if "cute" in arms and cute_here:  # the op's own launch: the rule's, or the tuned table's
@@ -306,7 +316,7 @@ def run_w4a16(args) -> int:
                     print("    cute kernels (start+µs): " + "  ".join(
                         f"{n} {k['start_us']:.1f}+{k['dur_us']:.1f}"
                         for n, k in zip(_short([k["name"] for k in kernels]), kernels)), flush=True)
-            del packed
+            del packed, blocked
             torch.cuda.empty_cache()
             _write(args.json, copy_bw, tables, humming_errors, rows, config, swept)  # a cut-short run keeps it
     print(json.dumps({"tables": tables, "humming_errors": humming_errors}), flush=True)

@@ -681,3 +681,26 @@ def test_w4a16_scale_blocks_compile_to_ptx(T, I, tmp_path):
         assert len(re.findall(r"ld\.shared\.u8", ptx)) == mma // 8 * 2, where  # rows a, b a step
         assert "bar.sync" not in ptx and "bar.warp.sync" not in ptx, where
     assert launches["down"]["scale_steps"] == (1 if I == 384 else 4)
+
+
+@needs_cute
+@pytest.mark.parametrize("T,I,fmt,choices", [(1, 1536, "mxfp4", {}), (1, 1536, "mxfp4", {"rounds": True}),
+                                             (64, 1536, "mxfp4", {}), (1, 3072, "int4", {}),
+                                             (2, 384, "mxfp4", {"split": 1})])
+def test_w4a16_blocked_compiles_to_ptx(T, I, fmt, choices, tmp_path):
+    """blocked (block_order's tables): the same launches' keys but `blocked`, as many copies, mmas and shared
+    loads, no spills, no multicast (the ring model checks the addresses). At I = 1536 with 1 token its SASS
+    step loop is no longer than the row-major one's (the layout moves addresses, not work)."""
+    rows_major = {n: (p, x) for n, p, x, _ in _w4a16_launches(T, I, fmt, tmp_path / "rows", **choices)}
+    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, blocked=True, **choices):
+        row_params, row_ptx = rows_major[name]
+        assert params == {**row_params, "blocked": True}, where
+        for op in (r"cp\.async\.\w+\.shared\.global", r"mma\.sync", r"ld\.shared"):
+            assert len(re.findall(op, ptx)) == len(re.findall(op, row_ptx)), (where, op)
+        ops = _ops(ptx)
+        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
+        if (T, I, choices) == (1, 1536, {}) and fmt == "mxfp4":
+            per_step = _step_loop_sass_per_step(ptx, tmp_path / f"{name}_blocked")
+            row_per_step = _step_loop_sass_per_step(row_ptx, tmp_path / f"{name}_row")
+            assert per_step <= row_per_step, (where, per_step, row_per_step)
+            print(f"{name}: {per_step:.1f} instructions a step blocked, {row_per_step:.1f} row-major")

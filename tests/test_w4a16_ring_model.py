@@ -48,6 +48,7 @@ class ThreadModel:
         self.events: list[tuple] = []  # ("x",) an activation load; ("flag", groups in flight) the flag wait
         self.written: set[int] = set()  # the shared bytes this thread's copies target
         self.sources: list[tuple[int, int]] = []  # every copy's global address and bytes, in issue order
+        self.scale_reads: list[int] = []  # the one-multiply choice's scale words (ld_nc_b32), their addresses
 
     def cp_async(self, smem, addr, nbytes, cache=None, smem_offset=0, offset=0):
         smem, addr = smem + smem_offset, addr + offset
@@ -101,6 +102,7 @@ class ThreadModel:
         self.events.append(("grid", len(self.groups)))
 
     def ld_nc_b32(self, addr):
+        self.scale_reads.append(addr)
         return 0  # the scale bytes' OR: ordinary scales, the one-multiply loop
 
     def warp_any(self, v):
@@ -155,9 +157,11 @@ def _thread(params: dict, model: ThreadModel):
              "cute": types.SimpleNamespace(make_rmem_tensor=lambda shape, dtype: [0.0] * shape[0])}
 
     methods = _undecorated(w4, "W4A16RowsDot", ("_ring", "_stream", "_stream_rounds", "_x_at", "_step", "_consume",
-                                                "_fold", "_issue", "_issue_step", "_issue_scales", "_scale_bits", "_slot", "_scale_block", "smem_bytes", "share",
+                                                "_fold", "_issue", "_issue_step", "_issue_scales", "_scale_bits",
+                                                "_slot", "_scale_block", "smem_bytes", "share",
                                                 "_share_ring", "_share_stream", "_share_store", "_block_rows",
-                                                "_block_bytes", "_block_scales"), names)
+                                                "_block_bytes", "_block_scales", "_w_step", "_w_row", "_s_step",
+                                                "_s_row"), names)
     sim = type("ThreadRing", (), methods)()
     sim.__dict__.update(real.__dict__)
     sim.mmas, sim.stores, sim.parts = [], [], []
@@ -210,15 +214,16 @@ def _run(p: dict, tidx: int, size: int, wait_short: bool = False):
     rows = list(range(40, 40 + first + size + 8))[::-1]  # grouped: a permutation of pair ids
     sim._ring([0.0] * 4, W_BASE, S_BASE, X_BASE, O_BASE, block, 0, k_begin, e, first, size, split, 64, rows, tidx,
               0, 0, X_SMEM)
-    sim.events, sim.written = model.events, model.written
+    sim.events, sim.written, sim.scale_reads = model.events, model.written, model.scale_reads
     return sim, list(_expected(p, tidx, e, block, k_begin, first, size, rows))
 
 
 def _params(fmt, K, k_span, stages, scale_steps, n_tiles, pairwise, x_quads, waits=False, x_stage="", pdl="",
-            rounds=False):
+            rounds=False, blocked=False):
     return dict(N=1024, K=K, k_span=k_span, top_k=TOP_K, out_fp32=False, out_stride=1024, blocks_a=16, col_b=0,
                 pairwise=pairwise, warps=4, n_tiles=n_tiles, stages=stages, rows_first=True, x_quads=x_quads,
-                scale_steps=scale_steps, fmt=fmt, waits=waits, x_stage=x_stage, pdl=pdl, rounds=rounds)
+                scale_steps=scale_steps, fmt=fmt, waits=waits, x_stage=x_stage, pdl=pdl, rounds=rounds,
+                blocked=blocked)
 
 
 def _cases():
@@ -434,3 +439,59 @@ def test_the_staged_row_is_each_steps_words_in_quad_order():
             at = [staged_word(16 * step + 4 * t + i) for t in range(4)]
             assert at == [16 * step + 4 * i + t for t in range(4)], (step, i, at)
             assert len({16 * a // 4 % 32 for a in at}) == 4  # the first bank of each 16-byte piece
+
+
+@pytest.mark.parametrize("fmt,K,k_span,stages", [("mxfp4", 3584, 3584, 3), ("mxfp4", 3584, 1792, 4),
+                                                 ("mxfp4", 1536, 1536, 3), ("int4", 3584, 1792, 3),
+                                                 ("int4", 384, 384, 2), ("mxfp4", 384, 384, 4)])
+def test_blocked_tables_give_each_step_the_bytes_of_the_row_major_ones(fmt, K, k_span, stages):
+    """`blocked` launches over block_order's tables: every step reads (through the repack) the same weight
+    and scale bytes the row-major launch's step reads from the checkpoint's tables, from its own landed
+    copies, in the loop and in rounds, one or more row tiles, gate/up and down; the one-multiply check reads
+    this lane's scale words of its rows over the span. The bytes are random, so a wrong address shows."""
+    import torch
+
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+
+    E, N, sb = 6, 1024, w4.SCALE_BYTES[fmt]
+    gen = torch.Generator().manual_seed(K + k_span + stages)
+    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(0, 256, (E, N, K // 32 * sb), dtype=torch.uint8, generator=gen)
+    wb, sbk = w4.block_order(w, s)
+    w, s, wb, sbk = (t.reshape(-1) for t in (w, s, wb, sbk))
+
+    def same(blocked_table, table, got, want, n):
+        return blocked_table[got:got + n].tolist() == table[want:want + n].tolist()
+
+    # (row tiles, the group's pairs, pairwise, quad order, thread, staged row, rounds)
+    launches = [(1, 1, True, False, 0, "", False), (2, 1, True, False, 77, "natural", False),
+                (1, 9, False, True, 37, "", False), (2, 1, True, True, 126, "natural", True),
+                (4, 1, True, False, 21, "", True)]
+    if k_span == K:
+        launches += [(2, 1, True, False, 3, "situ", False), (1, 1, True, False, 99, "situ", True)]
+    for n_tiles, size, pairwise, x_quads, tidx, x_stage, rounds in launches:
+        p = _params(fmt, K, k_span, stages, 1, n_tiles, pairwise, x_quads, x_stage=x_stage, rounds=rounds,
+                    blocked=True)
+        if x_stage == "situ":
+            p["top_k"] = 1
+        sim, want = _run(p, tidx, size)
+        where = (n_tiles, size, pairwise, tidx, x_stage, rounds)
+        assert len(sim.mmas) == len(want), (where, len(sim.mmas), len(want))
+        for step, ((gwa, gwb, gsa, gsb, gx), (ewa, ewb, esa, esb, ex)) in enumerate(zip(sim.mmas, want)):
+            assert gx == ex, (where, step)
+            for g, e in zip(gwa + gwb, ewa + ewb):
+                assert same(wb, w, g - W_BASE, e - W_BASE, 4), (where, step, g, e)
+            for g, e in ((gsa, esa), (gsb, esb)):
+                assert same(sbk, s, g - S_BASE, e - S_BASE, sb), (where, step, g, e)
+        if fmt == "mxfp4":  # lane t's scale words t, t + 4, ... of rows a and a + 8, each tile
+            t, row_a = tidx % 32 % 4, 64 + (tidx // 32) * 16 + tidx % 32 // 4  # (block 1: rows 64 on)
+            k_begin = (1 if K // k_span > 1 else 0) * k_span
+            expect = [(5 * N + row_a + 64 * tile + 8 * b) * (K // 32) + k_begin // 32 + 4 * word
+                      for tile in range(n_tiles) for word in range(t, k_span // 128, 4) for b in (0, 1)]
+            assert len(sim.scale_reads) == len(expect), (where, len(sim.scale_reads), len(expect))
+            for g, e in zip(sim.scale_reads, expect):
+                assert same(sbk, s, g - S_BASE, e, 4), (where, g, e)
+    # the control: a row-major launch over the repacked tables reads other bytes from its second step on
+    sim, want = _run(_params(fmt, K, k_span, stages, 1, 1, True, False), 5, 1)
+    assert not all(same(wb, w, g - W_BASE, e - W_BASE, 4) for got, expect in zip(sim.mmas[1:], want[1:])
+                   for g, e in zip(got[0], expect[0]))

@@ -154,6 +154,18 @@ def test_tuner_keeps_entries_without_a_rule_arm_and_leaves_out_other_modes_and_s
                      "    arm grouped: another mode or a launch no choices spell, left out"]
 
 
+def test_tuner_never_writes_a_blocked_launch():
+    """A blocked arm ran over block_order's tables; the op's tables are the checkpoint's, so however fast, the
+    arm is left out (no choice spells it) and the best row-major launch decides."""
+    blocked = cute_config(1, E, 1536, L, K, tuned=False, split=1, blocked=True)
+    row = _row(1, rule=(55.0, {}), s1=(52.0, {"split": 1}))
+    row["cute_choices"]["blk"] = {"us": 40.0, "config": blocked}
+    table: dict = {}
+    lines = tuner.tune([_run(row)], table, {}, 0.02, set())
+    assert table == {("mxfp4", E, 1536, L, K, 1): {"split": 1}}
+    assert "    arm blk: another mode or a launch no choices spell, left out" in lines
+
+
 def test_the_ops_own_arm_counts_where_its_launch_is_recorded():
     row = _row(1, s1=(54.0, {"split": 1}))
     row.update(cute=50.0, cute_config=cute_config(1, E, 1536, L, K))  # the op's arm ran the rule

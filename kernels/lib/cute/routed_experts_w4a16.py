@@ -223,7 +223,7 @@ if compat.HAVE_CUTE:
                      blocks_a: int, col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int,
                      rows_first: bool, x_quads: bool, scale_steps: int, fmt: str, waits: bool = False,
                      x_stage: str = "", gu_splits: int = 1, beta: float = 0.0, linear_beta: float = 0.0,
-                     shares: int = 0, slots: int = 1, pdl: str = "", rounds: bool = False):
+                     shares: int = 0, slots: int = 1, pdl: str = "", rounds: bool = False, blocked: bool = False):
             assert K % STEP == 0 and k_span % STEP == 0 and N % (ROWS_PER_WARP * warps) == 0
             self.fmt = fmt
             self.scale_row = K // 32 * SCALE_BYTES[fmt]  # bytes of a row's scales
@@ -277,6 +277,10 @@ if compat.HAVE_CUTE:
             # (no slot arithmetic, no address arithmetic a step); one scale copy a step
             assert not rounds or (pairwise and scale_steps == 1 and not shares and not waits)
             self.rounds = rounds
+            # the tables in block order (block_order): a row block's step s is one contiguous piece, its rows'
+            # 64 weight bytes (and scale bytes) each, so that a warp's copy of a step is 512 contiguous bytes
+            assert not blocked or (scale_steps == 1 and not shares and not waits)
+            self.blocked = blocked
             if shares:
                 assert pairwise and n_tiles == 1 and k_span == K and out_fp32 and scale_steps == 1
                 assert not waits and not x_quads
@@ -383,11 +387,14 @@ if compat.HAVE_CUTE:
             t = lane % 4
             row_a = block * self._block_rows() + (tidx // 32) * ROWS_PER_WARP + lane // 4
             scale_ring = ring + D * SLOT  # the 16-byte scale copies' two blocks (scale_steps 4), 16 B aligned
-            # this thread's bytes of row a at the span's first step (row b is 8 rows on)
-            w_at = w_base + (e * N + row_a) * (K // 2) + (k_begin // 2 + 16 * t)
-            s_at = s_base + (e * N + row_a) * self.scale_row + k_begin // (STEP // self.scale_step)
+            # this thread's bytes of row a at the span's first step (row b is 8 rows on): its row block's, then
+            # its row's in the block, its span's first step's and its own 16 bytes
+            local = row_a - block * self._block_rows()
+            block_at = e * N + block * self._block_rows()
+            w_at = w_base + block_at * (K // 2) + local * self._w_row() + k_begin // STEP * self._w_step() + 16 * t
+            s_at = s_base + block_at * self.scale_row + local * self._s_row() + k_begin // STEP * self._s_step()
             for i in cutlass.range_constexpr(D - 1):  # the first span's first steps (D - 1 <= its steps)
-                self._issue(ring + i * SLOT, tidx, w_at + i * (STEP // 2), s_at + i * self.scale_step)
+                self._issue(ring + i * SLOT, tidx, w_at + i * self._w_step(), s_at + i * self._s_step())
                 if const_expr(self.scale_steps > 1 and i % self.scale_steps == 0):
                     self._issue_scales(scale_ring + (i // self.scale_steps) * self._scale_block(), tidx,
                                        s_at + i * (STEP // 32))
@@ -401,8 +408,7 @@ if compat.HAVE_CUTE:
             bits = Int32(0)
             if const_expr(self.fmt == "mxfp4"):
                 for row_tile in cutlass.range(self.n_tiles, unroll=1):
-                    row = row_a + row_tile * self._block_rows()
-                    bits = bits | self._scale_bits(s_base + (e * N + row) * (K // 32) + k_begin // 32, t)
+                    bits = bits | self._scale_bits(s_at + row_tile * self._block_scales(), t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
             if const_expr(self.pdl == "wait"):  # likewise, after the gate/up's grid (PDL)
@@ -496,9 +502,9 @@ if compat.HAVE_CUTE:
             S: cutlass.Constexpr = self.k_span // STEP
             M: cutlass.Constexpr = S - (D - 1)  # a span's steps that issue a later step of the same span
             SLOT: cutlass.Constexpr = self._slot()
-            W: cutlass.Constexpr = STEP // 2  # a row's weight bytes a step
+            W: cutlass.Constexpr = self._w_step()  # from a row's weight bytes of a step to the next step's
             X: cutlass.Constexpr = STEP * 2  # a step's activation bytes
-            SW: cutlass.Constexpr = self.scale_step
+            SW: cutlass.Constexpr = self._s_step()
             t = tidx % 32 % 4
             x_at = self._x_at(x_base, first, k_begin, t)
             row = row_a
@@ -650,6 +656,23 @@ if compat.HAVE_CUTE:
             """A row block's scale bytes."""
             return self._block_rows() * self.scale_row
 
+        def _w_step(self) -> int:
+            """Bytes from a row's weights of one step to the next step's: the next 64 in its row, or blocked,
+            past the block's step (every row's 64)."""
+            return (self._block_rows() if self.blocked else 1) * (STEP // 2)
+
+        def _w_row(self) -> int:
+            """Bytes from a row's weights of a step to the next row's: a table row, or blocked, 64."""
+            return STEP // 2 if self.blocked else self.K // 2
+
+        def _s_step(self) -> int:
+            """Bytes from a row's scales of one step to the next step's (as _w_step)."""
+            return (self._block_rows() if self.blocked else 1) * self.scale_step
+
+        def _s_row(self) -> int:
+            """Bytes from a row's scales of a step to the next row's (as _w_row)."""
+            return self.scale_step if self.blocked else self.scale_row
+
         @cute.jit
         def _share_store(self, acc, o_base, c, blk, closes, pair, P, mRows, row, t, col_off):
             """Block blk's part of share c into its slot (c's index among the shares the block is split
@@ -773,7 +796,7 @@ if compat.HAVE_CUTE:
         def _issue_step(self, slot, scale_ring, p_block, tidx, w_at, s_at, u):
             """Issue step u of the span whose first step's bytes are at w_at / s_at into the stage at slot,
             and with scale_steps 4, at a block's first step, the block's scales; the next block to fill."""
-            self._issue(slot, tidx, w_at + u * (STEP // 2), s_at + u * self.scale_step)
+            self._issue(slot, tidx, w_at + u * self._w_step(), s_at + u * self._s_step())
             if const_expr(self.scale_steps > 1):
                 if u % self.scale_steps == 0:
                     self._issue_scales(scale_ring + p_block, tidx, s_at + u * (STEP // 32))
@@ -790,12 +813,12 @@ if compat.HAVE_CUTE:
             K: cutlass.Constexpr = self.K
             THREADS: cutlass.Constexpr = 32 * self.warps
             SW: cutlass.Constexpr = self.scale_step
-            for row, w_row in ((0, 0), (THREADS * 16, 8 * (K // 2))):  # rows a and a + 8
+            for row, w_row in ((0, 0), (THREADS * 16, 8 * self._w_row())):  # rows a and a + 8
                 smem, smem_off = self._fold(slot, slot_off + row, tidx * 16)
                 addr, addr_off = self._fold(w_at, w_off + w_row)
                 compat.cp_async(smem, addr, 16, smem_offset=smem_off, offset=addr_off)
             if const_expr(self.scale_steps == 1):
-                for row, s_row in ((THREADS * 32, 0), (THREADS * (32 + SW), 8 * self.scale_row)):
+                for row, s_row in ((THREADS * 32, 0), (THREADS * (32 + SW), 8 * self._s_row())):
                     smem, smem_off = self._fold(slot, slot_off + row, tidx * SW)
                     addr, addr_off = self._fold(s_at, s_off + s_row)
                     compat.cp_async(smem, addr, SW, smem_offset=smem_off, offset=addr_off)
@@ -828,12 +851,14 @@ if compat.HAVE_CUTE:
 
         @cute.jit
         def _scale_bits(self, s_row, t):
-            """The OR of the E8M0 bytes of this lane's rows (s_row, its row a, and row b) over the span, the
-            quad reading each row's 32-bit words, lane t every fourth: bit 7 of a byte set for a scale >= 2^1."""
-            words: cutlass.Constexpr = self.k_span // 128  # scale bytes per row / 4
+            """The OR of the E8M0 bytes of this lane's rows (s_row: its row a's first step, and row b) over the
+            span, the quad reading each row's 32-bit words (a step's 4 scales), lane t every fourth: bit 7 of a
+            byte set for a scale >= 2^1."""
+            words: cutlass.Constexpr = self.k_span // STEP  # a row's scale words: one a step
             bits = Int32(0)
             for w in cutlass.range(t, words, 4):
-                bits = bits | compat.ld_nc_b32(s_row + 4 * w) | compat.ld_nc_b32(s_row + 8 * (self.K // 32) + 4 * w)
+                at = s_row + w * self._s_step()
+                bits = bits | compat.ld_nc_b32(at) | compat.ld_nc_b32(at + 8 * self._s_row())
             return bits
 
         @cute.jit
@@ -869,6 +894,26 @@ def table_fakes(fmt: str, K: int) -> tuple:
     return w, s
 
 
+def block_order(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed table [E, rows, ...] (MXFP4 uint8 or int4 int32 words) and its scales [E, rows, K / 32] in
+    block order, the layout the `blocked` launches read: each row block's (BLOCK_ROWS rows) steps one after
+    another, a step its rows' 64 weight bytes (128 elements) each, its scales likewise, so that a warp's copy
+    of a step is 512 contiguous bytes rather than 8 rows' 64. Same shapes and dtypes (a repack at load, as
+    Marlin's and humming's); rows a whole number of blocks, K of steps."""
+    E, rows = w.shape[0], w.shape[1]
+    wb, sb = w.reshape(E, rows, -1).view(torch.uint8), s.reshape(E, rows, -1).view(torch.uint8)
+    K = 2 * wb.shape[2]
+    if rows % BLOCK_ROWS or K % STEP or sb.shape[2] % (K // STEP):
+        raise ValueError(f"block_order: {rows} rows and K = {K} are not whole blocks of {BLOCK_ROWS} rows by "
+                         f"steps of {STEP}")
+
+    def blocked(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        steps = t.reshape(E, rows // BLOCK_ROWS, BLOCK_ROWS, K // STEP, -1).transpose(2, 3).contiguous()
+        return steps.view(E, rows, -1).view(like.dtype).view(like.shape)
+
+    return blocked(wb, w), blocked(sb, s)
+
+
 def table_views(w, s, K: int) -> tuple:
     """A packed table (uint8 or int32 words: the same bytes) and its scales as [E * rows, K / 2] bytes and
     [E * rows, K / 32]: a flat extent passes 2^31 at K3's widths, and the FFI holds each dynamic extent to
@@ -879,7 +924,8 @@ def table_views(w, s, K: int) -> tuple:
 def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stride: int, blocks_a: int,
             col_b: int, pairwise: bool, warps: int, n_tiles: int, stages: int, rows_first: bool, x_quads: bool,
             scale_steps: int, fmt: str, x_stage: str = "", gu_splits: int = 1, beta: float = 0.0,
-            linear_beta: float = 0.0, shares: int = 0, slots: int = 1, pdl: str = "", rounds: bool = False):
+            linear_beta: float = 0.0, shares: int = 0, slots: int = 1, pdl: str = "", rounds: bool = False,
+            blocked: bool = False):
     """(key, build) for compat.compiled / compat.compile_to_ptx_on_cpu; E and the pair count are dynamic.
     The activations: bf16 [T, K] (word order, or natural with x_stage "natural"), or with x_stage "situ"
     the gate/up's fp32 partials, flat."""
@@ -894,6 +940,8 @@ def builder(*, N: int, K: int, k_span: int, top_k: int, out_fp32: bool, out_stri
         params.update(pdl=pdl)
     if rounds:
         params.update(rounds=True)
+    if blocked:
+        params.update(blocked=True)
     key = ("w4a16_rows_dot", tuple(sorted(params.items())))
 
     def build():
@@ -995,14 +1043,16 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
                 rows_first: bool = ROWS_FIRST, x_quads: bool | None = None, scale_steps: int = SCALE_STEPS,
                 one_launch: bool | None = None, x_stage: bool | None = None,
                 gate_up_tiles: int | None = None, balanced: bool | None = None,
-                gate_up_shares: int | None = None, pdl: bool | None = None, rounds: bool | None = None) -> dict:
+                gate_up_shares: int | None = None, pdl: bool | None = None, rounds: bool | None = None,
+                blocked: bool = False) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
     pairwise, one launch or four, the activations staged by each CTA or not (`x_stage`), and the gate/up
     balanced or not (`balanced`: "gate_up_shares" CTAs a pair and table, 0 off), and with x_stage the down
     launched as the gate/up's programmatic dependent or not (`pdl`), and pairwise the step loop in rounds
-    or not (`rounds`). I and L whole 128-element steps
+    or not (`rounds`); `blocked`: the tables are block_order's (the caller's to say: the kernels read
+    whichever layout they are told). I and L whole 128-element steps
     (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's row blocks), `down_stages`
     (the down's ring depth; default `stages`), `rows_first`, `x_quads`, `scale_steps`, `one_launch`,
     `x_stage`, `balanced`, `gate_up_shares` (balanced, with that many CTAs a pair), `pdl` and `rounds` impose a choice
@@ -1036,6 +1086,9 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
         raise ValueError("rounds runs pairwise mode's two- or four-launch forms with one scale copy a step (a "
                          "CTA's steps known where it is compiled): no grouped mode, one_launch or scale_steps 4")
     rounds = pairwise and not one_launch and scale_steps == 1 and (ROUNDS if rounds is None else rounds)
+    if blocked and (one_launch or scale_steps != 1 or balanced or gate_up_shares):
+        raise ValueError("blocked tables are read a step at a time by the two- or four-launch forms with one scale "
+                         "copy a step: no one_launch, scale_steps 4 or balanced beside it")
     gate_up_tiles = 1 if gate_up_tiles is None else gate_up_tiles
     if gate_up_tiles < 1 or (I // BLOCK_ROWS) % gate_up_tiles:
         raise ValueError(f"gate_up_tiles {gate_up_tiles} does not divide the {I // BLOCK_ROWS} row blocks of w1 / w3")
@@ -1066,7 +1119,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
             "scale_steps": scale_steps, "one_launch": one_launch, "x_stage": bool(x_stage),
             "gate_up_tiles": gate_up_tiles, "gate_up_shares": shares, "pdl": pdl, "rounds": rounds,
-            "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
+            "blocked": bool(blocked), "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
 
 
 def _gate_up_shares(groups: float, I: int, steps: int, stages: int, pairwise: bool, fits: bool,
@@ -1114,7 +1167,7 @@ def gate_up_params(I: int, L: int, top_k: int, config: dict, fmt: str) -> dict:
                   n_tiles=config["gate_up_tiles"], stages=config["gate_up_stages"], rows_first=config["rows_first"],
                   x_quads=config["x_quads"], scale_steps=_scale_steps(L, L // config["split"], config, fmt),
                   fmt=fmt, x_stage="natural" if config["x_stage"] else "", pdl="trigger" if config["pdl"] else "",
-                  rounds=config["rounds"])
+                  rounds=config["rounds"], blocked=config.get("blocked", False))
     if config["gate_up_shares"]:
         params.update(shares=config["gate_up_shares"], slots=config["partials"])
     return params
@@ -1126,7 +1179,8 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
     params = dict(N=L, K=I, k_span=I, top_k=1, out_fp32=False, out_stride=L, blocks_a=L // BLOCK_ROWS, col_b=0,
                   pairwise=config["pairwise"], warps=WARPS, n_tiles=config["n_tiles"], stages=config["down_stages"],
                   rows_first=config["rows_first"], x_quads=config["x_quads"],
-                  scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt, rounds=config["rounds"])
+                  scale_steps=_scale_steps(I, I, config, fmt), fmt=fmt, rounds=config["rounds"],
+                  blocked=config.get("blocked", False))
     if config["x_stage"]:
         if betas is None:
             raise ValueError("x_stage: the down computes the SiTU-GLU, so it needs SiTU's betas")
@@ -1136,5 +1190,5 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx",
-           "int4x8_ptx", "table_fakes", "table_views", "builder", "launch", "pick_config", "gate_up_params",
-           "down_params", "runs_int4", "share_start", "first_share", "share_slots", "staged_word"]
+           "int4x8_ptx", "table_fakes", "block_order", "table_views", "builder", "launch", "pick_config",
+           "gate_up_params", "down_params", "runs_int4", "share_start", "first_share", "share_slots", "staged_word"]
