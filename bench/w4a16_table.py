@@ -19,7 +19,6 @@ from k3fuse.tools.bench.profile import profile_steps
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
-from k3fuse.kernels.lib.cute.routed_experts_w4a16 import block_order
 from k3fuse.kernels.ops.routed_experts_w4a16 import (RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run,
                                                      tuned_choices)
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
@@ -189,7 +188,7 @@ def run_w4a16(args) -> int:
             def blocked_tables() -> list[torch.Tensor]:
                 if not blocked:
                     for w, sc in zip(packed[0::2], packed[1::2]):
-                        blocked.extend(block_order(w, sc))
+                        blocked.extend(quant.block_order(w, sc))
                 return blocked
 
             table = quant.e2m1_table("cuda") if fmt == "mxfp4" else None

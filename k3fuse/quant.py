@@ -252,7 +252,51 @@ def dequantize_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     return out.to(dtype)
 
 
+# --- block order: the fused kernels' load-time layout ------------------------------------------------
+#: rows of a block (a CuTe W4A16 CTA's 4 warps of 16) and elements of a step (a thread quad's 4 groups)
+BLOCK_ROWS = 64
+BLOCK_STEP = 128
+
+
+def _block_view(t: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
+    """[E, rows, bytes] as [E, blocks, BLOCK_ROWS, steps, bytes a step], refusing what is not whole blocks."""
+    if rows % BLOCK_ROWS or t.shape[-1] % steps:
+        raise ValueError(f"block order needs rows in whole blocks of {BLOCK_ROWS} and whole steps of {BLOCK_STEP} "
+                         f"elements, got {rows} rows of {t.shape[-1]} bytes for {steps} steps")
+    return t.reshape(t.shape[0], rows // BLOCK_ROWS, BLOCK_ROWS, steps, -1)
+
+
+def block_order(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Either format's stacked table [E, rows, ...] and its scales [E, rows, in/32] in block order: each block of
+    BLOCK_ROWS rows as its steps of BLOCK_STEP elements one after another, a step its rows' bytes of that step
+    (weights: 64 bytes a row; scales: 4 groups' bytes), so that the fused kernel's copy of a block's step is one
+    contiguous piece (kernels/lib/cute/routed_experts_w4a16.py, `blocked`). Same shapes and dtypes."""
+    return _reorder(packed, scale, to_blocks=True)
+
+
+def from_block_order(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_order`'s inverse: the checkpoint's row-major layout back, bit for bit."""
+    return _reorder(packed, scale, to_blocks=False)
+
+
+def _reorder(packed: torch.Tensor, scale: torch.Tensor, to_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    E, rows = packed.shape[0], packed.shape[1]
+    raw = [t.reshape(E, rows, -1).view(torch.uint8) for t in (packed, scale)]
+    steps = raw[0].shape[-1] * 2 // BLOCK_STEP  # a row's packed bytes are its elements / 2 in both formats
+    out = []
+    for t, like in zip(raw, (packed, scale)):
+        if to_blocks:
+            moved = _block_view(t, rows, steps).transpose(2, 3)
+        else:  # stored [E, blocks, steps, BLOCK_ROWS, bytes]
+            if rows % BLOCK_ROWS or t.shape[-1] % steps:
+                _block_view(t, rows, steps)  # (raises)
+            moved = t.reshape(E, rows // BLOCK_ROWS, steps, BLOCK_ROWS, -1).transpose(2, 3)
+        out.append(moved.contiguous().view(E, rows, -1).view(like.dtype).view(like.shape))
+    return out[0], out[1]
+
+
 __all__ = ["GROUP_SIZE", "E2M1_MAGNITUDES", "E2M1_SIGN", "E8M0_BIAS", "E8M0_NAN", "INT4_OFFSET", "INT4_MAX",
            "INT4_PER_WORD", "FP4_PER_BYTE", "EXPERT_FORMATS", "CHECKPOINT_FORMATS", "QuantizedWeight",
            "e2m1_table", "packed_shape", "scale_shape", "packed_dtype", "scale_dtype", "check_mxfp4_columns",
-           "quantize", "dequantize", "quantize_mxfp4", "dequantize_mxfp4", "quantize_int4", "dequantize_int4"]
+           "quantize", "dequantize", "quantize_mxfp4", "dequantize_mxfp4", "quantize_int4", "dequantize_int4",
+           "BLOCK_ROWS", "BLOCK_STEP", "block_order", "from_block_order"]

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from k3fuse import quant
 from k3fuse.quant import (E8M0_BIAS, GROUP_SIZE, QuantizedWeight, dequantize_int4, dequantize_mxfp4, e2m1_table,
                           packed_shape, quantize, quantize_int4, quantize_mxfp4, scale_shape)
 
@@ -182,3 +183,32 @@ def test_quantized_weight_round_trip_both_formats():
         assert (back - w).abs().max() < tol * w.abs().max()
     with pytest.raises(ValueError, match="unknown quantized expert format 'fp8'"):
         quantize(w, "fp8")
+
+
+def test_block_order_puts_each_blocks_step_in_one_piece_and_inverts_exactly():
+    """block_order: for an expert e, block b (rows 64b..64b+63), step s (elements 128s..128s+127), the piece at
+    ((e * rows + 64 b) * in/2 + s * 64 * 64) holds row 64b + r's 64 bytes of step s at r * 64, its scale bytes
+    likewise (4 a row and step for MXFP4, 8 for int4's bf16); from_block_order gives the checkpoint's back,
+    bit for bit; shapes and dtypes unchanged; rows or widths that are not whole blocks and steps are refused."""
+    gen = torch.Generator().manual_seed(3)
+    E, rows, cols = 3, 128, 384  # 2 blocks, 3 steps
+    for fmt in ("mxfp4", "int4"):
+        w = torch.randn(E, rows, cols, generator=gen) * 0.02
+        packed, scale = (torch.stack(t) for t in zip(*[(q.packed, q.scale) for q in
+                                                       (quant.quantize(w[e], fmt) for e in range(E))]))
+        bp, bs = quant.block_order(packed, scale)
+        assert (bp.shape, bp.dtype, bs.shape, bs.dtype) == (packed.shape, packed.dtype, scale.shape, scale.dtype)
+        raw, braw = packed.view(torch.uint8).reshape(E, rows, -1), bp.view(torch.uint8).reshape(-1)
+        sraw, bsraw = scale.view(torch.uint8).reshape(E, rows, -1), bs.view(torch.uint8).reshape(-1)
+        sb = sraw.shape[-1] // 3  # scale bytes a row and step
+        for e, b, s, r in ((0, 0, 0, 0), (2, 1, 2, 63), (1, 1, 0, 5), (2, 0, 1, 40)):
+            at = (e * rows + 64 * b) * (cols // 2) + s * 64 * 64 + r * 64
+            assert torch.equal(braw[at:at + 64], raw[e, 64 * b + r, 64 * s:64 * s + 64]), (fmt, e, b, s, r)
+            at = (e * rows + 64 * b) * sraw.shape[-1] + s * 64 * sb + r * sb
+            assert torch.equal(bsraw[at:at + sb], sraw[e, 64 * b + r, sb * s:sb * s + sb]), (fmt, e, b, s, r)
+        back = quant.from_block_order(bp, bs)
+        assert torch.equal(back[0], packed) and torch.equal(back[1].view(torch.uint8), scale.view(torch.uint8))
+        assert torch.equal(quant.dequantize(*back, fmt, torch.float32), quant.dequantize(packed, scale, fmt,
+                                                                                          torch.float32))
+    with pytest.raises(ValueError, match="whole blocks of 64"):
+        quant.block_order(packed[:, :96], scale[:, :96])

@@ -451,13 +451,14 @@ def test_blocked_tables_give_each_step_the_bytes_of_the_row_major_ones(fmt, K, k
     this lane's scale words of its rows over the span. The bytes are random, so a wrong address shows."""
     import torch
 
+    from k3fuse import quant
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
     E, N, sb = 6, 1024, w4.SCALE_BYTES[fmt]
     gen = torch.Generator().manual_seed(K + k_span + stages)
     w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
     s = torch.randint(0, 256, (E, N, K // 32 * sb), dtype=torch.uint8, generator=gen)
-    wb, sbk = w4.block_order(w, s)
+    wb, sbk = quant.block_order(w, s)
     w, s, wb, sbk = (t.reshape(-1) for t in (w, s, wb, sbk))
 
     def same(blocked_table, table, got, want, n):

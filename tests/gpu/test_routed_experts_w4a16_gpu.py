@@ -369,24 +369,23 @@ def test_rounds_graph_replays_against_float64(experts, T, pdl):
                              cfg)
 
 
-#: launches over block_order's tables (`blocked`), each against float64
+#: launches over quant.block_order's tables (`blocked`), each against float64
 BLOCKED_CHOICES = {"rule": {}, "split1": {"split": 1}, "rounds": {"x_stage": True, "rounds": True},
                    "four": {"x_stage": False}, "long": {"gate_up_tiles": 2, "n_tiles": 2, "split": 1, "stages": 4}}
 
 
 def _blocked_args(experts, a, ids) -> tuple:
     """experts.args with the tables in block order (made once a width and format)."""
-    from k3fuse.kernels.lib.cute.routed_experts_w4a16 import block_order
-
     if not hasattr(experts, "blocked"):
-        experts.blocked = [t for w, s in zip(experts.packed[0::2], experts.packed[1::2]) for t in block_order(w, s)]
+        experts.blocked = [t for w, s in zip(experts.packed[0::2], experts.packed[1::2])
+                           for t in quant.block_order(w, s)]
     return (a, ids, *experts.blocked, K, *SITU, experts.fmt, experts.table)
 
 
 @pytest.mark.parametrize("choice", list(BLOCKED_CHOICES))
 @pytest.mark.parametrize("T", [1, 2, 5, 17, 64])
 def test_blocked_tables_against_float64(experts, T, choice):
-    """The launches over block_order's tables (a row block's step one contiguous piece), both modes where the
+    """The launches over quant.block_order's tables (a block's step one contiguous piece), both modes where the
     choice has them, NaN-poisoned, crowded experts at 17 tokens."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
@@ -402,7 +401,7 @@ def test_blocked_tables_against_float64(experts, T, choice):
 
 @pytest.mark.parametrize("T", [1, 2, 64])
 def test_blocked_graph_replays_against_float64(experts, T):
-    """The op's launch over block_order's tables under 1000 CUDA-graph replays on changing inputs."""
+    """The op's launch over quant.block_order's tables under 1000 CUDA-graph replays on changing inputs."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
     cfg = cute_config(T, E, experts.I, L, K, blocked=True)

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import torch
 
+from k3fuse import quant
+
 from .compat import SELF as compat
 
 LOG2E = 1.4426950408889634
@@ -277,8 +279,9 @@ if compat.HAVE_CUTE:
             # (no slot arithmetic, no address arithmetic a step); one scale copy a step
             assert not rounds or (pairwise and scale_steps == 1 and not shares and not waits)
             self.rounds = rounds
-            # the tables in block order (block_order): a row block's step s is one contiguous piece, its rows'
-            # 64 weight bytes (and scale bytes) each, so that a warp's copy of a step is 512 contiguous bytes
+            # the tables in block order (k3fuse.quant.block_order): a row block's step is one contiguous piece,
+            # its rows' 64 weight bytes (and scale bytes) each, so a warp's copy of a step is 512 contiguous bytes
+            assert not blocked or (self._block_rows() == quant.BLOCK_ROWS and STEP == quant.BLOCK_STEP)
             assert not blocked or (scale_steps == 1 and not shares and not waits)
             self.blocked = blocked
             if shares:
@@ -894,26 +897,6 @@ def table_fakes(fmt: str, K: int) -> tuple:
     return w, s
 
 
-def block_order(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A packed table [E, rows, ...] (MXFP4 uint8 or int4 int32 words) and its scales [E, rows, K / 32] in
-    block order, the layout the `blocked` launches read: each row block's (BLOCK_ROWS rows) steps one after
-    another, a step its rows' 64 weight bytes (128 elements) each, its scales likewise, so that a warp's copy
-    of a step is 512 contiguous bytes rather than 8 rows' 64. Same shapes and dtypes (a repack at load, as
-    Marlin's and humming's); rows a whole number of blocks, K of steps."""
-    E, rows = w.shape[0], w.shape[1]
-    wb, sb = w.reshape(E, rows, -1).view(torch.uint8), s.reshape(E, rows, -1).view(torch.uint8)
-    K = 2 * wb.shape[2]
-    if rows % BLOCK_ROWS or K % STEP or sb.shape[2] % (K // STEP):
-        raise ValueError(f"block_order: {rows} rows and K = {K} are not whole blocks of {BLOCK_ROWS} rows by "
-                         f"steps of {STEP}")
-
-    def blocked(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        steps = t.reshape(E, rows // BLOCK_ROWS, BLOCK_ROWS, K // STEP, -1).transpose(2, 3).contiguous()
-        return steps.view(E, rows, -1).view(like.dtype).view(like.shape)
-
-    return blocked(wb, w), blocked(sb, s)
-
-
 def table_views(w, s, K: int) -> tuple:
     """A packed table (uint8 or int32 words: the same bytes) and its scales as [E * rows, K / 2] bytes and
     [E * rows, K / 32]: a flat extent passes 2^31 at K3's widths, and the FFI holds each dynamic extent to
@@ -1051,7 +1034,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     pairwise, one launch or four, the activations staged by each CTA or not (`x_stage`), and the gate/up
     balanced or not (`balanced`: "gate_up_shares" CTAs a pair and table, 0 off), and with x_stage the down
     launched as the gate/up's programmatic dependent or not (`pdl`), and pairwise the step loop in rounds
-    or not (`rounds`); `blocked`: the tables are block_order's (the caller's to say: the kernels read
+    or not (`rounds`); `blocked`: the tables are quant.block_order's (the caller's to say: the kernels read
     whichever layout they are told). I and L whole 128-element steps
     (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's row blocks), `down_stages`
     (the down's ring depth; default `stages`), `rows_first`, `x_quads`, `scale_steps`, `one_launch`,
@@ -1190,5 +1173,5 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
 
 
 __all__ = ["STEP", "ROWS_PER_WARP", "WARPS", "BLOCK_ROWS", "GROUPS_PER_STEP", "SCALE_BYTES", "e8m0_ptx", "e2m1x8_ptx",
-           "int4x8_ptx", "table_fakes", "block_order", "table_views", "builder", "launch", "pick_config",
+           "int4x8_ptx", "table_fakes", "table_views", "builder", "launch", "pick_config",
            "gate_up_params", "down_params", "runs_int4", "share_start", "first_share", "share_slots", "staged_word"]
