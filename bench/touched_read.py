@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3fuse import quant
+
 BLOCK = 1024  # int32 words a load round: 8 a thread at 4 warps, two 16-byte loads
 ROUNDS = 4  # load rounds a program: 16 KB of one expert's words
 
@@ -108,8 +110,8 @@ class TouchedRead:
         return self.gate_up(ids), self.down(ids)
 
 
-TILE_ROWS = 64  # rows a program streams: the CuTe op's CTA (4 warps of 16 rows)
-STEP_WORDS = 16  # a row's weight words a step: 128 elements (the op's STEP), a thread quad's 4 x 16 bytes
+TILE_ROWS = quant.BLOCK_ROWS  # rows a program streams: the CuTe op's CTA (4 warps of 16 rows)
+STEP_WORDS = quant.BLOCK_STEP // 8  # a row's weight words a step (128 elements): a thread quad's 4 x 16 bytes
 
 
 @triton.jit

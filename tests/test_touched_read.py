@@ -12,7 +12,8 @@ from triton_interpreter import run_in_interpreter
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
-SCRIPT = textwrap.dedent(f"""
+#: what both interpreter scripts start with: the module, an xor of words, random tables in either format
+PRELUDE = textwrap.dedent(f"""
     import json, sys
     import torch
     sys.path.insert(0, {BENCH!r})
@@ -25,9 +26,7 @@ SCRIPT = textwrap.dedent(f"""
             v ^= w
         return v
 
-    torch.manual_seed(0)
-    out = []
-    for fmt, E, I, L in (("mxfp4", 7, 96, 160), ("int4", 5, 64, 256)):
+    def random_tables(fmt, E, I, L):  # [w1, its scale, w3, its scale, w2, its scale] of random bytes
         packed = []
         for rows, cols in ((I, L), (I, L), (L, I)):
             shape, sshape = (E, *quant.packed_shape(fmt, rows, cols)), (E, *quant.scale_shape(fmt, rows, cols))
@@ -37,6 +36,14 @@ SCRIPT = textwrap.dedent(f"""
             else:  # int32 words of nibbles and bf16 group scales
                 packed += [torch.randint(-2 ** 31, 2 ** 31 - 1, shape, dtype=torch.int32),
                            torch.randn(sshape, dtype=torch.bfloat16)]
+        return packed
+""")
+
+SCRIPT = PRELUDE + textwrap.dedent("""
+    torch.manual_seed(0)
+    out = []
+    for fmt, E, I, L in (("mxfp4", 7, 96, 160), ("int4", 5, 64, 256)):
+        packed = random_tables(fmt, E, I, L)
         read = tr.TouchedRead(packed)
         for step in ([3, E - 2, 3, 0], [E - 1] * 4, [2]):
             ids = tr.distinct(torch.tensor(step))
@@ -48,11 +55,11 @@ SCRIPT = textwrap.dedent(f"""
                         want[phase] ^= xor_of(tr.words(t)[e])
             # each id's words alone, to tell a skipped table from one read twice (a double read cancels)
             per_slot = read.gate_up(ids).tolist()
-            out.append({{"fmt": fmt, "step": step, "ids": ids.tolist(), "got": got, "want": want,
+            out.append({"fmt": fmt, "step": step, "ids": ids.tolist(), "got": got, "want": want,
                         "per_slot": [xor_of(torch.tensor(r)) for r in per_slot],
                         "per_slot_want": [0 if e < 0 else xor_of(torch.cat([tr.words(t)[e] for t in packed[:4]]))
                                           for e in ids.tolist()],
-                        "items": read.gate_up.work.shape[0]}})
+                        "items": read.gate_up.work.shape[0]})
     print("RESULT " + json.dumps(out))
 """)
 
@@ -89,31 +96,11 @@ def test_the_read_is_16_byte_loads_that_skip_l1():
     assert ".local" not in ptx
 
 
-TILED_SCRIPT = textwrap.dedent(f"""
-    import json, sys
-    import torch
-    sys.path.insert(0, {BENCH!r})
-    import touched_read as tr
-    from k3fuse import quant
-
-    def xor_of(t):
-        v = 0
-        for w in t.reshape(-1).tolist():
-            v ^= w
-        return v
-
+TILED_SCRIPT = PRELUDE + textwrap.dedent("""
     torch.manual_seed(1)
     out = []
     for fmt, E, I, L in (("mxfp4", 5, 128, 256), ("int4", 4, 128, 384)):
-        packed = []
-        for rows, cols in ((I, L), (I, L), (L, I)):
-            shape, sshape = (E, *quant.packed_shape(fmt, rows, cols)), (E, *quant.scale_shape(fmt, rows, cols))
-            if fmt == "mxfp4":
-                packed += [torch.randint(0, 256, shape, dtype=torch.uint8),
-                           torch.randint(0, 256, sshape, dtype=torch.uint8)]
-            else:
-                packed += [torch.randint(-2 ** 31, 2 ** 31 - 1, shape, dtype=torch.int32),
-                           torch.randn(sshape, dtype=torch.bfloat16)]
+        packed = random_tables(fmt, E, I, L)
         for contiguous in (False, True):
             read = tr.TiledRead(packed, contiguous)
             ids = tr.distinct(torch.tensor([E - 1, 1, 1, 0]))
@@ -130,14 +117,14 @@ TILED_SCRIPT = textwrap.dedent(f"""
             want_gu = [[block_xor(packed[0:2] if b < nb else packed[2:4], e, b % nb) for b in range(2 * nb)]
                        for e in ids.tolist()]
             want_down = [[block_xor(packed[4:6], e, b) for b in range(L // 64)] for e in ids.tolist()]
-            out.append({{"fmt": fmt, "contiguous": contiguous, "sw": read.gate_up.sw, "down_sw": read.down.sw,
-                        "got": [gate_up.tolist(), down.tolist()], "want": [want_gu, want_down]}})
+            out.append({"fmt": fmt, "contiguous": contiguous, "sw": read.gate_up.sw, "down_sw": read.down.sw,
+                        "got": [gate_up.tolist(), down.tolist()], "want": [want_gu, want_down]})
     try:
         tr.TiledRead([packed[0][:, :32], packed[1][:, :32]] * 3, False)
         refused = None
     except ValueError as exc:
         refused = str(exc)
-    print("RESULT " + json.dumps({{"runs": out, "refused": refused}}))
+    print("RESULT " + json.dumps({"runs": out, "refused": refused}))
 """)
 
 
