@@ -623,6 +623,32 @@ def test_rounds_is_a_pairwise_choice_with_its_own_launch_keys():
         cute_config(1, E, 1536, L, k, rounds=True, balanced=True)
 
 
+def test_blocked_is_a_choice_in_both_modes_with_its_own_launch_keys(monkeypatch):
+    """blocked (tables in quant.block_order's layout): never the default (the op's tables are the checkpoint's),
+    imposed in either mode with the loop or rounds, its launches' keys apart from the row-major ones (whose
+    keys it leaves as they were); refused by name with one_launch, the scale blocks and balanced; the balanced
+    setting gives way to it."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    assert not cute_config(1, E, 1536, L, k)["blocked"] and not cute_config(64, E, 1536, L, k)["blocked"]
+    for T, choices in ((1, {}), (1, {"rounds": True}), (64, {}), (2, {"split": 1, "x_stage": False})):
+        rows, blocked = cute_config(T, E, 1536, L, k, **choices), cute_config(T, E, 1536, L, k, blocked=True, **choices)
+        assert blocked["blocked"] and {**blocked, "blocked": False} == rows, (T, choices)
+        for params in (lambda c: w4.gate_up_params(1536, L, k, c, "mxfp4"),
+                       lambda c: w4.down_params(1536, L, c, "mxfp4", (4.0, 25.0))):
+            assert params(blocked)["blocked"] and not params(rows)["blocked"]
+            assert "blocked" not in dict(w4.builder(**params(rows))[0][1])  # the row-major keys as before
+            assert dict(w4.builder(**params(blocked))[0][1])["blocked"]
+    for choices in ({"one_launch": True}, {"scale_steps": 4}, {"balanced": True}, {"gate_up_shares": 7}):
+        with pytest.raises(ValueError, match="blocked tables are read a step at a time"):
+            cute_config(1, E, 1536, L, k, blocked=True, **choices)
+    monkeypatch.setenv("K3FUSE_W4A16_BALANCED", "1")
+    assert cute_config(1, E, 1536, L, k)["gate_up_shares"]  # the setting balances the row-major launch
+    assert not cute_config(1, E, 1536, L, k, blocked=True)["gate_up_shares"]  # and gives way to blocked
+
+
 def test_balanced_is_one_wave_of_equal_shares_in_pairwise_mode(monkeypatch):
     """balanced (the gate/up as TARGET_CTAS CTAs, each an equal share of a pair's table's steps): the rule's
     shares a pair and table, whole rows (split 1) and the partial slots its blocks' parts take, which the

@@ -29,6 +29,9 @@ own shared-memory slots, across span boundaries (a ring); it reads back only wha
 barrier is needed, and the loads do not wait on the mmas. A step's scales are each row's 4 (int4: 8)
 bytes, the quad's 4 groups; MXFP4 with `scale_steps` 4, one 16-byte copy brings 4 steps' words into a
 ring of two such blocks beside the weights' (a quarter of the scale copies, each a 16-byte sector piece).
+With `blocked`, the tables are k3fuse.quant.block_order's (a row block's step one contiguous piece): the
+same copies at other addresses, a warp's copy of a step 512 contiguous bytes rather than 8 rows' 64
+(docs/perf.md 0x).
 
 Launch (one class, both projections): grid (row blocks, groups, SPLIT_K), a group's row blocks side by
 side (or, `rows_first` off, (groups, row blocks, SPLIT_K)). gate/up: blocks of w1 then of
@@ -1078,7 +1081,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     steps = L // STEP
     # balanced streams whole rows a row block at a time, one scale copy a step, in word order
     fits = (not one_launch and gate_up_tiles == 1 and split in (None, 1) and scale_steps == 1 and not x_quads
-            and not rounds)
+            and not rounds and not blocked)
     shares = _gate_up_shares(groups, I, steps, stages, pairwise, fits, balanced, gate_up_shares)
     if shares:
         split = 1
