@@ -5,7 +5,8 @@ beside the default (`"rule": {}` times the rule's launch alone). Per row (format
 wins if it beats the fastest arm that ran the rule's launch by at least `--margin`; its launch, as
 pick_config's choices, becomes the table's entry; otherwise the entry is empty (the rule's launch, measured
 best there, so that no other token count's entry stands in for it). Rows that time no arm at the rule's
-launch leave their entry as it was; entries for rows not in these runs are kept.
+launch leave their entry as it was; entries for rows not in these runs are kept. Arms over block-ordered
+tables (`blocked`) are left out: no choice spells them, as the op's tables are the checkpoint's.
 
     python bench/tune_w4a16.py RUN.json [RUN.json ...] [--margin 0.02] [--skip-arms a,b] [--check]
 
