@@ -258,14 +258,6 @@ BLOCK_ROWS = 64
 BLOCK_STEP = 128
 
 
-def _block_view(t: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
-    """[E, rows, bytes] as [E, blocks, BLOCK_ROWS, steps, bytes a step], refusing what is not whole blocks."""
-    if rows % BLOCK_ROWS or t.shape[-1] % steps:
-        raise ValueError(f"block order needs rows in whole blocks of {BLOCK_ROWS} and whole steps of {BLOCK_STEP} "
-                         f"elements, got {rows} rows of {t.shape[-1]} bytes for {steps} steps")
-    return t.reshape(t.shape[0], rows // BLOCK_ROWS, BLOCK_ROWS, steps, -1)
-
-
 def block_order(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Either format's stacked table [E, rows, ...] and its scales [E, rows, in/32] in block order: each block of
     BLOCK_ROWS rows as its steps of BLOCK_STEP elements one after another, a step its rows' bytes of that step
@@ -280,17 +272,20 @@ def from_block_order(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
 
 
 def _reorder(packed: torch.Tensor, scale: torch.Tensor, to_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Either direction on the bytes: [E, blocks, BLOCK_ROWS, steps, bytes a step] <-> [E, blocks, steps,
+    BLOCK_ROWS, bytes a step], for the weights and the scales alike."""
     E, rows = packed.shape[0], packed.shape[1]
     raw = [t.reshape(E, rows, -1).view(torch.uint8) for t in (packed, scale)]
-    steps = raw[0].shape[-1] * 2 // BLOCK_STEP  # a row's packed bytes are its elements / 2 in both formats
+    columns = raw[0].shape[-1] * 2  # a row's packed bytes are its elements / 2 in both formats
+    steps = columns // BLOCK_STEP
+    if rows % BLOCK_ROWS or columns % BLOCK_STEP or not steps or raw[1].shape[-1] % steps:
+        raise ValueError(f"block order needs rows in whole blocks of {BLOCK_ROWS} and rows of whole steps of "
+                         f"{BLOCK_STEP} elements, got {rows} rows of {columns} elements ({raw[1].shape[-1]} scale "
+                         f"bytes)")
     out = []
     for t, like in zip(raw, (packed, scale)):
-        if to_blocks:
-            moved = _block_view(t, rows, steps).transpose(2, 3)
-        else:  # stored [E, blocks, steps, BLOCK_ROWS, bytes]
-            if rows % BLOCK_ROWS or t.shape[-1] % steps:
-                _block_view(t, rows, steps)  # (raises)
-            moved = t.reshape(E, rows // BLOCK_ROWS, steps, BLOCK_ROWS, -1).transpose(2, 3)
+        split = (BLOCK_ROWS, steps) if to_blocks else (steps, BLOCK_ROWS)
+        moved = t.reshape(E, rows // BLOCK_ROWS, *split, -1).transpose(2, 3)
         out.append(moved.contiguous().view(E, rows, -1).view(like.dtype).view(like.shape))
     return out[0], out[1]
 

@@ -212,3 +212,7 @@ def test_block_order_puts_each_blocks_step_in_one_piece_and_inverts_exactly():
                                                                                           torch.float32))
     with pytest.raises(ValueError, match="whole blocks of 64"):
         quant.block_order(packed[:, :96], scale[:, :96])
+    for width in (64, 192):  # less than a step; not whole steps
+        q = quant.quantize(torch.randn(64, width, generator=gen), "mxfp4")
+        with pytest.raises(ValueError, match=f"rows of {width} elements"):
+            quant.from_block_order(q.packed.unsqueeze(0), q.scale.unsqueeze(0))
