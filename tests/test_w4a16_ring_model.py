@@ -441,6 +441,27 @@ def test_the_staged_row_is_each_steps_words_in_quad_order():
             assert len({16 * a // 4 % 32 for a in at}) == 4  # the first bank of each 16-byte piece
 
 
+def _scale_words(p: dict, tidx: int) -> list[int]:
+    """The row-major byte offsets (from S_BASE) of the scale words the one-multiply check of `_run`'s launch
+    reads: lane t's words t, t + 4, ... (a step each) of rows a and a + 8, each row tile (expert 5, block 1)."""
+    K, k_span, N = p["K"], p["k_span"], p["N"]
+    t, row_a = tidx % 32 % 4, 64 + (tidx // 32) * 16 + tidx % 32 // 4
+    k_begin = (1 if K // k_span > 1 else 0) * k_span
+    return [(5 * N + row_a + 64 * tile + 8 * b) * (K // 32) + k_begin // 32 + 4 * word
+            for tile in range(p["n_tiles"]) for word in range(t, k_span // 128, 4) for b in (0, 1)]
+
+
+@pytest.mark.parametrize("K,k_span,n_tiles,rounds", [(3584, 1792, 1, False), (1536, 1536, 2, True),
+                                                     (384, 384, 4, False)])
+def test_the_one_multiply_check_reads_this_lanes_scale_words(K, k_span, n_tiles, rounds):
+    """Row-major tables: the scale words the one-multiply check ORs are this lane's of its rows a and a + 8
+    over the span, every row tile, exactly (their addresses, in order)."""
+    for tidx in (0, 45, 127):
+        p = _params("mxfp4", K, k_span, 3, 1, n_tiles, True, False, rounds=rounds)
+        sim, _ = _run(p, tidx, 1)
+        assert [a - S_BASE for a in sim.scale_reads] == _scale_words(p, tidx), (tidx, sim.scale_reads[:4])
+
+
 @pytest.mark.parametrize("fmt,K,k_span,stages", [("mxfp4", 3584, 3584, 3), ("mxfp4", 3584, 1792, 4),
                                                  ("mxfp4", 1536, 1536, 3), ("int4", 3584, 1792, 3),
                                                  ("int4", 384, 384, 2), ("mxfp4", 384, 384, 4)])
@@ -484,11 +505,8 @@ def test_blocked_tables_give_each_step_the_bytes_of_the_row_major_ones(fmt, K, k
                 assert same(wb, w, g - W_BASE, e - W_BASE, 4), (where, step, g, e)
             for g, e in ((gsa, esa), (gsb, esb)):
                 assert same(sbk, s, g - S_BASE, e - S_BASE, sb), (where, step, g, e)
-        if fmt == "mxfp4":  # lane t's scale words t, t + 4, ... of rows a and a + 8, each tile
-            t, row_a = tidx % 32 % 4, 64 + (tidx // 32) * 16 + tidx % 32 // 4  # (block 1: rows 64 on)
-            k_begin = (1 if K // k_span > 1 else 0) * k_span
-            expect = [(5 * N + row_a + 64 * tile + 8 * b) * (K // 32) + k_begin // 32 + 4 * word
-                      for tile in range(n_tiles) for word in range(t, k_span // 128, 4) for b in (0, 1)]
+        if fmt == "mxfp4":
+            expect = _scale_words(p, tidx)
             assert len(sim.scale_reads) == len(expect), (where, len(sim.scale_reads), len(expect))
             for g, e in zip(sim.scale_reads, expect):
                 assert same(sbk, s, g - S_BASE, e, 4), (where, g, e)
