@@ -224,8 +224,9 @@ def run_w4a16(args) -> int:
                                                 args.replays)
 
                 def cute_steps(cfg=None):  # the CuTe op's STEPS calls; cfg: cute_config's (blocked: block order's)
-                    tables = blocked_tables() if cfg and cfg.get("blocked") else packed
-                    return lambda: [cute_run(r.a[i], r.experts[i], *tables, K, *SITU, fmt, table, out=out[i],
+                    layout = "blocks" if cfg and cfg.get("blocked") else "rows"
+                    tables = blocked_tables() if layout == "blocks" else packed
+                    return lambda: [cute_run(r.a[i], r.experts[i], *tables, K, *SITU, fmt, table, layout, out=out[i],
                                              config=cfg) for i in range(STEPS)]
 
                 if "cute" in arms and cute_here:  # the op's own launch: the rule's, or the tuned table's

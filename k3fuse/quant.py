@@ -47,6 +47,9 @@ NIBBLE_BITS = 4
 EXPERT_FORMATS = ("bf16", "mxfp4", "int4")
 #: compressed-tensors' `quantization_config` format name of each quantized expert format
 CHECKPOINT_FORMATS = {"mxfp4": "mxfp4-pack-quantized", "int4": "pack-quantized"}
+#: how a model holds its quantized experts: "rows", the checkpoint's row-major tables, or "blocks",
+#: `block_order`'s (repacked where they load, for the fused kernel's contiguous copies)
+EXPERT_LAYOUTS = ("rows", "blocks")
 
 
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
@@ -271,6 +274,38 @@ def from_block_order(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
     return _reorder(packed, scale, to_blocks=False)
 
 
+def to_layout(packed: torch.Tensor, scale: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint (row-major) tables [E, rows, ...] in `layout` (EXPERT_LAYOUTS): as they are, or in block order."""
+    _check_layout(layout)
+    return block_order(packed, scale) if layout == "blocks" else (packed, scale)
+
+
+def from_layout(packed: torch.Tensor, scale: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`to_layout`'s inverse: tables held in `layout` back in the checkpoint's row-major layout."""
+    _check_layout(layout)
+    return from_block_order(packed, scale) if layout == "blocks" else (packed, scale)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
+
+
+@torch.library.custom_op("k3fuse::from_block_order", mutates_args=())
+def from_block_order_op(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`from_block_order` as one graph node, torch.ops.k3fuse.from_block_order: the model's spelling un-blocks
+    the step's selected experts with it, so that the routed-experts rule matches a blocked model's spelling
+    without the reshapes' sizes traced into the pattern."""
+    return from_block_order(packed, scale)
+
+
+@from_block_order_op.register_fake
+def _from_block_order_fake(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # shapes and dtypes are unchanged; whole blocks and steps are checked where the tables are made
+    # (K3Config, the rule's guard) and on every eager call
+    return torch.empty_like(packed), torch.empty_like(scale)
+
+
 def _reorder(packed: torch.Tensor, scale: torch.Tensor, to_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Either direction on the bytes: [E, blocks, BLOCK_ROWS, steps, bytes a step] <-> [E, blocks, steps,
     BLOCK_ROWS, bytes a step], for the weights and the scales alike."""
@@ -286,7 +321,9 @@ def _reorder(packed: torch.Tensor, scale: torch.Tensor, to_blocks: bool) -> tupl
     for t, like in zip(raw, (packed, scale)):
         split = (BLOCK_ROWS, steps) if to_blocks else (steps, BLOCK_ROWS)
         moved = t.reshape(E, rows // BLOCK_ROWS, *split, -1).transpose(2, 3)
-        out.append(moved.contiguous().view(E, rows, -1).view(like.dtype).view(like.shape))
+        # clone, not contiguous: a table of one step would come back as a view of its input
+        out.append(moved.clone(memory_format=torch.contiguous_format).view(E, rows, -1).view(like.dtype)
+                   .view(like.shape))
     return out[0], out[1]
 
 
@@ -294,4 +331,5 @@ __all__ = ["GROUP_SIZE", "E2M1_MAGNITUDES", "E2M1_SIGN", "E8M0_BIAS", "E8M0_NAN"
            "INT4_PER_WORD", "FP4_PER_BYTE", "EXPERT_FORMATS", "CHECKPOINT_FORMATS", "QuantizedWeight",
            "e2m1_table", "packed_shape", "scale_shape", "packed_dtype", "scale_dtype", "check_mxfp4_columns",
            "quantize", "dequantize", "quantize_mxfp4", "dequantize_mxfp4", "quantize_int4", "dequantize_int4",
-           "BLOCK_ROWS", "BLOCK_STEP", "block_order", "from_block_order"]
+           "BLOCK_ROWS", "BLOCK_STEP", "block_order", "from_block_order", "EXPERT_LAYOUTS", "to_layout",
+           "from_layout", "from_block_order_op"]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from k3fuse.quant import dequantize
+from k3fuse.quant import EXPERT_LAYOUTS, dequantize, from_block_order_op
 
 #: K3's SiTU-GLU constants: beta (the gate's tanh bound) and linear_beta (the up projection's)
 K3_SITU_BETA = 4.0
@@ -158,61 +158,68 @@ def expert_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
 
 
 def dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, slot_experts: torch.Tensor, fmt: str,
-                       dtype: torch.dtype, table: torch.Tensor | None) -> torch.Tensor:
+                       dtype: torch.dtype, table: torch.Tensor | None, layout: str = "rows") -> torch.Tensor:
     """The selected experts' weights [S, out, in] in `dtype`: gather their packed weights and scales
-    (`packed` [E, out, in/2 or in/8], `scale` [E, out, in/32]), then k3fuse.quant's dequantization."""
-    return dequantize(packed.index_select(0, slot_experts), scale.index_select(0, slot_experts), fmt, dtype,
-                      table=table)
+    (`packed` [E, out, in/2 or in/8], `scale` [E, out, in/32], held in `layout`: k3fuse.quant.EXPERT_LAYOUTS),
+    un-block them where the tables are in block order, then k3fuse.quant's dequantization."""
+    packed, scale = packed.index_select(0, slot_experts), scale.index_select(0, slot_experts)
+    if layout == "blocks":
+        packed, scale = from_block_order_op(packed, scale)  # torch.ops.k3fuse.from_block_order: one graph node
+    elif layout != "rows":
+        raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
+    return dequantize(packed, scale, fmt, dtype, table=table)
 
 
 def _quantized_slot_weights(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor, w1_scale: torch.Tensor,
                             w3_packed: torch.Tensor, w3_scale: torch.Tensor, w2_packed: torch.Tensor,
-                            w2_scale: torch.Tensor, fmt: str, table: torch.Tensor | None
+                            w2_scale: torch.Tensor, fmt: str, table: torch.Tensor | None, layout: str
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     slot_experts, pair_slots = expert_slots(experts, w1_packed.shape[0])
-    w1 = dequantize_experts(w1_packed, w1_scale, slot_experts, fmt, a.dtype, table)  # [S, I, L]
-    w3 = dequantize_experts(w3_packed, w3_scale, slot_experts, fmt, a.dtype, table)
-    w2 = dequantize_experts(w2_packed, w2_scale, slot_experts, fmt, a.dtype, table)  # [S, L, I]
+    w1 = dequantize_experts(w1_packed, w1_scale, slot_experts, fmt, a.dtype, table, layout)  # [S, I, L]
+    w3 = dequantize_experts(w3_packed, w3_scale, slot_experts, fmt, a.dtype, table, layout)
+    w2 = dequantize_experts(w2_packed, w2_scale, slot_experts, fmt, a.dtype, table, layout)  # [S, L, I]
     return pair_slots, w1, w3, w2
 
 
 def routed_experts_quantized_grouped(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor,
                                      w1_scale: torch.Tensor, w3_packed: torch.Tensor, w3_scale: torch.Tensor,
                                      w2_packed: torch.Tensor, w2_scale: torch.Tensor, top_k: int, beta: float,
-                                     linear_beta: float, fmt: str, table: torch.Tensor | None = None
-                                     ) -> torch.Tensor:
+                                     linear_beta: float, fmt: str, table: torch.Tensor | None = None,
+                                     layout: str = "rows") -> torch.Tensor:
     """`routed_experts_grouped` over quantized experts: z [T*k, L] in pair order.
 
     The packed weights and scales are the checkpoint's (k3fuse/quant.py: `fmt` "mxfp4" with `table`
-    the fp32 `e2m1_table`, or "int4" with `table` None), stacked [E, out, ...]. The step's distinct
-    experts (`expert_slots`) are gathered and dequantized to a's dtype, then the grouped GEMMs run
-    over those slots exactly as `routed_experts_grouped` runs over the whole table.
+    the fp32 `e2m1_table`, or "int4" with `table` None), stacked [E, out, ...], held in `layout` (the
+    checkpoint's rows, or quant.block_order's blocks). The step's distinct experts (`expert_slots`) are
+    gathered (and un-blocked) and dequantized to a's dtype, then the grouped GEMMs run over those slots
+    exactly as `routed_experts_grouped` runs over the whole table.
     """
     pair_slots, w1, w3, w2 = _quantized_slot_weights(a, experts, w1_packed, w1_scale, w3_packed, w3_scale,
-                                                     w2_packed, w2_scale, fmt, table)
+                                                     w2_packed, w2_scale, fmt, table, layout)
     return routed_experts_grouped(a, pair_slots, w1, w3, w2, top_k, beta, linear_beta)
 
 
 def routed_experts_quantized_gathered(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor,
                                       w1_scale: torch.Tensor, w3_packed: torch.Tensor, w3_scale: torch.Tensor,
                                       w2_packed: torch.Tensor, w2_scale: torch.Tensor, top_k: int, beta: float,
-                                      linear_beta: float, fmt: str, table: torch.Tensor | None = None
-                                      ) -> torch.Tensor:
+                                      linear_beta: float, fmt: str, table: torch.Tensor | None = None,
+                                      layout: str = "rows") -> torch.Tensor:
     """`routed_experts_gathered` over quantized experts: the same slot selection and dequantization as
     `routed_experts_quantized_grouped`, then one dequantized weight copy per pair and a bmm (CPU)."""
     pair_slots, w1, w3, w2 = _quantized_slot_weights(a, experts, w1_packed, w1_scale, w3_packed, w3_scale,
-                                                     w2_packed, w2_scale, fmt, table)
+                                                     w2_packed, w2_scale, fmt, table, layout)
     return routed_experts_gathered(a, pair_slots, w1, w3, w2, top_k, beta, linear_beta)
 
 
 def routed_experts_quantized(a: torch.Tensor, experts: torch.Tensor, w1_packed: torch.Tensor,
                              w1_scale: torch.Tensor, w3_packed: torch.Tensor, w3_scale: torch.Tensor,
                              w2_packed: torch.Tensor, w2_scale: torch.Tensor, top_k: int, beta: float,
-                             linear_beta: float, fmt: str, table: torch.Tensor | None = None) -> torch.Tensor:
+                             linear_beta: float, fmt: str, table: torch.Tensor | None = None,
+                             layout: str = "rows") -> torch.Tensor:
     """The model's quantized routed experts: the grouped form where `use_grouped_mm`, else the gathered one."""
     spelled = routed_experts_quantized_grouped if use_grouped_mm(a) else routed_experts_quantized_gathered
     return spelled(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, beta,
-                   linear_beta, fmt, table)
+                   linear_beta, fmt, table, layout)
 
 
 def moe_combine(z: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:

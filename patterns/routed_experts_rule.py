@@ -30,13 +30,16 @@ in a's dtype, decode tokens; on a GPU, a kernel that covers (E, I, L, top_k, dty
 Quantized experts (K3's MXFP4, K2.x's int4; k3fuse/quant.py): `routed_experts_quantized_grouped` and
 `_gathered` (the step's distinct experts gathered into min(T*k, E) slots, dequantized, then the
 spellings above) -> k3fuse.routed_experts_w4a16, whose kernel reads the packed weights and scales
-and dequantizes in registers. One pattern per format (the dequantization differs) and form; the
-variant and the log name the format. top_k is read off the shapes there (a free size, not an int
+and dequantizes in registers. One pattern per format (the dequantization differs), form and layout
+(a model holding its tables in block order un-blocks the selected experts with one
+k3fuse.from_block_order node before it dequantizes them; the op is told the layout); the variant and the
+log name the format and the layout. top_k is read off the shapes there (a free size, not an int
 wildcard: see QUANT_TOP_K), and the trace bakes in the slot count min(T*k, E) besides the sizes
 above (free sizes, checked against the operands, whose shapes the guards check for groups of 32).
 E, I and L must be static; the token count may be symbolic (a recompile for a second batch size).
 Needs: packed weights and scales static in the format's layout and dtypes (mxfp4 uint8 / uint8, int4
-int32 / bf16, the pattern's), MXFP4's E2M1 table a static buffer (the kernel checks its values once).
+int32 / bf16, the pattern's), MXFP4's E2M1 table a static buffer (the kernel checks its values once);
+blocks: I and L whole steps of quant.BLOCK_STEP.
 """
 from __future__ import annotations
 
@@ -97,30 +100,24 @@ def _top_k_of(a: torch.Tensor, experts: torch.Tensor) -> int:
     return experts.shape[0] // a.shape[0]
 
 
-def mxfp4_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta,
-                  table):
-    return routed_experts_quantized_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                                            w2_scale, _top_k_of(a, experts), beta, linear_beta, "mxfp4", table)
+def _quantized_spelling(fmt: str, form: str, layout: str):
+    """The traced function of one quantized pattern: the model's spelling with the format, form and layout
+    fixed (the format picks the dequantization, the layout whether the selected experts are un-blocked);
+    MXFP4's E2M1 table is a wildcard input, int4 has none."""
+    spelled = routed_experts_quantized_grouped if form == GROUPED else routed_experts_quantized_gathered
+    if fmt == "mxfp4":
+        def spelling(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta,
+                     table):
+            return spelled(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                           _top_k_of(a, experts), beta, linear_beta, fmt, table, layout)
+    else:
+        def spelling(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta):
+            return spelled(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                           _top_k_of(a, experts), beta, linear_beta, fmt, None, layout)
+    spelling.__name__ = f"{fmt}_{form}_{layout}"
+    return spelling
 
 
-def mxfp4_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta,
-                   table):
-    return routed_experts_quantized_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                                             w2_scale, _top_k_of(a, experts), beta, linear_beta, "mxfp4", table)
-
-
-def int4_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta):
-    return routed_experts_quantized_grouped(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                                            w2_scale, _top_k_of(a, experts), beta, linear_beta, "int4", None)
-
-
-def int4_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, beta, linear_beta):
-    return routed_experts_quantized_gathered(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                                             w2_scale, _top_k_of(a, experts), beta, linear_beta, "int4", None)
-
-
-QUANTIZED_SPELLINGS = {("mxfp4", GROUPED): mxfp4_grouped, ("mxfp4", GATHERED): mxfp4_gathered,
-                       ("int4", GROUPED): int4_grouped, ("int4", GATHERED): int4_gathered}
 #: the quantized examples' top_k (a free size: a value no other literal of the trace has)
 QUANT_TOP_K = 37
 #: the sizes each quantized form's trace bakes in besides top_k (the dequantization's own reshapes
@@ -144,22 +141,25 @@ def _quantized_example(fmt: str, dtype: torch.dtype) -> tuple:
             *weights, BETA, LINEAR_BETA, *table)
 
 
-def _quantized_spec(fmt: str, form: str, dtype: torch.dtype) -> PatternSpec:
-    key = Variant(f"{form}_{fmt}", dtype)
+def _quantized_spec(fmt: str, form: str, layout: str, dtype: torch.dtype) -> PatternSpec:
+    # the variant's form: "<form>_<format>", and "_blocks" after it for block-ordered tables
+    key = Variant(f"{form}_{fmt}" + ("" if layout == "rows" else f"_{layout}"), dtype)
     pairs = T * QUANT_TOP_K
     size_of = {"slots": min(pairs, E), "latent": QL, "pairs": pairs, "tokens": T}
     sizes = (("top_k", QUANT_TOP_K), *((n, size_of[n]) for n in QUANT_FREE_SIZES[form]))
-    return PatternSpec(str(key), QUANTIZED_SPELLINGS[(fmt, form)], lambda: _quantized_example(fmt, dtype), key, sizes)
+    return PatternSpec(str(key), _quantized_spelling(fmt, form, layout), lambda: _quantized_example(fmt, dtype), key,
+                       sizes)
 
 
-def _quantized_failure(match: Match, fmt: str) -> GuardFailure | None:
+def _quantized_failure(match: Match, fmt: str, layout: str) -> GuardFailure | None:
     """a [T, L]; experts int64 [T*k]; the packed weights and scales in `fmt`'s layout for E experts of
-    I x L / L x I with groups of 32, in its dtypes; the captured sizes equal those (slots min(T*k, E))."""
+    I x L / L x I with groups of 32, in its dtypes; the captured sizes equal those (slots min(T*k, E));
+    block-ordered tables (`layout` blocks) of whole steps."""
     names = ("a", "experts", "w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
     shapes = {n: shape_of(match[n]) for n in names}
     top_k = match.scalars.get("top_k")
     values: dict[str, Any] = {n: [str(d) for d in s] if s is not None else None for n, s in shapes.items()}
-    values.update(top_k=top_k, format=fmt)
+    values.update(top_k=top_k, format=fmt, layout=layout)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
         return GuardFailure("site", "top_k", "top_k is not a positive int literal", values)
     a, experts, w1 = shapes["a"], shapes["experts"], shapes["w1_packed"]
@@ -173,6 +173,9 @@ def _quantized_failure(match: Match, fmt: str) -> GuardFailure | None:
     if inter % quant.GROUP_SIZE or latent % quant.GROUP_SIZE:
         return GuardFailure("site", "group_size", f"I and L must be whole groups of {quant.GROUP_SIZE}",
                             {**values, "I": inter, "L": latent})
+    if layout == "blocks" and (inter % quant.BLOCK_STEP or latent % quant.BLOCK_STEP):
+        return GuardFailure("site", "layout", f"block-ordered tables need I and L in whole steps of "
+                            f"{quant.BLOCK_STEP}", {**values, "I": inter, "L": latent})
     if str(experts[0]) != str(a[0] * top_k):
         return GuardFailure("site", "shape", "expected experts [T*top_k] for a [T, L]", values)
     want = {"w1_packed": (n_experts, *quant.packed_shape(fmt, inter, latent)),
@@ -233,10 +236,12 @@ def _operand_failure(match: Match) -> GuardFailure | None:
     return numeric_literals(match.scalars, ("beta", "linear_beta"), values)
 
 
-def _format(match: Match) -> str | None:
-    """The quantized format a match's variant names (form "grouped_mxfp4" etc.), None for BF16."""
-    form = match.key.form if match.key is not None else match.variant
-    return next((fmt for fmt in QUANT_FORMATS if form.endswith("_" + fmt)), None)
+def _format(match: Match) -> tuple[str, str] | None:
+    """(format, layout) of a quantized match's variant (form "grouped_mxfp4", "gathered_int4_blocks" etc.),
+    None for BF16."""
+    parts = (match.key.form if match.key is not None else match.variant).split("_")
+    fmt = next((f for f in QUANT_FORMATS if f in parts[1:]), None)
+    return None if fmt is None else (fmt, "blocks" if parts[-1] == "blocks" else "rows")
 
 
 class RoutedExperts(Rule):
@@ -254,9 +259,9 @@ class RoutedExperts(Rule):
     def patterns(self) -> list[PatternSpec]:
         gathered_sizes = (("tokens", T), ("latent", L))
         # quantized first: their dequantized slots feed the BF16 spellings, which must not claim them
-        quantized = [_quantized_spec(fmt, form, dtype) for fmt in QUANT_FORMATS
-                     for form, dtypes in ((GROUPED, (torch.bfloat16,)), (GATHERED, (torch.float32, torch.bfloat16)))
-                     for dtype in dtypes]
+        forms = ((GROUPED, (torch.bfloat16,)), (GATHERED, (torch.float32, torch.bfloat16)))
+        quantized = [_quantized_spec(fmt, form, layout, dtype) for fmt in QUANT_FORMATS
+                     for layout in quant.EXPERT_LAYOUTS for form, dtypes in forms for dtype in dtypes]
         return quantized + [_spec(GROUPED, routed_experts_grouped, torch.bfloat16,
                       (("pairs", T * _top_k_sentinel()), ("latent", L), ("n_experts", E))),
                 _spec(GATHERED, routed_experts_gathered, torch.float32, gathered_sizes),
@@ -274,9 +279,9 @@ class RoutedExperts(Rule):
         return "no aten._grouped_mm or aten.bmm in the graph (no routed experts)", {}
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
-        fmt = _format(match)
-        if fmt is not None:
-            return self._check_quantized(match, ctx, fmt)
+        quantized = _format(match)
+        if quantized is not None:
+            return self._check_quantized(match, ctx, *quantized)
         found = failures(_operand_failure(match),
                          *(static_weight(match[n], n) for n in ("w1", "w3", "w2")))
         if found:
@@ -288,9 +293,9 @@ class RoutedExperts(Rule):
         spec = RoutedExpertsSpec(E=w1[0], I=w1[1], L=w1[2], top_k=match["top_k"], dtype=dtype_of(match["a"]))
         return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
-    def _check_quantized(self, match: Match, ctx: DecodeContext, fmt: str) -> list[GuardFailure]:
+    def _check_quantized(self, match: Match, ctx: DecodeContext, fmt: str, layout: str) -> list[GuardFailure]:
         weights = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
-        found = failures(_quantized_failure(match, fmt), *(static_weight(match[n], n) for n in weights),
+        found = failures(_quantized_failure(match, fmt, layout), *(static_weight(match[n], n) for n in weights),
                          static_weight(match["table"], "table") if fmt == "mxfp4" else None)
         if found:
             return found
@@ -299,20 +304,22 @@ class RoutedExperts(Rule):
             return found
         w1, a = shape_of(match["w1_packed"]), shape_of(match["a"])
         spec = RoutedExpertsW4A16Spec(E=w1[0], I=w1[1], L=a[1], top_k=match["top_k"], dtype=dtype_of(match["a"]),
-                                      format=fmt, scale_dtype=dtype_of(match["w1_scale"]))
+                                      format=fmt, scale_dtype=dtype_of(match["w1_scale"]), layout=layout)
         return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        fmt = _format(match)
-        if fmt is not None:
+        quantized = _format(match)
+        if quantized is not None:
+            fmt, layout = quantized
             table = match["table"] if fmt == "mxfp4" else None
             z = match.insert(torch.ops.k3fuse.routed_experts_w4a16.default,
                              (match["a"], match["experts"], match["w1_packed"], match["w1_scale"], match["w3_packed"],
                               match["w3_scale"], match["w2_packed"], match["w2_scale"], match["top_k"],
-                              float(match["beta"]), float(match["linear_beta"]), fmt, table, ctx.strict))
+                              float(match["beta"]), float(match["linear_beta"]), fmt, table, layout, ctx.strict))
             match.replace([z])
             w1 = shape_of(match["w1_packed"])
-            match.note(format=fmt, top_k=match["top_k"], E=w1[0], I=w1[1], group_size=quant.GROUP_SIZE)
+            match.note(format=fmt, layout=layout, top_k=match["top_k"], E=w1[0], I=w1[1],
+                       group_size=quant.GROUP_SIZE)
             return [z]
         z = match.insert(torch.ops.k3fuse.routed_experts.default,
                          (match["a"], match["experts"], match["w1"], match["w3"], match["w2"], match["top_k"],

@@ -51,6 +51,28 @@ def test_round_trip_through_sharded_checkpoint(fmt, tmp_path):
     assert torch.equal(source(x, source.init_state(3))[0], target(x, target.init_state(3))[0])
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_block_ordered_model_saves_and_loads_the_checkpoint_layout(fmt, tmp_path):
+    """A model holding its experts in block order writes the checkpoint's row-major tensors (the files a
+    row-major model of the same draws writes), and loading repacks them as they come: the loaded tables are
+    the blocked model's own, and the row-major model loads the same files to its own."""
+    def model(layout: str, seed: int) -> K3DecodeStack:
+        return K3DecodeStack(get_config("tiny", n_layers=1, latent=256, moe_inter=256, expert_format=fmt,
+                                        expert_layout=layout), seed=seed)
+
+    blocks, rows = model("blocks", 1), model("rows", 1)
+    save_routed_experts(blocks, tmp_path / "blocks")
+    save_routed_experts(rows, tmp_path / "rows")
+    (from_blocks,), (from_rows,) = (sorted((tmp_path / d).glob("*.safetensors")) for d in ("blocks", "rows"))
+    written, want = load_file(str(from_blocks)), load_file(str(from_rows))
+    assert written.keys() == want.keys() and all(torch.equal(written[k], want[k]) for k in want)
+    for source, layout in ((blocks, "blocks"), (rows, "rows")):
+        target = model(layout, 2)
+        load_routed_experts(target, tmp_path / "blocks")
+        for (name, p), q in zip(_experts(source).items(), _experts(target).values()):
+            assert torch.equal(p, q), (layout, name)
+
+
 def test_layer_map_and_prefix(tmp_path):
     source = _model("mxfp4", seed=1)
     save_routed_experts(source, tmp_path, layers=[7, 9], layer_prefix="language_model.model.layers.{layer}.mlp")

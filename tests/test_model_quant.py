@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3fuse import spelling
+from k3fuse import quant, spelling
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.model.layers import LatentMoE, TensorParallel, WeightSource
@@ -127,6 +127,41 @@ def test_config_names_quantized_width_errors():
         get_config("tiny", expert_format="int4").validate_for_tp(2)
     get_config("small", expert_format="mxfp4").validate_for_tp(2)
     get_config("k3").validate_for_tp(8)  # I / 8 = 384 = 12 groups
+    assert get_config("k3").expert_layout == "rows"
+    with pytest.raises(ValueError, match="expert_layout must be one of"):
+        get_config("k3", expert_layout="columns")
+    with pytest.raises(ValueError, match="'blocks' repacks packed experts: it needs expert_format mxfp4 or int4"):
+        get_config("tiny", expert_layout="blocks")
+    with pytest.raises(ValueError, match="latent=64 must be a multiple of 128 for expert_layout='blocks'"):
+        get_config("tiny", expert_format="mxfp4", expert_layout="blocks")
+    with pytest.raises(ValueError, match="TP=2 leaves moe_inter/tp=64 .* multiple of 128, which expert_layout="):
+        get_config("tiny", latent=128, moe_inter=128, expert_format="int4", expert_layout="blocks").validate_for_tp(2)
+    get_config("k3", expert_layout="blocks").validate_for_tp(8)  # 384 = 3 steps
+
+
+def _block_ordered_tiny(fmt: str, layout: str, **over) -> K3DecodeStack:
+    """tiny at widths of two 128-element steps (latent, moe_inter: one step a row would be block order too), its
+    experts held in `layout`."""
+    return K3DecodeStack(get_config("tiny", n_layers=2, latent=256, moe_inter=256, expert_format=fmt,
+                                    expert_layout=layout), seed=4, **over)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_block_ordered_model_holds_the_same_draws_and_computes_the_same_steps(fmt):
+    """expert_layout='blocks' holds the row-major model's tables repacked by quant.block_order (the same draws,
+    never a float temporary), hands them back in the checkpoint's layout (quantized_weight), and its spelling,
+    which un-blocks the step's experts, computes the row-major model's steps bit for bit."""
+    rows, blocks = _block_ordered_tiny(fmt, "rows"), _block_ordered_tiny(fmt, "blocks")
+    for r, b in zip(rows.layers, blocks.layers):
+        for proj in ("w1", "w3", "w2"):
+            tables = (getattr(r.moe.routed, f"{proj}_packed"), getattr(r.moe.routed, f"{proj}_scale"))
+            held = (getattr(b.moe.routed, f"{proj}_packed"), getattr(b.moe.routed, f"{proj}_scale"))
+            assert all(torch.equal(h, w) for h, w in zip(held, quant.block_order(*tables))), proj
+            assert not torch.equal(held[0], tables[0])
+            back = b.moe.routed.quantized_weight(proj)
+            assert torch.equal(back.packed, tables[0]) and torch.equal(back.scale, tables[1])
+    for y_rows, y_blocks in zip(_steps(rows), _steps(blocks)):
+        assert torch.equal(y_rows, y_blocks)
 
 
 def test_k3_widths_on_meta_device_in_every_format():

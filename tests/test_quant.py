@@ -216,3 +216,36 @@ def test_block_order_puts_each_blocks_step_in_one_piece_and_inverts_exactly():
         q = quant.quantize(torch.randn(64, width, generator=gen), "mxfp4")
         with pytest.raises(ValueError, match=f"rows of {width} elements"):
             quant.from_block_order(q.packed.unsqueeze(0), q.scale.unsqueeze(0))
+
+
+def test_layouts_and_the_graph_op_that_un_blocks():
+    """to_layout / from_layout: rows as they are, blocks by block_order and back; an unknown layout named.
+    torch.ops.k3fuse.from_block_order is from_block_order as one node: the same bytes, always a new tensor (a
+    table of one step is its own block order), shapes kept under FakeTensor, one node in an exported graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(5)
+    q = quant.quantize(torch.randn(2, 128, 256, generator=gen), "mxfp4")
+    assert quant.to_layout(q.packed, q.scale, "rows") == (q.packed, q.scale)
+    blocked = quant.to_layout(q.packed, q.scale, "blocks")
+    assert all(torch.equal(a, b) for a, b in zip(blocked, quant.block_order(q.packed, q.scale)))
+    assert all(torch.equal(a, b) for a, b in zip(quant.from_layout(*blocked, "blocks"), (q.packed, q.scale)))
+    for convert in (quant.to_layout, quant.from_layout):
+        with pytest.raises(ValueError, match="expert layout 'columns' is not one of"):
+            convert(q.packed, q.scale, "columns")
+    op = torch.ops.k3fuse.from_block_order
+    assert all(torch.equal(a, b) for a, b in zip(op(*blocked), (q.packed, q.scale)))
+    one_step = quant.quantize(torch.randn(1, 64, 128, generator=gen), "int4", torch.bfloat16)
+    out = op(one_step.packed, one_step.scale)
+    assert torch.equal(out[0], one_step.packed) and out[0].data_ptr() != one_step.packed.data_ptr()
+    with FakeTensorMode() as mode:
+        fake = op(mode.from_tensor(blocked[0]), mode.from_tensor(blocked[1]))
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in blocked]
+
+    class Unblock(torch.nn.Module):
+        def forward(self, packed, scale):
+            return op(packed, scale)
+
+    ep = torch.export.export(Unblock(), blocked)
+    assert [n.target for n in ep.graph.nodes if n.op == "call_function"].count(op.default) == 1
+    assert torch.equal(ep.module()(*blocked)[0], q.packed)

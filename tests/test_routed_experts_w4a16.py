@@ -14,6 +14,7 @@ spellings, and the Triton kernel in Triton's interpreter.
 """
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -70,6 +71,31 @@ def test_op_on_cpu_is_the_quantized_reference_and_disable_runs_stock(fmt, dtype)
     assert torch.equal(z0, spelling.routed_experts_quantized(*args))
 
 
+def _blocked(args: tuple) -> tuple:
+    """_op_args's call with its tables in block order and the layout said."""
+    tables = [t for w, s in zip(args[2:8:2], args[3:8:2]) for t in quant.block_order(w, s)]
+    return (*args[:2], *tables, *args[8:], "blocks")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_op_over_block_ordered_tables_computes_what_it_does_over_rows(fmt):
+    """Layout "blocks": the reference and stock un-block the step's experts, so the op over block-ordered
+    tables is the row-major call bit for bit; a layout the op does not know is refused by name."""
+    args = _op_args(fmt, T=5, I=128, L=256, dtype=torch.bfloat16)
+    rows = spelling.routed_experts_quantized_gathered(*args)
+    runtime.reset_stats()
+    with runtime.strict():
+        z = torch.ops.k3fuse.routed_experts_w4a16(*_blocked(args))
+    assert runtime.stats() == {OP: {"reference": 1}}
+    assert torch.equal(z, rows)
+    with k3fuse.disable():
+        stock = torch.ops.k3fuse.routed_experts_w4a16(*_blocked(args))
+    assert torch.equal(stock, spelling.routed_experts_quantized(*args))
+    assert not torch.equal(spelling.routed_experts_quantized_gathered(*_blocked(args)[:-1]), rows)  # the control
+    with pytest.raises(Exception, match="layout 'columns' is not one of"):
+        torch.ops.k3fuse.routed_experts_w4a16(*args, "columns")
+
+
 def test_fake_impl_shapes_and_messages():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -85,7 +111,8 @@ def test_fake_impl_shapes_and_messages():
                ((a, experts[:-1], w1, s1, w3, s3, w2, s2, k, b, lb, fmt, table), "19 expert ids for 5 tokens"),
                ((a, experts, w1[:, :, :8], s1, w3, s3, w2, s2, k, b, lb, fmt, table), r"w1/w3 must be \[E, I, L/2\]"),
                ((a, experts, w1, s1, w3, s3, w2[:, :-1], s2, k, b, lb, fmt, table), r"w2 must be \[E, L, I/2\]"),
-               ((a, experts, w1, s1[:, :, :2], w3, s3, w2, s2, k, b, lb, fmt, table), "w1_scale must be .*group size 32"),
+               ((a, experts, w1, s1[:, :, :2], w3, s3, w2, s2, k, b, lb, fmt, table),
+                "w1_scale must be .*group size 32"),
                ((a, experts, w1, s1, w3, s3, w2, s2, k, b, lb, fmt, table[:8]), "16 E2M1 values"))
         for args, message in bad:
             with pytest.raises(Exception, match=message):
@@ -98,20 +125,23 @@ def test_fake_impl_shapes_and_messages():
 
 # --- the rule on standalone modules ------------------------------------------------------------------
 class QuantizedExperts(nn.Module):
-    """The routed experts over quantized weights, in one of the model's spellings (static buffers)."""
+    """The routed experts over quantized weights, in one of the model's spellings (static buffers), held in
+    `layout` (blocks: quant.block_order's; `repack=False` keeps the bytes as drawn, for widths that cannot be)."""
 
     def __init__(self, fmt: str, spelled=spelling.routed_experts_quantized_gathered, E: int = 8, I: int = 64,
-                 L: int = 96, k: int = 4, dtype=torch.float32):
+                 L: int = 96, k: int = 4, dtype=torch.float32, layout: str = "rows", repack: bool = True):
         super().__init__()
         for name, q in zip(("w1", "w3", "w2"), _quantized(fmt, E, I, L, seed=7)):
-            self.register_buffer(f"{name}_packed", q.packed)
-            self.register_buffer(f"{name}_scale", q.scale)
+            packed, scale = quant.to_layout(q.packed, q.scale, layout) if repack else (q.packed, q.scale)
+            self.register_buffer(f"{name}_packed", packed)
+            self.register_buffer(f"{name}_scale", scale)
         self.register_buffer("table", quant.e2m1_table() if fmt == "mxfp4" else None)
-        self.fmt, self.spelled, self.k, self.dtype = fmt, spelled, k, dtype
+        self.fmt, self.spelled, self.k, self.dtype, self.layout = fmt, spelled, k, dtype, layout
 
     def forward(self, a, idx):
         return self.spelled(a, idx.reshape(-1), self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
-                            self.w2_packed, self.w2_scale, self.k, BETA, LINEAR_BETA, self.fmt, self.table)
+                            self.w2_packed, self.w2_scale, self.k, BETA, LINEAR_BETA, self.fmt, self.table,
+                            self.layout)
 
 
 def _inputs(module: QuantizedExperts, T: int = 3, seed: int = 1):
@@ -151,6 +181,46 @@ def test_rule_rewrites_each_quantized_spelling_and_computes_what_it_did(fmt, spe
         assert torch.equal(z, z0)  # the reference is this very spelling
     else:  # grouped GEMMs accumulate in another order than the bmm; both round to bf16 per projection
         torch.testing.assert_close(z.float(), z0.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("spelled,dtype,form", SPELLINGS)
+def test_rule_rewrites_the_spellings_over_block_ordered_tables(fmt, spelled, dtype, form):
+    """A model holding block-ordered tables un-blocks the step's experts (one k3fuse.from_block_order node
+    a table): the rule's blocks variant takes the whole spelling, tells the op the layout, and the log says
+    it; the program computes what the row-major module does. The row-major patterns leave it alone."""
+    module = QuantizedExperts(fmt, spelled, I=256, L=256, dtype=dtype, layout="blocks")
+    rows = QuantizedExperts(fmt, spelled, I=256, L=256, dtype=dtype)
+    args = _inputs(module)
+    ep = torch.export.export(module, args)
+    assert sum(n.target == torch.ops.k3fuse.from_block_order.default for n in ep.graph.nodes) == 3
+    new_ep, log = k3fuse.apply(ep, k3fuse.DecodeContext(strict=True))
+    (e,) = [e for e in log.events if e.rule == RULE and e.decision == "applied"]
+    suffix = "" if dtype == torch.float32 else "[bfloat16]"
+    assert e.variant == f"{form}_{fmt}_blocks{suffix}", e.variant
+    assert (e.values["format"], e.values["layout"], e.values["I"]) == (fmt, "blocks", 256)
+    (op,) = [n for n in new_ep.graph.nodes if n.target == torch.ops.k3fuse.routed_experts_w4a16.default]
+    assert "blocks" in op.args
+    assert not [n for n in new_ep.graph.nodes if n.target == torch.ops.k3fuse.from_block_order.default]
+    runtime.reset_stats()
+    with runtime.strict():
+        z = new_ep.module()(*args)
+    assert runtime.stats() == {OP: {"reference": 1}} and runtime.fallbacks() == {}
+    if form == "gathered":
+        assert torch.equal(z, rows(*args)) and torch.equal(z, module(*args))
+    else:
+        torch.testing.assert_close(z.float(), rows(*args).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_rule_refuses_block_order_off_whole_steps():
+    """Tables said to be in block order whose widths are not whole steps of 128 (I = 64, L = 96): the guard
+    names the layout, and the spelling is left as it was."""
+    module = QuantizedExperts("mxfp4", layout="blocks", repack=False)
+    args = _inputs(module)
+    _, log = k3fuse.apply(torch.export.export(module, args), k3fuse.DecodeContext())
+    (e,) = log.rejected(RULE)
+    assert e.guard == "layout" and e.values["layout"] == "blocks" and (e.values["I"], e.values["L"]) == (64, 96)
+    assert "whole steps of 128" in e.reason
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -321,9 +391,42 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
     assert "bf16 activations" in cute_accepts(spec(8, dtype=torch.float16))
     assert "bf16 activations" in cute_accepts(spec(8, fmt="int4", dtype=torch.float16))
     assert cute_accepts(spec(8, I=96)) == "I=96, L=3584 (the CuTe kernel needs multiples of 128)"
+    # block-ordered tables: the CuTe kernel reads them at every K3 width and token count, Triton does not
+    from k3fuse.kernels.ops.routed_experts_w4a16 import accepts
+
+    for I in (3072, 1536, 384):
+        for T in (1, 2, 5, 64):
+            blocked = dataclasses.replace(spec(T, I), layout="blocks")
+            assert cute_accepts(blocked) is None and cute_config(T, 896, I, 3584, 16, layout="blocks")["blocked"]
+            assert accepts(blocked) == "layout 'blocks' (the Triton kernel reads the checkpoint's rows)"
+    monkeypatch.setenv("K3FUSE_W4A16_ONE_LAUNCH", "1")  # a launch form that reads rows only: named, not taken
+    why = cute_accepts(dataclasses.replace(spec(1), layout="blocks"))
+    assert why.startswith("the CuTe launch for layout 'blocks': blocked tables are read a step at a time"), why
 
 
 # --- the K3 stack with quantized experts ------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k3_stack_with_block_ordered_experts_both_doors(fmt):
+    """The K3 stack holding its experts in block order (tiny at two steps of 128 a row): the blocks variant fires
+    per layer through export and torch.compile, strict, and the steps are the model's."""
+    from stack_helpers import compiled_door, strict_steps
+
+    from k3fuse.model import K3DecodeStack, get_config
+
+    ctx = k3fuse.DecodeContext(strict=True)
+    model = K3DecodeStack(get_config("tiny", n_layers=2, latent=256, moe_inter=256, expert_format=fmt,
+                                     expert_layout="blocks"), seed=5)
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(3, model.config.hidden, generator=gen) for _ in range(3)]
+    new_ep, log = k3fuse.apply(torch.export.export(model, (xs[0], model.init_state(3))), ctx)
+    res = strict_steps(new_ep.module(), model, xs)
+    form = f"gathered_{fmt}_blocks"
+    assert log.summary()[RULE]["variants"] == {form: 2}, log.summary()[RULE]
+    assert res["fallbacks"] == {} and res["stats"][OP] == {"reference": 6} and res["err"] < 2e-5, res
+    out = compiled_door(model, xs, ctx)
+    assert out["summary"][RULE]["variants"] == {form: 2} and out["fallbacks"] == {}, out
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_k3_stack_with_quantized_experts_both_doors(fmt):
     from stack_helpers import compiled_door, strict_steps
@@ -624,8 +727,8 @@ def test_rounds_is_a_pairwise_choice_with_its_own_launch_keys():
 
 
 def test_blocked_is_a_choice_in_both_modes_with_its_own_launch_keys(monkeypatch):
-    """blocked (tables in quant.block_order's layout): never the default (the op's tables are the checkpoint's),
-    imposed in either mode with the loop or rounds, its launches' keys apart from the row-major ones (whose
+    """blocked (tables in quant.block_order's layout): the tables' layout says it (cute_config's `layout`), else
+    off; imposed in either mode with the loop or rounds, its launches' keys apart from the row-major ones (whose
     keys it leaves as they were); refused by name with one_launch, the scale blocks and balanced; the balanced
     setting gives way to it."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
@@ -633,6 +736,9 @@ def test_blocked_is_a_choice_in_both_modes_with_its_own_launch_keys(monkeypatch)
 
     E, L, k = 896, 3584, 16
     assert not cute_config(1, E, 1536, L, k)["blocked"] and not cute_config(64, E, 1536, L, k)["blocked"]
+    for T in (1, 2, 64):  # the layout adds blocked to the launch the call would take, tuned choices kept
+        taken = cute_config(T, E, 1536, L, k, format="mxfp4")
+        assert cute_config(T, E, 1536, L, k, format="mxfp4", layout="blocks") == {**taken, "blocked": True}
     for T, choices in ((1, {}), (1, {"rounds": True}), (64, {}), (2, {"split": 1, "x_stage": False})):
         rows, blocked = cute_config(T, E, 1536, L, k, **choices), cute_config(T, E, 1536, L, k, blocked=True, **choices)
         assert blocked["blocked"] and {**blocked, "blocked": False} == rows, (T, choices)

@@ -8,7 +8,8 @@ K3 ships its routed experts as compressed-tensors ``mxfp4-pack-quantized`` and K
     <layer prefix>.experts.<e>.w1|w2|w3.weight_shape     (optional: int32 [2], the unpacked [out, in])
 
 `load_routed_experts` copies this rank's slice of I of every expert into a K3DecodeStack built with
-the checkpoint's `expert_format` (reading only that slice from the files). Anything that does not fit
+the checkpoint's `expert_format` (reading only that slice from the files), in the model's `expert_layout`
+(repacked in block order as it loads where the model holds blocks). Anything that does not fit
 is an error naming the tensor and what was expected: a missing tensor, a wrong shape or dtype, a name
 under an experts prefix that is not one of the above, an expert id past n_experts, a quantization
 config of another format or group size. `save_routed_experts` writes the same layout from a TP 1
@@ -166,8 +167,8 @@ def load_routed_experts(model: torch.nn.Module, path: str | Path, *, layers: Seq
         routed = model.layers[layer_idx].moe.routed
         prefix = layer_prefix.format(layer=ckpt_layer)
         for proj in PROJECTIONS:
-            dest = {"weight_packed": getattr(routed, f"{proj}_packed"), "weight_scale": getattr(routed, f"{proj}_scale")}
             for e in range(E):
+                read: dict[str, torch.Tensor] = {}  # this rank's slice of each part, stored once both are read
                 for part in PARTS:
                     name = f"{prefix}.experts.{e}.{proj}.{part}"
                     shape, dtype = _expected(fmt, proj, full[proj], part)
@@ -194,9 +195,9 @@ def load_routed_experts(model: torch.nn.Module, path: str | Path, *, layers: Seq
                     size = shape[dim] // tp
                     index = (slice(rank * size, (rank + 1) * size), slice(None)) if dim == 0 else \
                         (slice(None), slice(rank * size, (rank + 1) * size))
-                    with torch.no_grad():
-                        dest[part][e].copy_(sl[index])
+                    read[part] = sl[index]
                     loaded += 1
+                routed.store_expert(proj, e, read["weight_packed"], read["weight_scale"])
     return {"format": fmt, "layers": layers, "tensors": loaded, "files": [f.name for f in files],
             "tp": tp, "rank": rank}
 
@@ -229,8 +230,10 @@ def save_routed_experts(model: torch.nn.Module, path: str | Path, *, layers: Seq
         for e in range(start, min(start + per_shard, cfg.n_experts)):
             for proj in PROJECTIONS:
                 base = f"{prefix}.experts.{e}.{proj}"
-                tensors[f"{base}.weight_packed"] = getattr(routed, f"{proj}_packed")[e].detach().cpu().contiguous()
-                tensors[f"{base}.weight_scale"] = getattr(routed, f"{proj}_scale")[e].detach().cpu().contiguous()
+                packed, scale = quant.from_layout(getattr(routed, f"{proj}_packed")[e:e + 1].detach(),
+                                                  getattr(routed, f"{proj}_scale")[e:e + 1].detach(), cfg.expert_layout)
+                tensors[f"{base}.weight_packed"] = packed[0].cpu().contiguous()
+                tensors[f"{base}.weight_scale"] = scale[0].cpu().contiguous()
                 if weight_shape:
                     tensors[f"{base}.weight_shape"] = torch.tensor(full[proj], dtype=torch.int32)
         fname = f"model-{n + 1:05d}-of-{len(chunks):05d}.safetensors"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..quant import EXPERT_FORMATS, GROUP_SIZE
+from ..quant import BLOCK_STEP, EXPERT_FORMATS, EXPERT_LAYOUTS, GROUP_SIZE
 from ..spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA
 
 RESIDUAL_KINDS = ("plain", "attnres")
@@ -56,6 +56,7 @@ class K3Config:
     attn_res_block: int = 12  # layers per AttnRes block (a bank entry every this many layers)
     dtype: str = "float32"  # model (trunk) dtype name; KDA state, router and SiTU are fp32 anyway
     expert_format: str = "bf16"  # routed experts: "bf16" (the trunk dtype), "mxfp4" or "int4" (packed)
+    expert_layout: str = "rows"  # packed experts held as the checkpoint's rows, or repacked in "blocks" (quant.py)
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -81,6 +82,16 @@ class K3Config:
                 if getattr(self, field) % GROUP_SIZE:
                     raise ValueError(f"K3Config.{field}={getattr(self, field)} must be a multiple of the "
                                      f"{self.expert_format} group size {GROUP_SIZE} (the experts' input widths)")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"K3Config.expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}")
+        if self.expert_layout == "blocks":
+            if not self.quantized_experts:
+                raise ValueError("K3Config.expert_layout='blocks' repacks packed experts: it needs expert_format "
+                                 f"mxfp4 or int4, got {self.expert_format!r}")
+            for field in ("latent", "moe_inter"):
+                if getattr(self, field) % BLOCK_STEP:
+                    raise ValueError(f"K3Config.{field}={getattr(self, field)} must be a multiple of {BLOCK_STEP} "
+                                     "for expert_layout='blocks' (a block's step; its rows, 64, divide that)")
         if not self.gate_lower_bound < 0:
             raise ValueError(f"K3Config.gate_lower_bound must be negative (decay exp(g) < 1), "
                              f"got {self.gate_lower_bound}")
@@ -124,6 +135,9 @@ class K3Config:
             raise ValueError(f"TP={tp} leaves moe_inter/tp={self.moe_inter // tp} of config {self.name!r}, not a "
                              f"multiple of the {self.expert_format} group size {GROUP_SIZE} (w2's input width "
                              f"per rank)")
+        if self.expert_layout == "blocks" and (self.moe_inter // tp) % BLOCK_STEP:
+            raise ValueError(f"TP={tp} leaves moe_inter/tp={self.moe_inter // tp} of config {self.name!r}, not a "
+                             f"multiple of {BLOCK_STEP}, which expert_layout='blocks' needs per rank")
 
 
 PRESETS: dict[str, K3Config] = {

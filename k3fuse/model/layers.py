@@ -91,10 +91,11 @@ class WeightSource:
         return nn.Parameter(out, requires_grad=False)
 
     def experts_quantized(self, layer: int, name: str, fmt: str, n_experts: int, shape: tuple[int, int],
-                          std: float, shard_dim: int, tp_size: int, rank: int
+                          std: float, shard_dim: int, tp_size: int, rank: int, layout: str = "rows"
                           ) -> tuple[nn.Parameter, nn.Parameter]:
         """(weight_packed, weight_scale) of E experts of `shape` [out, in] in `fmt`, the layout of
-        k3fuse/quant.py, each sharded along `shard_dim` (0: rows; 1: the input width, in whole groups).
+        k3fuse/quant.py, each sharded along `shard_dim` (0: rows; 1: the input width, in whole groups),
+        then held in `layout` (quant.to_layout: the same draws, repacked in block order for "blocks").
 
         Drawn directly in the packed layout, one expert at a time: uniform codes (random bytes or
         int32 words) and scales around the power of two (MXFP4) or the value (int4) that gives the
@@ -125,8 +126,10 @@ class WeightSource:
                     codes = torch.randint(-2 ** 31, 2 ** 31, p_shape, **draw)
                     u = torch.rand(s_shape, generator=g_scale, dtype=torch.float32, device=self.draw_device)
                     s = (std / _INT4_CODE_RMS * (1 + _INT4_SCALE_SPREAD * (2 * u - 1))).to(s_dtype)
-                packed[e].copy_(shard(codes, shard_dim, tp_size, rank))
-                scale[e].copy_(shard(s, shard_dim, tp_size, rank))
+                held = quant.to_layout(shard(codes, shard_dim, tp_size, rank)[None],
+                                       shard(s, shard_dim, tp_size, rank)[None], layout)
+                packed[e].copy_(held[0][0])
+                scale[e].copy_(held[1][0])
         return nn.Parameter(packed, requires_grad=False), nn.Parameter(scale, requires_grad=False)
 
     def param(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -270,8 +273,9 @@ class LatentMoE(nn.Module):
     grouped GEMMs on CUDA (bf16/fp16, torch._grouped_mm available), a gathered bmm elsewhere; both
     with static shapes (no data-dependent control flow, which torch.compile(fullgraph) and
     torch.export need). Quantized experts (`expert_format` mxfp4 / int4) are `w1_packed`/`w1_scale`
-    etc. in k3fuse/quant.py's layout and run `routed_experts_quantized`: the step's experts are
-    gathered, dequantized, and the same grouped or gathered GEMMs follow.
+    etc. in k3fuse/quant.py's layout, held as `expert_layout` says (the checkpoint's rows, or repacked in
+    block order), and run `routed_experts_quantized`: the step's experts are gathered (un-blocked),
+    dequantized, and the same grouped or gathered GEMMs follow.
     """
 
     def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
@@ -283,12 +287,13 @@ class LatentMoE(nn.Module):
         self.router = Router(cfg, layer, src)
         self.w_down = src.param(src.normal(layer, "moe.w_down", (L, H), H ** -0.5))  # replicated
         self.expert_format = cfg.expert_format
+        self.expert_layout = cfg.expert_layout
         # w1/w3 [E, I, L] split by rows (I), w2 [E, L, I] by its input width (I)
         experts = {"w1": ((I, L), L ** -0.5, 0), "w3": ((I, L), L ** -0.5, 0), "w2": ((L, I), I ** -0.5, 1)}
         if cfg.quantized_experts:
             for proj, (shape, std, dim) in experts.items():
                 packed, scale = src.experts_quantized(layer, f"moe.{proj}", cfg.expert_format, E, shape, std,
-                                                      dim, n, r)
+                                                      dim, n, r, cfg.expert_layout)
                 setattr(self, f"{proj}_packed", packed)
                 setattr(self, f"{proj}_scale", scale)
             # MXFP4's nibble -> value table, an input of the spelling (not a checkpoint tensor)
@@ -301,12 +306,22 @@ class LatentMoE(nn.Module):
         self.w_up = src.param(src.normal(layer, "moe.w_up", (H, L), L ** -0.5))  # replicated
 
     def quantized_weight(self, proj: str) -> quant.QuantizedWeight:
-        """Expert projection `proj` ("w1", "w3", "w2") as stored, [E, out, ...] packed with its scales."""
+        """Expert projection `proj` ("w1", "w3", "w2") in the checkpoint's layout, [E, out, ...] packed with its
+        scales (a copy where the model holds them in block order)."""
         if not self.cfg.quantized_experts:
             raise ValueError(f"the routed experts are stored in {self.expert_format}, not quantized")
-        packed, scale = getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale")
+        packed, scale = quant.from_layout(getattr(self, f"{proj}_packed"), getattr(self, f"{proj}_scale"),
+                                          self.expert_layout)
         columns = packed.shape[-1] * (quant.FP4_PER_BYTE if self.expert_format == "mxfp4" else quant.INT4_PER_WORD)
         return quant.QuantizedWeight(packed, scale, self.expert_format, columns)
+
+    def store_expert(self, proj: str, expert: int, packed: torch.Tensor, scale: torch.Tensor) -> None:
+        """Copy one expert's `proj` tables, given in the checkpoint's layout ([out, ...] each, this rank's
+        slice), into the model's, held in its expert_layout."""
+        held = quant.to_layout(packed[None], scale[None], self.expert_layout)
+        with torch.no_grad():
+            getattr(self, f"{proj}_packed")[expert].copy_(held[0][0])
+            getattr(self, f"{proj}_scale")[expert].copy_(held[1][0])
 
     def expert_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w3, w2) of every expert, [E, I/tp, L] and [E, L, I/tp], in `dtype` (the model's unless
@@ -325,7 +340,7 @@ class LatentMoE(nn.Module):
         if cfg.quantized_experts:
             z = routed_experts_quantized(a, experts, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
                                          self.w2_packed, self.w2_scale, k, cfg.situ_beta, cfg.situ_linear_beta,
-                                         self.expert_format, self.e2m1_table)
+                                         self.expert_format, self.e2m1_table, self.expert_layout)
         else:
             z = routed_experts(a, experts, self.w1, self.w3, self.w2, k, cfg.situ_beta, cfg.situ_linear_beta)
         # the weighted combine over the slots (the spelling patterns/moe_combine.py traces)

@@ -3,8 +3,10 @@
 `routed_experts` (kernels/ops/routed_experts.py) on the dequantized weights of k3fuse/quant.py's
 formats: `format` "mxfp4" (w uint8 [E, out, in/2] E2M1 nibbles, scales uint8 E8M0 [E, out, in/32];
 `table` the spelling's 16 E2M1 values, or None) or "int4" (w int32 [E, out, in/8] of q + 8
-nibbles, scales a float dtype [E, out, in/32]; no table). z[p] = w2[e_p] @ situ_glu(w1[e_p] @
-a[p // k], w3[e_p] @ a[p // k]), rounded to a's dtype after each projection. Stock: the model's
+nibbles, scales a float dtype [E, out, in/32]; no table), held in `layout` "rows" (as the checkpoint
+stores them) or "blocks" (k3fuse.quant.block_order's, which the CuTe kernel reads a step at a time in
+contiguous pieces). z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // k], w3[e_p] @ a[p // k]), rounded to a's dtype
+after each projection. Stock: the model's
 `routed_experts_quantized` (the step's experts gathered, dequantized, grouped GEMMs on CUDA);
 reference: the same dequantization, then the gathered bmm (any device); CUDA, both reading the packed
 words and scales once and dequantizing in registers: lib/cute/routed_experts_w4a16.py (bf16 activations
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from k3fuse.quant import EXPERT_LAYOUTS
 from k3fuse.spelling import routed_experts_quantized, routed_experts_quantized_gathered
 
 from ..declare import OpDecl, declare
@@ -42,19 +45,20 @@ class RoutedExpertsW4A16Spec(Spec):
     dtype: torch.dtype
     format: str
     scale_dtype: torch.dtype  # MXFP4's E8M0 bytes (uint8), int4's float dtype
+    layout: str = "rows"  # the tables' layout (k3fuse.quant.EXPERT_LAYOUTS)
     fits: str | None = call_only(None)  # why a call's operands are not the kernel's (devices, layouts, table)
     unaligned: str | None = call_only(None)  # tables off what CuTe's copies need (scale_alignment)
 
     @classmethod
     def from_call(cls, a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
-                  situ_linear_beta, format, table=None, **_: Any) -> RoutedExpertsW4A16Spec:
+                  situ_linear_beta, format, table=None, layout="rows", **_: Any) -> RoutedExpertsW4A16Spec:
         fits = _operands_misfit(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k,
-                                situ_beta, situ_linear_beta, format, table)
+                                situ_beta, situ_linear_beta, format, table, layout)
         if fits is not None:
             return cls(tokens=0, E=0, I=0, L=0, top_k=int(top_k), dtype=torch.float32, format=str(format),
-                       scale_dtype=torch.uint8, fits=fits)
+                       scale_dtype=torch.uint8, layout=str(layout), fits=fits)
         return cls(tokens=int(a.shape[0]), E=int(w1_packed.shape[0]), I=int(w1_packed.shape[1]), L=int(a.shape[1]),
-                   top_k=int(top_k), dtype=a.dtype, format=str(format), scale_dtype=w1_scale.dtype,
+                   top_k=int(top_k), dtype=a.dtype, format=str(format), scale_dtype=w1_scale.dtype, layout=layout,
                    unaligned=_unaligned(scale_alignment(w1_scale.dtype), w1_packed=w1_packed, w3_packed=w3_packed,
                                         w2_packed=w2_packed, w1_scale=w1_scale, w3_scale=w3_scale,
                                         w2_scale=w2_scale))
@@ -79,7 +83,7 @@ def _unaligned(scale_align: int, **tensors) -> str | None:
 
 
 def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt,
-                     table) -> str | None:
+                     table, layout) -> str | None:
     """Why a call's operands are not what the kernel reads (devices, layouts, dtypes, the table)."""
     tensors = dict(a=a, experts=experts, w1=w1, s1=s1, w3=w3, s3=s3, w2=w2, s2=s2)
     misfit = operands_misfit(tensors)
@@ -87,6 +91,8 @@ def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_
         return misfit
     if fmt not in FORMATS:
         return f"format {fmt!r} (mxfp4/int4 only)"
+    if layout not in EXPERT_LAYOUTS:
+        return f"layout {layout!r} (one of {EXPERT_LAYOUTS})"
     if a.dim() != 2 or w1.dim() != 3:
         return f"a {tuple(a.shape)} / w1 {tuple(w1.shape)} are not [T, L] / [E, I, L/{FORMATS[fmt]}]"
     from ..lib.triton import routed_experts_w4a16 as kernel
@@ -117,6 +123,16 @@ def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_
 
 
 def accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
+    """The Triton kernels: what their grouping covers, over the checkpoint's row-major tables."""
+    if (why := _grouping_covers(spec)) is not None:
+        return why
+    if spec.layout != "rows":
+        return f"layout {spec.layout!r} (the Triton kernel reads the checkpoint's rows)"
+    return None
+
+
+def _grouping_covers(spec: RoutedExpertsW4A16Spec) -> str | None:
+    """Why the Triton grouping (which every CUDA path runs) does not cover a call; either layout."""
     from ..lib.triton import routed_experts_w4a16 as kernel
 
     if (missing := kernel.missing_features()) is not None:
@@ -140,7 +156,7 @@ def accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
 
 
 def run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
-        situ_linear_beta, format, table=None, **_):
+        situ_linear_beta, format, table=None, layout="rows", **_):
     from ..lib.triton import routed_experts_w4a16 as kernel
 
     return kernel.run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
@@ -149,8 +165,8 @@ def run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scal
 
 def _warmup_args(s: dict) -> tuple:
     """The op's arguments for a warmup shape {"M", "E", "I", "L", "top_k", "format", and optionally "dtype",
-    "scale_dtype" (int4's; default the dtype), "device"}: zero activations and a table of a few experts
-    (E is no compile-time constant; only its divisibility by 16 is)."""
+    "scale_dtype" (int4's; default the dtype), "layout", "device"}: zero activations and a table of a few experts
+    (E is no compile-time constant; only its divisibility by 16 is; zero tables are the same in either layout)."""
     from ..lib.triton import routed_experts_w4a16 as kernel
 
     dev, dtype, fmt = s.get("device", "cuda"), s.get("dtype", torch.bfloat16), s["format"]
@@ -162,7 +178,7 @@ def _warmup_args(s: dict) -> tuple:
          for n, sh in kernel.packed_shapes(fmt, few, I, L).items()}
     experts = torch.arange(T * k, device=dev, dtype=torch.int64) % few
     return (torch.zeros((T, L), dtype=dtype, device=dev), experts, t["w1"], t["s1"], t["w3"], t["s3"], t["w2"],
-            t["s2"], k, 1.0, 1.0, fmt)
+            t["s2"], k, 1.0, 1.0, fmt, None, s.get("layout", "rows"))
 
 
 def warmup(shapes) -> None:
@@ -176,9 +192,10 @@ def warmup(shapes) -> None:
 
 
 def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
-          situ_linear_beta, format, table=None, strict=False):
+          situ_linear_beta, format, table=None, layout="rows", strict=False):
     name = "k3fuse.routed_experts_w4a16"
     torch._check(format in FORMATS, lambda: f"{name}: format {format!r} is not one of {sorted(FORMATS)}")
+    torch._check(layout in EXPERT_LAYOUTS, lambda: f"{name}: layout {layout!r} is not one of {EXPERT_LAYOUTS}")
     per = FORMATS[format]
     torch._check(a.dim() == 2, lambda: f"{name}: a must be the latent [T, L], got {tuple(a.shape)}")
     torch._check(experts.dim() == 1 and experts.dtype == torch.int64,
@@ -208,11 +225,11 @@ def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
 def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
     """The CuTe expert GEMMs: bf16 activations with MXFP4, or int4 with bf16 scales (where runs_int4), at
     widths of whole 128-element steps (a thread quad's step along K); the grouping and the activation
-    are the Triton kernels', so Triton's coverage first."""
+    are the Triton kernels', so their coverage first; either layout."""
     from ..lib.cute import compat
     from ..lib.cute.routed_experts_w4a16 import STEP, runs_int4
 
-    if (why := accepts(spec)) is not None:
+    if (why := _grouping_covers(spec)) is not None:
         return why
     if not compat.available():
         return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"
@@ -225,6 +242,10 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
         return "int4 on the CuTe kernel is turned off (K3FUSE_W4A16_CUTE_INT4=0)"
     if spec.I % STEP or spec.L % STEP:
         return f"I={spec.I}, L={spec.L} (the CuTe kernel needs multiples of {STEP})"
+    try:  # the launch this call would take (a launch-form setting may not read block order)
+        cute_config(spec.tokens, spec.E, spec.I, spec.L, spec.top_k, format=spec.format, layout=spec.layout)
+    except ValueError as exc:
+        return f"the CuTe launch for layout {spec.layout!r}: {exc}"
     return None
 
 
@@ -261,20 +282,26 @@ def _pairwise(T: int, top_k: int) -> bool:
 
 
 def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
-                stages: int | None = None, *, format: str | None = None, tuned: bool = True,
+                stages: int | None = None, *, format: str | None = None, tuned: bool = True, layout: str = "rows",
                 **choices: int | bool) -> dict:
     """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
     then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
     it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / gate_up_tiles /
     down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage / balanced / gate_up_shares /
-    pdl / rounds, imposed). With the call's `format` and nothing imposed, the measured table's choices where it has
-    them (tuned_choices; `tuned=False`: the rule's alone)."""
+    pdl / rounds / blocked, imposed). With the call's `format` and nothing imposed, the measured table's choices
+    where it has them (tuned_choices; `tuned=False`: the rule's alone). `layout` "blocks" adds `blocked` to
+    whichever choices: the tables' layout is the caller's fact, not a choice (the table's entries, measured on
+    rows, carry over)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
     if tuned and format is not None and pairwise is None and stages is None and not choices:
         choices = tuned_choices(format, T, E, I, L, top_k) or {}
         stages = choices.pop("stages", None)
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {EXPERT_LAYOUTS}")
+    if layout == "blocks":
+        choices = {**choices, "blocked": True}
     pairwise = _pairwise(T, top_k) if pairwise is None else pairwise
     stages = cute_kernel.STAGES if stages is None else stages
     return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages,
@@ -289,12 +316,12 @@ def _rows_for_16_byte_loads(a: torch.Tensor) -> torch.Tensor:
 
 
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
-             situ_linear_beta, format, table=None, out: torch.Tensor | None = None, config: dict | None = None,
-             **_) -> torch.Tensor:
+             situ_linear_beta, format, table=None, layout="rows", out: torch.Tensor | None = None,
+             config: dict | None = None, **_) -> torch.Tensor:
     """z [T*k, L]: the Triton grouping, the CuTe gate/up, the Triton SiTU-GLU, the CuTe down; with the
     config's x_stage (pairwise), the CuTe gate/up and down alone, each CTA staging its activations; or
     with its one_launch (pairwise), all of it in one CuTe launch. `out`: a [T*k, L] buffer to write
-    instead; `config`: cute_config's result to use."""
+    instead; `config`: cute_config's result to use (its `blocked` must be `layout`'s)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
@@ -302,7 +329,9 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
     E, I = w1_packed.shape[0], w1_packed.shape[1]
     top_k = int(top_k)
     P = T * top_k
-    cfg = config or cute_config(T, E, I, L, top_k, format=format)
+    cfg = config or cute_config(T, E, I, L, top_k, format=format, layout=layout)
+    if cfg.get("blocked", False) != (layout == "blocks"):
+        raise ValueError(f"a {'blocked' if cfg.get('blocked') else 'row-major'} launch over {layout!r} tables")
     z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
     if P == 0:
         return z
@@ -341,12 +370,13 @@ def cute_warmup(shapes) -> None:
     for s in shapes:
         args = _warmup_args(s)
         if cute_accepts(RoutedExpertsW4A16Spec.from_call(*args)) is None:
-            cute_run(*args, config=cute_config(s["M"], s["E"], s["I"], s["L"], s["top_k"], format=s["format"]))
+            cute_run(*args, config=cute_config(s["M"], s["E"], s["I"], s["L"], s["top_k"], format=s["format"],
+                                               layout=s.get("layout", "rows")))
 
 
 DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "
                   "Tensor w2_packed, Tensor w2_scale, int top_k, float situ_beta, float situ_linear_beta, str format, "
-                  "Tensor? table=None, bool strict=False) -> Tensor",
+                  "Tensor? table=None, str layout=\"rows\", bool strict=False) -> Tensor",
               _fake, routed_experts_quantized, routed_experts_quantized_gathered, spec=RoutedExpertsW4A16Spec)
 DECLS = (DECL,)
 declare(DECL)

@@ -195,22 +195,25 @@ def test_k3_mxfp4_experts_initialise_on_one_gpu_and_grouped_spelling_matches_flo
         assert rel < 2e-2, f"T={T}: quantized grouped vs float64 rel err {rel:.2e}"
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
-def test_4bit_layer_at_published_widths_error_is_explained(fmt, monkeypatch):
-    """`k3fuse validate` on the k3 preset at I = 3072 with its routed experts as K3 ships them (MXFP4) and
-    in Kimi K2.x's int4 format (`--set expert_format=int4`), TP 1, 5 tokens, 3 steps: stock and k3fuse
-    against float64 on the dequantized weights, strict mode, no fallback, every routed-experts call on
-    the CuTe kernel (int4 turned on there: K3FUSE_W4A16_CUTE_INT4)."""
+@pytest.mark.parametrize("fmt,layout", [("mxfp4", "rows"), ("int4", "rows"), ("mxfp4", "blocks")])
+def test_4bit_layer_at_published_widths_error_is_explained(fmt, layout, monkeypatch):
+    """`k3fuse validate` on the k3 preset at I = 3072 with its routed experts as K3 ships them (MXFP4), in
+    Kimi K2.x's int4 format (`--set expert_format=int4`), and MXFP4 held in block order
+    (`--set expert_layout=blocks`), TP 1, 5 tokens, 3 steps: stock and k3fuse against float64 on the
+    dequantized weights, strict mode, no fallback, every routed-experts call on the CuTe kernel (int4 turned
+    on there: K3FUSE_W4A16_CUTE_INT4)."""
     from k3fuse.tools import validate as v
 
     monkeypatch.setenv("K3FUSE_W4A16_CUTE_INT4", "1")
-    overrides = () if fmt == "mxfp4" else (("expert_format", fmt),)
+    overrides = (() if fmt == "mxfp4" else (("expert_format", fmt),)) + \
+        (() if layout == "rows" else (("expert_layout", layout),))
     cfg = v.ValidateConfig(preset="k3", layers=1, tp=1, tokens=5, steps=3, device="cuda", layer_outputs=False,
                            timeout_s=900, overrides=overrides)
     reports = v.run_validate(cfg)
     for r in reports:
         print(r["output_err_k3fuse"], r["output_err_stock"], r["runtime_stats"])
-        assert r["model"]["expert_format"] == fmt and r["model"]["moe_inter"] == 3072
+        assert (r["model"]["expert_format"], r["model"]["expert_layout"], r["model"]["moe_inter"]) == \
+            (fmt, layout, 3072)
         assert not r["fallbacks"], r["fallbacks"]
         assert set(r["runtime_stats"]["routed_experts_w4a16"]) == {"cute.routed_experts_w4a16"}, r["runtime_stats"]
     assert v.passed(reports), [r["unexplained"] for r in reports]

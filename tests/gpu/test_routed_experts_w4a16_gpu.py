@@ -379,7 +379,7 @@ def _blocked_args(experts, a, ids) -> tuple:
     if not hasattr(experts, "blocked"):
         experts.blocked = [t for w, s in zip(experts.packed[0::2], experts.packed[1::2])
                            for t in quant.block_order(w, s)]
-    return (a, ids, *experts.blocked, K, *SITU, experts.fmt, experts.table)
+    return (a, ids, *experts.blocked, K, *SITU, experts.fmt, experts.table, "blocks")
 
 
 @pytest.mark.parametrize("choice", list(BLOCKED_CHOICES))
@@ -469,6 +469,24 @@ def test_op_strict_counts_the_kernel(experts):
     assert runtime.stats()["routed_experts_w4a16"] == {impl: 1}
     assert runtime.fallbacks() == {}
     _check(z, experts.reference(a, ids), (experts.fmt, experts.I, "op"))
+
+
+@pytest.mark.parametrize("T", [1, 2, 8, 64])
+def test_op_over_block_ordered_tables_strict_and_under_replays(experts, T):
+    """The op as a block-ordered model calls it (layout "blocks", its own launch: the tuned table's choices
+    and `blocked`): strict, on the CuTe kernel, against float64; then 1000 CUDA-graph replays of that launch."""
+    if (why := _cute_missing(experts)) is not None:
+        pytest.skip(why)
+    a, ids = tokens(T, seed=7)
+    runtime.reset_stats()
+    with runtime.strict():
+        z = torch.ops.k3fuse.routed_experts_w4a16(*_blocked_args(experts, a, ids))
+    assert runtime.stats()["routed_experts_w4a16"] == {"cute.routed_experts_w4a16": 1} and runtime.fallbacks() == {}
+    _check(z, experts.reference(a, ids), (experts.fmt, experts.I, T, "op, blocks"))
+    cfg = cute_config(T, E, experts.I, L, K, format=experts.fmt, layout="blocks")
+    assert cfg == {**cute_config(T, E, experts.I, L, K, format=experts.fmt), "blocked": True}
+    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*_blocked_args(experts, a, ids), out=z),
+                             f"op, blocks {cfg}")
 
 
 def test_a_wrong_table_is_refused(experts):

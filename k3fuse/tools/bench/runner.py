@@ -170,12 +170,13 @@ def w4a16_launches(model_cfg: Any, tp: int, tokens: tuple[int, ...]) -> dict[int
         return None
     from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config, tuned_choices
 
-    fmt = model_cfg.expert_format
+    fmt, layout = model_cfg.expert_format, model_cfg.expert_layout
     shape = (model_cfg.n_experts, model_cfg.moe_inter // tp, model_cfg.latent, model_cfg.top_k)
     launches: dict[int, dict[str, Any]] = {}
     for T in tokens:
         try:
-            launches[T] = {"tuned": tuned_choices(fmt, T, *shape), "config": cute_config(T, *shape, format=fmt)}
+            launches[T] = {"tuned": tuned_choices(fmt, T, *shape), "layout": layout,
+                           "config": cute_config(T, *shape, format=fmt, layout=layout)}
         except ValueError as exc:  # widths off the CuTe kernel's steps: the op runs Triton there
             launches[T] = {"error": str(exc)}
     return launches
