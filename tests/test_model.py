@@ -108,7 +108,8 @@ def test_k3_shapes_on_meta_device():
     assert routed.w1_scale.shape == (896, 3072, 112) and routed.w2_scale.shape == (896, 3584, 96)
     assert routed.w2_packed.shape == (896, 3584, 1536)
     assert routed.w1_packed.dtype == routed.w1_scale.dtype == torch.uint8
-    bf16 = K3DecodeStack(get_config("k3", n_layers=1, expert_format="bf16"), device="meta").layers[0].moe.routed
+    bf16_cfg = get_config("k3", n_layers=1, expert_format="bf16", expert_layout="rows")
+    bf16 = K3DecodeStack(bf16_cfg, device="meta").layers[0].moe.routed
     assert bf16.w1.shape == (896, 3072, 3584) and bf16.w2.shape == (896, 3584, 3072)
     assert moe.shared.w_gate.shape == (6144, 7168) and moe.shared.w_down.shape == (7168, 6144)
     assert kda.w_q.dtype == torch.bfloat16 and kda.A_log.dtype == torch.float32

@@ -127,16 +127,25 @@ def test_config_names_quantized_width_errors():
         get_config("tiny", expert_format="int4").validate_for_tp(2)
     get_config("small", expert_format="mxfp4").validate_for_tp(2)
     get_config("k3").validate_for_tp(8)  # I / 8 = 384 = 12 groups
-    assert get_config("k3").expert_layout == "rows"
+    # the k3 preset holds its experts in block order (repacked where they load); rows is the default elsewhere
+    assert get_config("k3").expert_layout == "blocks" and get_config("tiny").expert_layout == "rows"
+    assert get_config("k3_moe_inter128").expert_layout == "rows"
     with pytest.raises(ValueError, match="expert_layout must be one of"):
         get_config("k3", expert_layout="columns")
-    with pytest.raises(ValueError, match="'blocks' repacks packed experts: it needs expert_format mxfp4 or int4"):
-        get_config("tiny", expert_layout="blocks")
+    with pytest.raises(ValueError, match="'blocks' repacks packed experts: it needs expert_format mxfp4 or int4.*"
+                                         "set expert_layout='rows'"):
+        get_config("k3", expert_format="bf16")
     with pytest.raises(ValueError, match="latent=64 must be a multiple of 128 for expert_layout='blocks'"):
         get_config("tiny", expert_format="mxfp4", expert_layout="blocks")
-    with pytest.raises(ValueError, match="TP=2 leaves moe_inter/tp=64 .* multiple of 128, which expert_layout="):
-        get_config("tiny", latent=128, moe_inter=128, expert_format="int4", expert_layout="blocks").validate_for_tp(2)
-    get_config("k3", expert_layout="blocks").validate_for_tp(8)  # 384 = 3 steps
+    for tp in (1, 2, 4, 8):  # I / 8 = 384 = 3 steps
+        get_config("k3").check_expert_layout(tp)
+    get_config("k3").validate_for_tp(16)  # TP 16's GEMMs need no layout, its experts do:
+    src, tp16 = WeightSource(0, torch.bfloat16, "meta"), TensorParallel(16, 0, None)
+    with pytest.raises(ValueError, match="TP=16 leaves moe_inter/tp=192 .* multiple of 128, which expert_layout="
+                                         "'blocks' needs per rank: build it with expert_layout='rows'"):
+        LatentMoE(get_config("k3", n_layers=1), 0, src, tp16)
+    rows = LatentMoE(get_config("k3", n_layers=1, expert_layout="rows"), 0, src, tp16)
+    assert rows.w2_packed.shape == (896, 3584, 192 // 2)
 
 
 def _block_ordered_tiny(fmt: str, layout: str, **over) -> K3DecodeStack:

@@ -231,7 +231,8 @@ def save_routed_experts(model: torch.nn.Module, path: str | Path, *, layers: Seq
             for proj in PROJECTIONS:
                 base = f"{prefix}.experts.{e}.{proj}"
                 packed, scale = quant.from_layout(getattr(routed, f"{proj}_packed")[e:e + 1].detach(),
-                                                  getattr(routed, f"{proj}_scale")[e:e + 1].detach(), cfg.expert_layout)
+                                                  getattr(routed, f"{proj}_scale")[e:e + 1].detach(),
+                                                  routed.expert_layout)
                 tensors[f"{base}.weight_packed"] = packed[0].cpu().contiguous()
                 tensors[f"{base}.weight_scale"] = scale[0].cpu().contiguous()
                 if weight_shape:

@@ -5,7 +5,8 @@ One frozen dataclass, a few presets and the divisibility checks tensor paralleli
 `tiny` and `small` keep the same structure at sizes a CPU test can run, with every sharded width
 divisible by TP 2, 4 and 8. `expert_format` is how the routed experts are stored: `bf16` (the model
 dtype), or packed as the checkpoint ships them (`mxfp4`, K3's format and the `k3` preset's; `int4`,
-K2.x's); see k3fuse/quant.py.
+K2.x's); `expert_layout` how packed experts are held: the checkpoint's `rows`, or repacked where they load
+in `blocks` for the fused kernel's contiguous copies (the `k3` preset's); see k3fuse/quant.py.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class K3Config:
         if self.expert_layout == "blocks":
             if not self.quantized_experts:
                 raise ValueError("K3Config.expert_layout='blocks' repacks packed experts: it needs expert_format "
-                                 f"mxfp4 or int4, got {self.expert_format!r}")
+                                 f"mxfp4 or int4, got {self.expert_format!r} (with it, set expert_layout='rows')")
             for field in ("latent", "moe_inter"):
                 if getattr(self, field) % BLOCK_STEP:
                     raise ValueError(f"K3Config.{field}={getattr(self, field)} must be a multiple of {BLOCK_STEP} "
@@ -124,6 +125,14 @@ class K3Config:
             "shared_inter": self.shared_inter,
         }
 
+    def check_expert_layout(self, tp: int) -> None:
+        """Raise ValueError where a rank's experts cannot be held in expert_layout at TP `tp` (where the experts are
+        built: the GEMM shapes of a TP need no layout)."""
+        if self.expert_layout == "blocks" and (self.moe_inter // tp) % BLOCK_STEP:
+            raise ValueError(f"TP={tp} leaves moe_inter/tp={self.moe_inter // tp} of config {self.name!r}, not a "
+                             f"multiple of {BLOCK_STEP}, which expert_layout='blocks' needs per rank: build it with "
+                             "expert_layout='rows' (`--set expert_layout=rows`)")
+
     def validate_for_tp(self, tp: int) -> None:
         """Raise ValueError naming the first dimension that `tp` does not divide."""
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -135,16 +144,14 @@ class K3Config:
             raise ValueError(f"TP={tp} leaves moe_inter/tp={self.moe_inter // tp} of config {self.name!r}, not a "
                              f"multiple of the {self.expert_format} group size {GROUP_SIZE} (w2's input width "
                              f"per rank)")
-        if self.expert_layout == "blocks" and (self.moe_inter // tp) % BLOCK_STEP:
-            raise ValueError(f"TP={tp} leaves moe_inter/tp={self.moe_inter // tp} of config {self.name!r}, not a "
-                             f"multiple of {BLOCK_STEP}, which expert_layout='blocks' needs per rank")
 
 
 PRESETS: dict[str, K3Config] = {
     # Published Kimi K3 dimensions (AttnRes block 12, BF16 trunk, MXFP4 routed experts as shipped).
     "k3": K3Config(hidden=7168, n_layers=93, kda_heads=96, head_dim=128, gate_rank=128,
                    n_experts=896, top_k=16, moe_inter=3072, latent=3584, shared_inter=6144,
-                   residual="attnres", attn_res_block=12, dtype="bfloat16", expert_format="mxfp4", name="k3"),
+                   residual="attnres", attn_res_block=12, dtype="bfloat16", expert_format="mxfp4",
+                   expert_layout="blocks", name="k3"),
     # CPU test sizes: same structure, every sharded width divisible by 2, 4 and 8.
     "tiny": K3Config(hidden=128, n_layers=2, kda_heads=8, head_dim=16, gate_rank=16,
                      n_experts=16, top_k=4, moe_inter=32, latent=64, shared_inter=64,
@@ -158,7 +165,7 @@ PRESETS: dict[str, K3Config] = {
 # K3 with narrow bf16 routed experts (moe_inter=128, a twelfth of the published width): the layer figures
 # before MXFP4, kept under a name that says so.
 PRESETS["k3_moe_inter128"] = dataclasses.replace(PRESETS["k3"], moe_inter=128, expert_format="bf16",
-                                                 name="k3_moe_inter128")
+                                                 expert_layout="rows", name="k3_moe_inter128")
 
 
 def get_config(name: str, **overrides: Any) -> K3Config:

@@ -291,6 +291,7 @@ class LatentMoE(nn.Module):
         # w1/w3 [E, I, L] split by rows (I), w2 [E, L, I] by its input width (I)
         experts = {"w1": ((I, L), L ** -0.5, 0), "w3": ((I, L), L ** -0.5, 0), "w2": ((L, I), I ** -0.5, 1)}
         if cfg.quantized_experts:
+            cfg.check_expert_layout(n)
             for proj, (shape, std, dim) in experts.items():
                 packed, scale = src.experts_quantized(layer, f"moe.{proj}", cfg.expert_format, E, shape, std,
                                                       dim, n, r, cfg.expert_layout)

@@ -123,7 +123,8 @@ def print_tables(result: dict[str, Any]) -> None:
     overrides = ",".join(f"{k}={v}" for k, v in (c.get("overrides") or {}).items())
     m = result.get("model", {})
     console.print(f"[bold]k3fuse bench[/]: preset {c['preset']}" + (f" ({overrides})" if overrides else "")
-                  + f" (moe_inter={m.get('moe_inter')}, {m.get('expert_format', 'bf16')} experts, "
+                  + f" (moe_inter={m.get('moe_inter')}, {m.get('expert_format', 'bf16')} experts"
+                  + (" in blocks" if m.get("expert_layout") == "blocks" else "") + ", "
                   f"{c.get('routing', 'uniform')} routing) x{c['layers']} layer(s), {c['residual']}, TP {c['tp']}, "
                   f"{c['device']} ({c.get('gpu', 'cpu')}), {c['steps_per_graph']} steps/graph, median of "
                   f"{c['replays']} replays, slower rank", highlight=False)
@@ -158,7 +159,9 @@ def print_tables(result: dict[str, Any]) -> None:
                                              for T in tokens])
     console.print(table)
     if result.get("w4a16_launch"):
-        console.print("4-bit routed experts' CuTe launch (where the op runs on CuTe): " + "; ".join(
+        layouts = {w.get("layout", "rows") for w in result["w4a16_launch"].values()}
+        console.print(f"4-bit routed experts' CuTe launch over {'/'.join(sorted(layouts))} tables (where the op runs "
+                      "on CuTe): " + "; ".join(
             f"T={T} " + ("error" if "error" in w else "the rule" if not w["tuned"] else f"tuned {w['tuned']}")
             for T, w in sorted(result["w4a16_launch"].items())), highlight=False)
 
