@@ -80,7 +80,8 @@ def _blocked(args: tuple) -> tuple:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_op_over_block_ordered_tables_computes_what_it_does_over_rows(fmt):
     """Layout "blocks": the reference and stock un-block the step's experts, so the op over block-ordered
-    tables is the row-major call bit for bit; a layout the op does not know is refused by name."""
+    tables is the row-major call bit for bit; a layout the op does not know is refused by name. (The kernels
+    read block order in place: the interpreter and GPU tests.)"""
     args = _op_args(fmt, T=5, I=128, L=256, dtype=torch.bfloat16)
     rows = spelling.routed_experts_quantized_gathered(*args)
     runtime.reset_stats()
@@ -398,7 +399,9 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
         for T in (1, 2, 5, 64):
             blocked = dataclasses.replace(spec(T, I), layout="blocks")
             assert cute_accepts(blocked) is None and cute_config(T, 896, I, 3584, 16, layout="blocks")["blocked"]
-            assert accepts(blocked) == "layout 'blocks' (the Triton kernel reads the checkpoint's rows)"
+            assert accepts(blocked) is None
+    assert accepts(dataclasses.replace(spec(1, 192), layout="blocks")) == \
+        "layout 'blocks' at I=192, L=3584 (block order needs whole steps of 128)"
     monkeypatch.setenv("K3FUSE_W4A16_ONE_LAUNCH", "1")  # a launch form that reads rows only: named, not taken
     why = cute_accepts(dataclasses.replace(spec(1), layout="blocks"))
     assert why.startswith("the CuTe launch for layout 'blocks': blocked tables are read a step at a time"), why
@@ -452,8 +455,9 @@ def test_k3_stack_with_quantized_experts_both_doors(fmt):
 
 # --- the Triton kernel through Triton's interpreter (a subprocess: TRITON_INTERPRET must be set
 # before triton is imported). fp16 trunk: the interpreter (Triton 3.6, numpy) mis-reads bf16 loads;
-# the GPU test covers bf16. Every case runs pairwise and grouped, both formats ---------------------
-CASES = ["one_token", "k3_like", "crowded", "bad_ids"]
+# the GPU test covers bf16. Every case runs pairwise and grouped, both formats; "blocked" on tables in
+# quant.block_order's layout (and, the control, the same tables read as rows) -----------------------
+CASES = ["one_token", "k3_like", "crowded", "bad_ids", "blocked"]
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os
     assert os.environ["TRITON_INTERPRET"] == "1"
@@ -465,7 +469,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     out = []
     for fmt in ("mxfp4", "int4"):
         for name, T, E, I, L, k in (("one_token", 1, 8, 64, 96, 2), ("k3_like", 3, 24, 32, 64, 4),
-                                    ("crowded", 20, 8, 32, 64, 4), ("bad_ids", 3, 8, 32, 64, 2)):
+                                    ("crowded", 20, 8, 32, 64, 4), ("bad_ids", 3, 8, 32, 64, 2),
+                                    ("blocked", 3, 8, 128, 256, 4)):
             g = torch.Generator().manual_seed(T)
             a = torch.randn(T, L, generator=g).half()
             w = [torch.randn(E, I, L, generator=g) * L ** -0.5, torch.randn(E, I, L, generator=g) * L ** -0.5,
@@ -484,6 +489,10 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
                 experts = experts.clone()
                 experts[1], experts[4] = -1, E
             args = [t for x in q for t in (x.packed, x.scale)]
+            layouts = ["rows"]
+            if name == "blocked":  # I = 128 rows of w1 (L = 256: two steps a row), 256 rows of w2
+                args = [t for x in q for t in quant.block_order(x.packed, x.scale)]
+                layouts = ["blocks", "rows"]
             table = quant.e2m1_table() if fmt == "mxfp4" else None
             # both modes; the k3_like case also with the other dot orientation (mma.sync / wgmma), the
             # one_token case (L = 96) with both down tiles in one program (the second one partly past L)
@@ -496,12 +505,14 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
                 launches.append({"down": {"N_TILES": 2, "BLOCK_N": 64}})
             for pairwise in (True, False):
                 for launch in launches:
-                    z = torch.full((T * k, L), float("nan"), dtype=torch.float16)
-                    K.run(a, experts, *args, k, B, LB, fmt, table, out=z, config={"pairwise": pairwise, **launch})
-                    err = lambda x: float((x[kept].double() - ref[kept]).norm() / ref[kept].norm())
-                    out.append({"fmt": fmt, "case": name, "pairwise": pairwise, "launch": launch,
-                                "written": not bool(torch.isnan(z[kept]).any()), "rel": err(z),
-                                "rel_fp16": err(half)})
+                    for layout in layouts:
+                        z = torch.full((T * k, L), float("nan"), dtype=torch.float16)
+                        K.run(a, experts, *args, k, B, LB, fmt, table, layout, out=z,
+                              config={"pairwise": pairwise, **launch})
+                        err = lambda x: float((x[kept].double() - ref[kept]).norm() / ref[kept].norm())
+                        out.append({"fmt": fmt, "case": name, "pairwise": pairwise, "launch": launch,
+                                    "layout": layout, "written": not bool(torch.isnan(z[kept]).any()),
+                                    "rel": err(z), "rel_fp16": err(half)})
     print("RESULT " + json.dumps(out))
 """)
 
@@ -513,7 +524,11 @@ def test_triton_kernel_in_the_interpreter_against_float64():
     assert {r["launch"]["down"].get("WGMMA") for r in results if r["case"] == "k3_like"} >= {True, False}
     assert any(r["launch"]["down"].get("N_TILES") == 2 for r in results if r["case"] == "one_token")
     assert any(r["launch"]["down"].get("WORD_ORDER") for r in results if r["case"] == "k3_like")
+    control = [r for r in results if r["layout"] == "rows" and r["case"] == "blocked"]
+    assert len(control) == 4 and all(r["rel"] > 0.5 for r in control), control  # block order read as rows
     for r in results:
+        if r in control:
+            continue
         assert r["written"], r  # every (kept) row of the NaN-poisoned output was written
         assert r["rel"] < 3e-3 and r["rel"] < 2 * r["rel_fp16"] + 1e-4, r  # fp16 rounding, as the spelling's
 
@@ -552,8 +567,8 @@ SM90_TYPES = {"a_ptr": "*bf16", "act_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_kernels_compile_for_sm90(fmt):
-    """Gate/up and down compile for sm_90 at K3's shapes in both modes: no spills, no atomics, the
-    packed loads software-pipelined (cp.async), the bf16x2 dequantization."""
+    """Gate/up and down compile for sm_90 at K3's shapes in both modes and both layouts: no spills, no atomics,
+    the packed loads software-pipelined (cp.async), the bf16x2 dequantization."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -569,7 +584,8 @@ def test_triton_kernels_compile_for_sm90(fmt):
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
 
-    for T, I, pairwise in ((1, 1536, True), (8, 384, False), (64, 3072, False)):
+    for T, I, pairwise, blocked in ((1, 1536, True, False), (8, 384, False, False), (64, 3072, False, False),
+                                    (1, 1536, True, True), (64, 3072, False, True)):
         cfg = K.pick_config(T, 896, I, 3584, 16, {"pairwise": pairwise})
         gu, dn = cfg["gate_up"], cfg["down"]
         mode = {"PAIRWISE": pairwise, **({"rows_ptr": None, "groups_ptr": None} if pairwise else {})}
@@ -579,12 +595,12 @@ def test_triton_kernels_compile_for_sm90(fmt):
                 ("gate_up", K._gate_up_kernel, {**shape, "TOP_K": 16, "BLOCK_N": gu["BLOCK_N"],
                                                 "BLOCK_K": gu["BLOCK_K"], "SPLIT_K": gu["SPLIT_K"],
                                                 "STAGES": gu["STAGES"], "WGMMA": gu["WGMMA"],
-                                                "WORD_ORDER": gu["WORD_ORDER"]}, gu),
+                                                "WORD_ORDER": gu["WORD_ORDER"], "BLOCKED": blocked}, gu),
                 ("down", K._down_kernel, {**shape, "N_TILES": dn["N_TILES"], "BLOCK_N": dn["BLOCK_N"],
                                           "BLOCK_K": dn["BLOCK_K"], "STAGES": dn["STAGES"], "WGMMA": dn["WGMMA"],
-                                          "WORD_ORDER": dn["WORD_ORDER"]}, dn)):
+                                          "WORD_ORDER": dn["WORD_ORDER"], "BLOCKED": blocked}, dn)):
             ck = compile_kernel(fn, constexprs, {"num_warps": launch["num_warps"]})
-            ptx, where = ck.asm["ptx"], (name, T, I, pairwise)
+            ptx, where = ck.asm["ptx"], (name, T, I, pairwise, blocked)
             assert ".entry" in ptx and "atom." not in ptx and "cp.async" in ptx, where
             assert ".local" not in ptx, where  # no spills to local memory
             assert packed and "mul.rn.bf16x2" in ptx, where  # the bf16x2 dequantization

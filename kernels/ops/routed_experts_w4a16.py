@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from k3fuse.quant import EXPERT_LAYOUTS
+from k3fuse.quant import BLOCK_STEP, EXPERT_LAYOUTS
 from k3fuse.spelling import routed_experts_quantized, routed_experts_quantized_gathered
 
 from ..declare import OpDecl, declare
@@ -123,16 +123,7 @@ def _operands_misfit(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_
 
 
 def accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
-    """The Triton kernels: what their grouping covers, over the checkpoint's row-major tables."""
-    if (why := _grouping_covers(spec)) is not None:
-        return why
-    if spec.layout != "rows":
-        return f"layout {spec.layout!r} (the Triton kernel reads the checkpoint's rows)"
-    return None
-
-
-def _grouping_covers(spec: RoutedExpertsW4A16Spec) -> str | None:
-    """Why the Triton grouping (which every CUDA path runs) does not cover a call; either layout."""
+    """Why the Triton kernels (whose grouping every CUDA path runs) do not cover a call, in either layout."""
     from ..lib.triton import routed_experts_w4a16 as kernel
 
     if (missing := kernel.missing_features()) is not None:
@@ -152,6 +143,8 @@ def _grouping_covers(spec: RoutedExpertsW4A16Spec) -> str | None:
         return f"T*top_k={T * spec.top_k} (needs <= {kernel.MAX_PAIRS})"
     if spec.I % GROUP or spec.L % GROUP or spec.I < GROUP or spec.L < GROUP:
         return f"I={spec.I}, L={spec.L} (both need whole groups of {GROUP})"
+    if spec.layout == "blocks" and (spec.I % BLOCK_STEP or spec.L % BLOCK_STEP):
+        return f"layout 'blocks' at I={spec.I}, L={spec.L} (block order needs whole steps of {BLOCK_STEP})"
     return None
 
 
@@ -160,7 +153,7 @@ def run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scal
     from ..lib.triton import routed_experts_w4a16 as kernel
 
     return kernel.run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
-                      situ_linear_beta, format, table)
+                      situ_linear_beta, format, table, layout)
 
 
 def _warmup_args(s: dict) -> tuple:
@@ -225,11 +218,11 @@ def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
 def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
     """The CuTe expert GEMMs: bf16 activations with MXFP4, or int4 with bf16 scales (where runs_int4), at
     widths of whole 128-element steps (a thread quad's step along K); the grouping and the activation
-    are the Triton kernels', so their coverage first; either layout."""
+    are the Triton kernels', so their coverage first."""
     from ..lib.cute import compat
     from ..lib.cute.routed_experts_w4a16 import STEP, runs_int4
 
-    if (why := _grouping_covers(spec)) is not None:
+    if (why := accepts(spec)) is not None:
         return why
     if not compat.available():
         return f"CuTe DSL unavailable ({compat.IMPORT_ERROR or 'disabled'})"

@@ -489,6 +489,14 @@ def test_op_over_block_ordered_tables_strict_and_under_replays(experts, T):
                              f"op, blocks {cfg}")
 
 
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_triton_over_block_ordered_tables_under_replays(experts, T):
+    """The Triton kernels reading block-ordered tables in place (a blocked model's path where CuTe does not
+    run): 1000 CUDA-graph replays against float64, NaN-poisoned."""
+    _replays_against_float64(experts, T, lambda a, ids, z: kernel.run(*_blocked_args(experts, a, ids), out=z,
+                                                                      config=CONFIG or None), "triton, blocks")
+
+
 def test_a_wrong_table_is_refused(experts):
     if experts.fmt != "mxfp4":
         pytest.skip("int4 has no table")

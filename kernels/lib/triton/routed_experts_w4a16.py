@@ -39,7 +39,9 @@ as in the BF16 kernel.
 
 a [T, L]; experts int64 [T*k]; mxfp4: w1/w3 uint8 [E, I, L/2] with uint8 scales [E, I, L/32], w2
 uint8 [E, L, I/2] with [E, L, I/32]; int4: int32 [E, I, L/8] / [E, L, I/8] with scales in a 16-bit
-float dtype; all contiguous -> z [T*k, L] new, contiguous, a's dtype.
+float dtype; all contiguous -> z [T*k, L] new, contiguous, a's dtype. The tables row-major (the
+checkpoint's layout) or, `layout` "blocks", in quant.block_order's (I and L whole steps of
+quant.BLOCK_STEP): the loads take the same words and scales from where block order puts them.
 """
 from __future__ import annotations
 
@@ -66,6 +68,11 @@ DTYPES = bf16_kernel.DTYPES
 INT4_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAVE_TRITON:
+    # quant.block_order's layout, as the jit functions read it (they read constexpr globals only)
+    _BLOCK_ROWS = tl.constexpr(quant.BLOCK_ROWS)
+    _WORDS_A_STEP = tl.constexpr(quant.BLOCK_STEP // 8)  # int32 words of a row's step, both formats
+    _SCALES_A_STEP = tl.constexpr(quant.BLOCK_STEP // GROUP)
+
     _group_kernel = bf16_kernel._group_kernel
     _group = bf16_kernel._group
     _group_pairs = bf16_kernel._group_pairs
@@ -173,11 +180,22 @@ if HAVE_TRITON:
             return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
 
     @triton.jit
+    def _table_at(row, unit, UNITS: tl.constexpr, A_STEP: tl.constexpr, BLOCKED: tl.constexpr):
+        """The index of unit `unit` (a word or a scale) of table row `row` (int64, e * rows + r), in a table of
+        UNITS a row: row-major, or in block order (BLOCKED), where a 64-row block's step (A_STEP units a row)
+        is one piece, row by row. Rows are whole blocks there, so a row's block starts at row - row % 64."""
+        if BLOCKED:
+            r = row % _BLOCK_ROWS
+            return (row - r) * UNITS + (unit // A_STEP) * (_BLOCK_ROWS * A_STEP) + r * A_STEP + unit % A_STEP
+        else:
+            return row * UNITS + unit
+
+    @triton.jit
     def _w4_rows_dot(x_ptr, w_ptr, s_ptr, out_ptr, rows_ptr, first, size, e, n0, k_begin,
                      N: tl.constexpr, K: tl.constexpr, K_SPAN: tl.constexpr, TOP_K: tl.constexpr, TILES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_STRIDE: tl.constexpr,
                      OUT_FP32: tl.constexpr, MXFP4: tl.constexpr, PACKED: tl.constexpr, PAIRWISE: tl.constexpr,
-                     STAGES: tl.constexpr, WGMMA: tl.constexpr, WORD_ORDER: tl.constexpr):
+                     STAGES: tl.constexpr, WGMMA: tl.constexpr, WORD_ORDER: tl.constexpr, BLOCKED: tl.constexpr):
         """out[pair, n] = sum over k in [k_begin, k_begin + K_SPAN) of x[pair // TOP_K, k] * w[e, n, k],
         for the group's pairs and TILES blocks of BLOCK_N rows from n0: fp32 partials (OUT_FP32) or
         rounded to out's dtype. BLOCK_K elements (several groups of 32) a step, one dot each; the tiles'
@@ -205,8 +223,10 @@ if HAVE_TRITON:
                 n_ok = n < N
                 row = e * N + n[:, None].to(tl.int64)
                 k0 = k_begin + (it % STEPS) * BLOCK_K
-                words = tl.load(w_ptr + row * WORDS + k0 // 8 + ww[None, :], mask=n_ok[:, None], other=0)
-                scales = tl.load(s_ptr + row * GROUPS + k0 // 32 + gg[None, :], mask=n_ok[:, None], other=0)
+                words = tl.load(w_ptr + _table_at(row, k0 // 8 + ww[None, :], WORDS, _WORDS_A_STEP, BLOCKED),
+                                mask=n_ok[:, None], other=0)
+                scales = tl.load(s_ptr + _table_at(row, k0 // 32 + gg[None, :], GROUPS, _SCALES_A_STEP, BLOCKED),
+                                 mask=n_ok[:, None], other=0)
                 x = tl.load(x_ptr + x_rows + k0 + kk[None, :], mask=m_ok[:, None], other=0.0)
                 wq = _dequant(words, scales, MXFP4, PACKED, x_ptr.dtype.element_ty, WORD_ORDER)
                 if WGMMA:
@@ -231,7 +251,7 @@ if HAVE_TRITON:
                         I: tl.constexpr, L: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
                         PACKED: tl.constexpr, PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr,
-                        WORD_ORDER: tl.constexpr):
+                        WORD_ORDER: tl.constexpr, BLOCKED: tl.constexpr):
         """gu32 [SPLIT_K, P, 2I] fp32: split s's partial sums of g = a . w1[e] (columns [0, I)) and
         u = a . w3[e] ([I, 2I)) over its share of L. Programs (group, row block of w1 or w3, split)."""
         gid = tl.program_id(0)
@@ -246,11 +266,11 @@ if HAVE_TRITON:
             if col < blocks:
                 _w4_rows_dot(a_ptr, w1_ptr, s1_ptr, out, rows_ptr, first, size, e, n0, split * span, I, L, span,
                              TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA,
-                             WORD_ORDER)
+                             WORD_ORDER, BLOCKED)
             else:
                 _w4_rows_dot(a_ptr, w3_ptr, s3_ptr, out + I, rows_ptr, first, size, e, n0, split * span, I, L, span,
                              TOP_K, 1, BLOCK_M, BLOCK_N, BLOCK_K, 2 * I, True, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA,
-                             WORD_ORDER)
+                             WORD_ORDER, BLOCKED)
 
     @triton.jit
     def _act_kernel(gu_ptr, act_ptr, P, beta, linear_beta, I: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -284,7 +304,8 @@ if HAVE_TRITON:
     def _down_kernel(act_ptr, w2_ptr, s2_ptr, z_ptr, experts_ptr, rows_ptr, groups_ptr, P, E,
                      I: tl.constexpr, L: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, PACKED: tl.constexpr,
-                     PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr, WORD_ORDER: tl.constexpr):
+                     PAIRWISE: tl.constexpr, STAGES: tl.constexpr, WGMMA: tl.constexpr, WORD_ORDER: tl.constexpr,
+                     BLOCKED: tl.constexpr):
         """z[pair, block] = act[pair] . w2[e, block], rounded to z's dtype; N_TILES blocks a program."""
         gid = tl.program_id(0)
         if PAIRWISE or gid < tl.load(groups_ptr):
@@ -292,7 +313,7 @@ if HAVE_TRITON:
             # act's rows are pairs: TOP_K = 1 maps a pair to its own row
             n0 = tl.program_id(1) * N_TILES * BLOCK_N
             _w4_rows_dot(act_ptr, w2_ptr, s2_ptr, z_ptr, rows_ptr, first, size, e, n0, 0, L, I, I, 1, N_TILES, BLOCK_M,
-                         BLOCK_N, BLOCK_K, L, False, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA, WORD_ORDER)
+                         BLOCK_N, BLOCK_K, L, False, MXFP4, PACKED, PAIRWISE, STAGES, WGMMA, WORD_ORDER, BLOCKED)
 
 
 TARGET_PROGRAMS = 528  # ~4 per SM on H200 (132 SMs)
@@ -426,16 +447,21 @@ def act(gu: torch.Tensor, dtype: torch.dtype, situ_beta: float, situ_linear_beta
     return out
 
 
-def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt, table=None,
+def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, fmt, table=None, layout="rows",
         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """z [T*k, L]; `out`: a contiguous [T*k, L] buffer of a's dtype to write instead (tests poison it);
-    `config`: pick_config overrides (the benchmark's arms)."""
+    """z [T*k, L]; `layout`: the tables' (quant.EXPERT_LAYOUTS); `out`: a contiguous [T*k, L] buffer of a's dtype
+    to write instead (tests poison it); `config`: pick_config overrides (the benchmark's arms)."""
     T, L = a.shape
     E, I = w1.shape[0], w1.shape[1]
     P = T * top_k
     cfg = pick_config(T, E, I, L, top_k, config) if config else _cached_config(T, E, I, L, int(top_k))
     z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
     assert z.is_contiguous() and tuple(z.shape) == (P, L) and z.dtype == a.dtype
+    if layout not in quant.EXPERT_LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {quant.EXPERT_LAYOUTS}")
+    blocked = layout == "blocks"
+    if blocked and (I % quant.BLOCK_STEP or L % quant.BLOCK_STEP):
+        raise ValueError(f"block-ordered tables need I and L in whole steps of {quant.BLOCK_STEP}, got I={I}, L={L}")
     if P == 0:
         return z
     gu_cfg, dn = cfg["gate_up"], cfg["down"]
@@ -450,12 +476,13 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
         x, _words(w1), s1, _words(w3), s3, gu, experts, rows, groups, P, E, I=I, L=L, SPLIT_K=split,
         TOP_K=int(top_k), BLOCK_M=BLOCK_M, BLOCK_N=gu_cfg["BLOCK_N"], BLOCK_K=gu_cfg["BLOCK_K"], MXFP4=mxfp4,
         PACKED=packed["gate_up"], PAIRWISE=cfg["pairwise"], STAGES=gu_cfg["STAGES"], WGMMA=gu_cfg["WGMMA"],
-        WORD_ORDER=gu_cfg["WORD_ORDER"], num_warps=gu_cfg["num_warps"])
+        WORD_ORDER=gu_cfg["WORD_ORDER"], BLOCKED=blocked, num_warps=gu_cfg["num_warps"])
     h = act(gu, a.dtype, situ_beta, situ_linear_beta, dn["WORD_ORDER"])
     _down_kernel[(cfg["groups"], triton.cdiv(triton.cdiv(L, dn["BLOCK_N"]), dn["N_TILES"]))](
         h, _words(w2), s2, z, experts, rows, groups, P, E, I=I, L=L, N_TILES=dn["N_TILES"], BLOCK_M=BLOCK_M,
         BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], MXFP4=mxfp4, PACKED=packed["down"], PAIRWISE=cfg["pairwise"],
-        STAGES=dn["STAGES"], WGMMA=dn["WGMMA"], WORD_ORDER=dn["WORD_ORDER"], num_warps=dn["num_warps"])
+        STAGES=dn["STAGES"], WGMMA=dn["WGMMA"], WORD_ORDER=dn["WORD_ORDER"], BLOCKED=blocked,
+        num_warps=dn["num_warps"])
     return z
 
 
