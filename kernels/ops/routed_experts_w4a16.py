@@ -4,8 +4,8 @@
 formats: `format` "mxfp4" (w uint8 [E, out, in/2] E2M1 nibbles, scales uint8 E8M0 [E, out, in/32];
 `table` the spelling's 16 E2M1 values, or None) or "int4" (w int32 [E, out, in/8] of q + 8
 nibbles, scales a float dtype [E, out, in/32]; no table), held in `layout` "rows" (as the checkpoint
-stores them) or "blocks" (k3fuse.quant.block_order's, which the CuTe kernel reads a step at a time in
-contiguous pieces). z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // k], w3[e_p] @ a[p // k]), rounded to a's dtype
+stores them) or "blocks" (k3fuse.quant.block_order's, where the CuTe kernel's copy of a step is contiguous;
+both kernels read either layout in place). z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // k], w3[e_p] @ a[p // k]), rounded to a's dtype
 after each projection. Stock: the model's
 `routed_experts_quantized` (the step's experts gathered, dequantized, grouped GEMMs on CUDA);
 reference: the same dequantization, then the gathered bmm (any device); CUDA, both reading the packed
