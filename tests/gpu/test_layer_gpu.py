@@ -162,8 +162,10 @@ def test_fused_situ_activation_matches_the_models_spelling():
 def test_k3_mxfp4_experts_initialise_on_one_gpu_and_grouped_spelling_matches_float64():
     """The published widths (I = 3072, 896 experts, ~15.7 GB of MXFP4 experts) fit one GPU at
     initialisation, and the quantized grouped spelling (slots, dequantization, torch._grouped_mm)
-    computes what float64 does on the dequantized weights of the experts the pairs pick."""
+    computes what float64 does on the dequantized weights of the experts the pairs pick, on the tables in the
+    preset's layout (block order: the spelling un-blocks the picked experts)."""
     cfg = get_config("k3", n_layers=1)
+    assert cfg.expert_layout == "blocks"
     torch.cuda.reset_peak_memory_stats()
     moe = layers.LatentMoE(cfg, 0, layers.WeightSource(0, torch.bfloat16, DEV, on_device=True),
                            layers.TensorParallel(1, 0, None))
@@ -173,7 +175,7 @@ def test_k3_mxfp4_experts_initialise_on_one_gpu_and_grouped_spelling_matches_flo
     assert torch.cuda.max_memory_allocated() < packed_bytes + 2 ** 30
     gen = torch.Generator(DEV).manual_seed(0)
     args = (moe.w1_packed, moe.w1_scale, moe.w3_packed, moe.w3_scale, moe.w2_packed, moe.w2_scale, cfg.top_k,
-            cfg.situ_beta, cfg.situ_linear_beta, "mxfp4", moe.e2m1_table)
+            cfg.situ_beta, cfg.situ_linear_beta, "mxfp4", moe.e2m1_table, moe.expert_layout)
     for T in (1, 3, 8):
         a = torch.randn(T, cfg.latent, device=DEV, dtype=torch.bfloat16, generator=gen)
         experts = torch.randint(0, cfg.n_experts, (T * cfg.top_k,), device=DEV, generator=gen)
@@ -186,7 +188,7 @@ def test_k3_mxfp4_experts_initialise_on_one_gpu_and_grouped_spelling_matches_flo
         for p in range(T * cfg.top_k):
             e = experts[p:p + 1]
             w1, w3, w2 = (spelling.dequantize_experts(getattr(moe, f"{n}_packed"), getattr(moe, f"{n}_scale"), e,
-                                                      "mxfp4", torch.float64, moe.e2m1_table)[0]
+                                                      "mxfp4", torch.float64, moe.e2m1_table, moe.expert_layout)[0]
                           for n in ("w1", "w3", "w2"))
             x = a[p // cfg.top_k].double()
             act = spelling.situ(w1 @ x, w3 @ x, cfg.situ_beta, cfg.situ_linear_beta)
@@ -197,16 +199,15 @@ def test_k3_mxfp4_experts_initialise_on_one_gpu_and_grouped_spelling_matches_flo
 
 @pytest.mark.parametrize("fmt,layout", [("mxfp4", "rows"), ("int4", "rows"), ("mxfp4", "blocks")])
 def test_4bit_layer_at_published_widths_error_is_explained(fmt, layout, monkeypatch):
-    """`k3fuse validate` on the k3 preset at I = 3072 with its routed experts as K3 ships them (MXFP4), in
-    Kimi K2.x's int4 format (`--set expert_format=int4`), and MXFP4 held in block order
-    (`--set expert_layout=blocks`), TP 1, 5 tokens, 3 steps: stock and k3fuse against float64 on the
+    """`k3fuse validate` on the k3 preset at I = 3072 with its routed experts as K3 ships them (MXFP4) and in
+    Kimi K2.x's int4 format (`--set expert_format=int4`), held in the checkpoint's rows, and MXFP4 in the preset's
+    block order (`--set expert_layout=...`), TP 1, 5 tokens, 3 steps: stock and k3fuse against float64 on the
     dequantized weights, strict mode, no fallback, every routed-experts call on the CuTe kernel (int4 turned
     on there: K3FUSE_W4A16_CUTE_INT4)."""
     from k3fuse.tools import validate as v
 
     monkeypatch.setenv("K3FUSE_W4A16_CUTE_INT4", "1")
-    overrides = (() if fmt == "mxfp4" else (("expert_format", fmt),)) + \
-        (() if layout == "rows" else (("expert_layout", layout),))
+    overrides = (() if fmt == "mxfp4" else (("expert_format", fmt),)) + (("expert_layout", layout),)
     cfg = v.ValidateConfig(preset="k3", layers=1, tp=1, tokens=5, steps=3, device="cuda", layer_outputs=False,
                            timeout_s=900, overrides=overrides)
     reports = v.run_validate(cfg)
