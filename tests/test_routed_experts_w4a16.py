@@ -392,7 +392,7 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
     assert "bf16 activations" in cute_accepts(spec(8, dtype=torch.float16))
     assert "bf16 activations" in cute_accepts(spec(8, fmt="int4", dtype=torch.float16))
     assert cute_accepts(spec(8, I=96)) == "I=96, L=3584 (the CuTe kernel needs multiples of 128)"
-    # block-ordered tables: the CuTe kernel reads them at every K3 width and token count, Triton does not
+    # block-ordered tables: both kernels read them at every K3 width and token count; off whole steps, named
     from k3fuse.kernels.ops.routed_experts_w4a16 import accepts
 
     for I in (3072, 1536, 384):
