@@ -15,6 +15,7 @@ spellings, and the Triton kernel in Triton's interpreter.
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
 
 import pytest
@@ -568,7 +569,8 @@ SM90_TYPES = {"a_ptr": "*bf16", "act_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_kernels_compile_for_sm90(fmt):
     """Gate/up and down compile for sm_90 at K3's shapes in both modes and both layouts: no spills, no atomics,
-    the packed loads software-pipelined (cp.async), the bf16x2 dequantization."""
+    the packed loads software-pipelined (cp.async), the bf16x2 dequantization; block order's loads as wide as
+    the row-major ones (as many 16-byte copies)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -584,6 +586,7 @@ def test_triton_kernels_compile_for_sm90(fmt):
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
 
+    wide: dict[tuple, int] = {}  # 16-byte cp.async copies per kernel and launch, by layout
     for T, I, pairwise, blocked in ((1, 1536, True, False), (8, 384, False, False), (64, 3072, False, False),
                                     (1, 1536, True, True), (64, 3072, False, True)):
         cfg = K.pick_config(T, 896, I, 3584, 16, {"pairwise": pairwise})
@@ -604,6 +607,10 @@ def test_triton_kernels_compile_for_sm90(fmt):
             assert ".entry" in ptx and "atom." not in ptx and "cp.async" in ptx, where
             assert ".local" not in ptx, where  # no spills to local memory
             assert packed and "mul.rn.bf16x2" in ptx, where  # the bf16x2 dequantization
+            wide[where] = len(re.findall(r"cp\.async\.cg\.shared\.global [^\n]*, 0x10,", ptx))
+    for (name, T, I, pairwise, blocked), copies in wide.items():
+        if blocked:
+            assert copies and copies == wide[(name, T, I, pairwise, False)], (name, T, I, copies)
 
 
 def test_pick_config_splits_k_when_the_grid_is_small():
