@@ -276,17 +276,18 @@ def from_block_order(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
 
 def to_layout(packed: torch.Tensor, scale: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint (row-major) tables [E, rows, ...] in `layout` (EXPERT_LAYOUTS): as they are, or in block order."""
-    _check_layout(layout)
+    check_layout(layout)
     return block_order(packed, scale) if layout == "blocks" else (packed, scale)
 
 
 def from_layout(packed: torch.Tensor, scale: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`to_layout`'s inverse: tables held in `layout` back in the checkpoint's row-major layout."""
-    _check_layout(layout)
+    check_layout(layout)
     return from_block_order(packed, scale) if layout == "blocks" else (packed, scale)
 
 
-def _check_layout(layout: str) -> None:
+def check_layout(layout: str) -> None:
+    """Raise ValueError naming a layout that is not one of EXPERT_LAYOUTS."""
     if layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
 
@@ -332,4 +333,4 @@ __all__ = ["GROUP_SIZE", "E2M1_MAGNITUDES", "E2M1_SIGN", "E8M0_BIAS", "E8M0_NAN"
            "e2m1_table", "packed_shape", "scale_shape", "packed_dtype", "scale_dtype", "check_mxfp4_columns",
            "quantize", "dequantize", "quantize_mxfp4", "dequantize_mxfp4", "quantize_int4", "dequantize_int4",
            "BLOCK_ROWS", "BLOCK_STEP", "block_order", "from_block_order", "EXPERT_LAYOUTS", "to_layout",
-           "from_layout", "from_block_order_op"]
+           "from_layout", "check_layout", "from_block_order_op"]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from k3fuse.quant import EXPERT_LAYOUTS, dequantize, from_block_order_op
+from k3fuse.quant import check_layout, dequantize, from_block_order_op
 
 #: K3's SiTU-GLU constants: beta (the gate's tanh bound) and linear_beta (the up projection's)
 K3_SITU_BETA = 4.0
@@ -162,11 +162,10 @@ def dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, slot_experts: 
     """The selected experts' weights [S, out, in] in `dtype`: gather their packed weights and scales
     (`packed` [E, out, in/2 or in/8], `scale` [E, out, in/32], held in `layout`: k3fuse.quant.EXPERT_LAYOUTS),
     un-block them where the tables are in block order, then k3fuse.quant's dequantization."""
+    check_layout(layout)
     packed, scale = packed.index_select(0, slot_experts), scale.index_select(0, slot_experts)
     if layout == "blocks":
         packed, scale = from_block_order_op(packed, scale)  # torch.ops.k3fuse.from_block_order: one graph node
-    elif layout != "rows":
-        raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
     return dequantize(packed, scale, fmt, dtype, table=table)
 
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from k3fuse.quant import BLOCK_STEP, EXPERT_LAYOUTS
+from k3fuse.quant import BLOCK_STEP, EXPERT_LAYOUTS, check_layout
 from k3fuse.spelling import routed_experts_quantized, routed_experts_quantized_gathered
 
 from ..declare import OpDecl, declare
@@ -235,10 +235,11 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
         return "int4 on the CuTe kernel is turned off (K3FUSE_W4A16_CUTE_INT4=0)"
     if spec.I % STEP or spec.L % STEP:
         return f"I={spec.I}, L={spec.L} (the CuTe kernel needs multiples of {STEP})"
-    try:  # the launch this call would take (a launch-form setting may not read block order)
-        cute_config(spec.tokens, spec.E, spec.I, spec.L, spec.top_k, format=spec.format, layout=spec.layout)
-    except ValueError as exc:
-        return f"the CuTe launch for layout {spec.layout!r}: {exc}"
+    if spec.layout == "blocks":  # a launch-form setting may not read block order (row-major launches all can)
+        try:
+            cute_config(spec.tokens, spec.E, spec.I, spec.L, spec.top_k, format=spec.format, layout=spec.layout)
+        except ValueError as exc:
+            return f"the CuTe launch for layout {spec.layout!r}: {exc}"
     return None
 
 
@@ -291,8 +292,7 @@ def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | Non
     if tuned and format is not None and pairwise is None and stages is None and not choices:
         choices = tuned_choices(format, T, E, I, L, top_k) or {}
         stages = choices.pop("stages", None)
-    if layout not in EXPERT_LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not one of {EXPERT_LAYOUTS}")
+    check_layout(layout)
     if layout == "blocks":
         choices = {**choices, "blocked": True}
     pairwise = _pairwise(T, top_k) if pairwise is None else pairwise

@@ -457,8 +457,7 @@ def run(a, experts, w1, s1, w3, s3, w2, s2, top_k, situ_beta, situ_linear_beta, 
     cfg = pick_config(T, E, I, L, top_k, config) if config else _cached_config(T, E, I, L, int(top_k))
     z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
     assert z.is_contiguous() and tuple(z.shape) == (P, L) and z.dtype == a.dtype
-    if layout not in quant.EXPERT_LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not one of {quant.EXPERT_LAYOUTS}")
+    quant.check_layout(layout)
     blocked = layout == "blocks"
     if blocked and (I % quant.BLOCK_STEP or L % quant.BLOCK_STEP):
         raise ValueError(f"block-ordered tables need I and L in whole steps of {quant.BLOCK_STEP}, got I={I}, L={L}")
