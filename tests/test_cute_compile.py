@@ -350,11 +350,25 @@ def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, L: int = 3584, E: int = 
         yield name, params, compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name)), (name, T, I, cfg)
 
 
+def _x_loads(ptx: str, params: dict, where) -> int:
+    """The four-launch forms' 16-byte activation loads from global memory: read-only (.nc), or in a down
+    launched as the SiTU-GLU launch's programmatic dependent (act_pdl), side-effecting plain loads, every
+    one after the grid's single wait, which follows the first weight copies (the weight-only rule)."""
+    if params.get("pdl") != "wait":
+        assert "griddepcontrol" not in ptx and not re.search(r"ld\.global\.v4\.u32", ptx), where
+        return len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
+    assert ptx.count("griddepcontrol.wait") == 1 and "ld.global.nc.v4" not in ptx, where
+    at = ptx.index("griddepcontrol.wait")
+    assert ptx.index("cp.async.cg.shared.global") < at < ptx.index("ld.global.v4.u32"), where
+    return len(re.findall(r"ld\.global\.v4\.u32", ptx))
+
+
 @needs_cute
 @pytest.mark.parametrize("T,I", W4A16_CASES)
 def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
-    loads, one scale byte a row a step, mma.sync m16n8k16 on bf16, the E2M1 pattern by one integer
+    loads (the down's, launched as the SiTU-GLU launch's dependent, after its one wait), one scale byte a
+    row a step, mma.sync m16n8k16 on bf16, the E2M1 pattern by one integer
     multiply a register, one bf16 multiply a register in the loop for ordinary scales and two in the
     loop for wide ones, no spills, no multicast; each k loop is its steps once, marked nounroll
     (ptxas unrolled a 12-step span into straight code that thrashed the instruction cache:
@@ -381,8 +395,9 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
         assert spreads == mma * 4 and "shl.b32 q" not in ptx, (where, spreads)
         # a step: the activations' 4 x 16 bytes from global, the weights' 2 x 16 bytes and the scale
         # words by cp.async (the prologue's stages - 1 steps and one a step loop), read from shared
-        v4 = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
+        v4 = _x_loads(ptx, params, where)
         assert v4 == mma // 8 * 4, (where, v4)
+        assert (params.get("pdl") == "wait") == (name == "down" and w4.ACT_PDL), where
         cp16 = len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
         # (pairwise one tile a CTA has one span: the compiler drops the next span's copies)
         assert 2 * (stages - 1 + 2) <= cp16 <= 2 * (stages - 1 + 2 * ring_loops), (where, cp16)
@@ -416,7 +431,7 @@ def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
         scale8 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 8;", ptx))
         assert 2 * (stages - 1 + 1) <= scale8 <= 2 * (stages - 1 + ring_loops), (where, scale8)
         assert len(re.findall(r"ld\.shared\.u16", ptx)) == mma // 8 * 2 and "ld.shared.u8" not in ptx, where
-        assert len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx)) == mma // 8 * 4, where
+        assert _x_loads(ptx, params, where) == mma // 8 * 4, where
         assert "bar.sync" not in ptx, where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 

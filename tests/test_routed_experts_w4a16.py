@@ -561,6 +561,61 @@ def test_word_order_and_quad_order_put_each_element_where_the_cute_kernel_reads_
     assert results == {"False": True, "True": True}
 
 
+def test_grouping_and_word_order_in_one_launch_are_the_two_launches():
+    """group_in_word_order (grouped mode's preparations in one launch, one_prep) in the interpreter: the same
+    groups and rows as `group`, and a copy of a equal to word_order(a, quads), both orders; an expert id
+    outside [0, E) left out; the sizes it refuses, by name."""
+    from k3fuse.kernels.lib.triton.routed_experts_w4a16 import group_in_word_order
+
+    results = run_in_interpreter(textwrap.dedent("""
+        import json, torch
+        from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
+        out = []
+        for T, L, E, k in ((3, 256, 40, 16), (16, 3584, 896, 16), (1, 128, 8, 4)):
+            gen = torch.Generator().manual_seed(T)
+            a = torch.randn(T, L, generator=gen).to(torch.bfloat16)
+            experts = torch.randint(0, E, (T * k,), generator=gen)
+            experts[0] = E + 3  # left out of every group
+            rows0, groups0 = K.group(experts, E, False)
+            P, n = T * k, int(groups0[0])
+            kept = int(groups0[1 + 2 * P:1 + 2 * P + n].sum())
+            for quads in (False, True):
+                rows, groups, x = K.group_in_word_order(a, experts, E, quads)
+                out.append({"T": T, "quads": quads, "kept": kept, "x": bool(torch.equal(x, K.word_order(a, quads))),
+                            "groups": int(groups[0]) == n and all(
+                                bool(torch.equal(groups[1 + c * P:1 + c * P + n], groups0[1 + c * P:1 + c * P + n]))
+                                for c in range(3)),
+                            "rows": bool(torch.equal(rows[:kept], rows0[:kept]))})
+        print("RESULT " + json.dumps(out))
+    """), timeout=300)
+    assert len(results) == 6 and all(r["x"] and r["groups"] and r["rows"] for r in results), results
+    assert [r["kept"] for r in results] == [47, 47, 255, 255, 3, 3]  # every pair but the one left out
+    a = torch.zeros(2, 200, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"K a multiple of 128, got \(2, 200\)"):
+        group_in_word_order(a, torch.zeros(32, dtype=torch.int64), 8, quads=True)
+
+
+def test_situ_glu_launch_lets_its_dependent_start_where_asked_sm90():
+    """The SiTU-GLU launch before a down launched as its programmatic dependent (act_pdl) triggers that launch
+    first thing; otherwise it has no griddepcontrol (sm_90 PTX)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from k3fuse.kernels.lib.triton import routed_experts_w4a16 as K
+
+    fn = K._act_kernel
+    for trigger in (False, True):
+        constexprs = {"I": 384, "SPLIT_K": 1, "BLOCK": K.ACT_BLOCK, "WORD_ORDER": True, "QUADS": True,
+                      "LAUNCH_DEPENDENTS": trigger}
+        types = {"gu_ptr": "*fp32", "act_ptr": "*bf16", "P": "i32", "beta": "fp32", "linear_beta": "fp32"}
+        sig = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert ptx.count("griddepcontrol.launch_dependents") == trigger and "griddepcontrol.wait" not in ptx
+        if trigger:  # before the first load of the partials
+            assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
+
+
 SM90_TYPES = {"a_ptr": "*bf16", "act_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "w2_ptr": "*i32",
               "s1_ptr": "*u8", "s3_ptr": "*u8", "s2_ptr": "*u8", "gu_ptr": "*fp32", "z_ptr": "*bf16",
               "experts_ptr": "*i64", "rows_ptr": "*i32", "groups_ptr": "*i32", "P": "i32", "E": "i32"}
@@ -747,6 +802,35 @@ def test_rounds_is_a_pairwise_choice_with_its_own_launch_keys():
             cute_config(T, E, 1536, L, k, rounds=True, **choices)
     with pytest.raises(ValueError, match="balanced streams whole rows.*rounds"):
         cute_config(1, E, 1536, L, k, rounds=True, balanced=True)
+
+
+def test_one_prep_and_act_pdl_are_the_four_launch_forms_defaults():
+    """Grouped mode prepares in one launch (one_prep) and, without x_stage, the down is the SiTU-GLU launch's
+    programmatic dependent (act_pdl): the down's launch waits ("wait"), the gate/up never triggers (the SiTU-GLU
+    launch does); both off where imposed, with keys of their own; refused by name where there is no such launch
+    (one_prep pairwise, act_pdl beside x_stage or one_launch)."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
+
+    E, L, k = 896, 3584, 16
+    assert w4.ONE_PREP and w4.ACT_PDL
+    grouped, pairwise_four = cute_config(16, E, 384, L, k), cute_config(1, E, 384, L, k, x_stage=False)
+    staged = cute_config(1, E, 384, L, k)
+    assert grouped["one_prep"] and grouped["act_pdl"] and not grouped["pdl"]
+    assert not pairwise_four["one_prep"] and pairwise_four["act_pdl"]
+    assert staged["x_stage"] and not staged["one_prep"] and not staged["act_pdl"]
+    for cfg, off in ((grouped, cute_config(16, E, 384, L, k, act_pdl=False)),
+                     (pairwise_four, cute_config(1, E, 384, L, k, x_stage=False, act_pdl=False))):
+        assert w4.gate_up_params(384, L, k, cfg, "mxfp4").get("pdl", "") == ""
+        down, down_off = (w4.down_params(384, L, c, "mxfp4") for c in (cfg, off))
+        assert down["pdl"] == "wait" and "pdl" not in down_off
+        assert w4.builder(**down)[0] != w4.builder(**down_off)[0]
+    assert not cute_config(16, E, 384, L, k, one_prep=False)["one_prep"]
+    with pytest.raises(ValueError, match="one_prep runs grouped mode only"):
+        cute_config(1, E, 384, L, k, one_prep=True)
+    for choices in ({"x_stage": True}, {"one_launch": True}):
+        with pytest.raises(ValueError, match="act_pdl launches the down after the SiTU-GLU launch"):
+            cute_config(1, E, 384, L, k, act_pdl=True, **choices)
 
 
 def test_blocked_is_a_choice_in_both_modes_with_its_own_launch_keys(monkeypatch):

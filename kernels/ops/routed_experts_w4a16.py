@@ -311,10 +311,11 @@ def _rows_for_16_byte_loads(a: torch.Tensor) -> torch.Tensor:
 def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
              situ_linear_beta, format, table=None, layout="rows", out: torch.Tensor | None = None,
              config: dict | None = None, **_) -> torch.Tensor:
-    """z [T*k, L]: the Triton grouping, the CuTe gate/up, the Triton SiTU-GLU, the CuTe down; with the
-    config's x_stage (pairwise), the CuTe gate/up and down alone, each CTA staging its activations; or
-    with its one_launch (pairwise), all of it in one CuTe launch. `out`: a [T*k, L] buffer to write
-    instead; `config`: cute_config's result to use (its `blocked` must be `layout`'s)."""
+    """z [T*k, L]: the Triton grouping (with the activations' word order: one_prep), the CuTe gate/up, the
+    Triton SiTU-GLU, the CuTe down; with the config's x_stage (pairwise), the CuTe gate/up and down alone,
+    each CTA staging its activations; or with its one_launch (pairwise), all of it in one CuTe launch.
+    `out`: a [T*k, L] buffer to write instead; `config`: cute_config's result to use (its `blocked` must be
+    `layout`'s)."""
     from ..lib.cute import routed_experts_w4a16 as cute_kernel
     from ..lib.triton import routed_experts_w4a16 as tri
 
@@ -338,9 +339,13 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
                    w2_scale, z, experts, one.state(a.device, tri.MAX_PAIRS), **one.params(I, L, top_k, cfg, format),
                    beta=float(situ_beta), linear_beta=float(situ_linear_beta))
         return z
-    rows, groups = tri.group(experts, E, cfg["pairwise"])
-    if rows is None:  # pairwise: the launches read neither (empty: no memset in a captured graph)
+    x = None  # a in word order, where the grouping's launch makes it
+    if cfg["pairwise"]:  # the launches read neither (empty: no memset in a captured graph)
         rows = groups = experts.new_empty(4, dtype=torch.int32)
+    elif cfg.get("one_prep"):
+        rows, groups, x = tri.group_in_word_order(a.contiguous(), experts, E, cfg["x_quads"])
+    else:
+        rows, groups = tri.group(experts, E, False)
     gu = torch.empty((cfg["partials"], P, 2 * I), dtype=torch.float32, device=a.device)
     if cfg["x_stage"]:  # pairwise, two launches: the CTAs stage a's rows and h themselves
         a = _rows_for_16_byte_loads(a)
@@ -349,9 +354,11 @@ def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2
         cute_kernel.launch(gu, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
                            **cute_kernel.down_params(I, L, cfg, format, (situ_beta, situ_linear_beta)))
         return z
-    cute_kernel.launch(tri.word_order(a, cfg["x_quads"]), w1_packed, w1_scale, w3_packed, w3_scale, gu, experts,
-                       rows, groups, **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
-    h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True, quads=cfg["x_quads"])
+    x = tri.word_order(a, cfg["x_quads"]) if x is None else x
+    cute_kernel.launch(x, w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
+                       **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
+    h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True, quads=cfg["x_quads"],
+                launch_dependents=cfg.get("act_pdl", False))
     cute_kernel.launch(h, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
                        **cute_kernel.down_params(I, L, cfg, format))
     return z

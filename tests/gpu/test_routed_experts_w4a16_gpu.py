@@ -272,7 +272,9 @@ CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": Fa
                 "rounds_long": {"x_stage": True, "rounds": True, "gate_up_tiles": 2, "n_tiles": 2, "split": 1,
                                 "stages": 5},
                 "rounds_quads_pdl": {"x_stage": True, "rounds": True, "x_quads": True, "pdl": True},
-                "rounds_four": {"x_stage": False, "rounds": True}}
+                "rounds_four": {"x_stage": False, "rounds": True},
+                "two_preps": {"one_prep": False}, "no_act_pdl": {"act_pdl": False},
+                "four_no_act_pdl": {"x_stage": False, "act_pdl": False}}
 #: the pairwise MLP's other forms (a CTA's one pair): no grouped launch
 PAIRWISE_ONLY = ("one_launch", "x_stage", "balanced", "gate_up_shares", "pdl", "rounds")
 

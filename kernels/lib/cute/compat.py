@@ -212,6 +212,14 @@ if HAVE_CUTE:
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
+    def ld_v4(addr, offset: int = 0, *, loc=None, ip=None):
+        """16 bytes at addr + offset by a plain (weak, L1-cached) load as four 32-bit words: bytes the preceding
+        grid wrote (PDL); side-effecting, so never moved above the griddepcontrol.wait that orders it."""
+        st = _asm(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                  f"ld.global.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};", "=r,=r,=r,=r,l")
+        return unpack(st, 4, Int32, loc, ip)
+
+    @dsl_user_op
     def st_v4_b32(addr, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
         """16 bytes, four 32-bit words, to a 16-byte aligned global address."""
         words = [Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]

@@ -42,7 +42,9 @@ blocks of w2 a CTA, rounded to bf16 into z [P, L]. Pairwise (each pair its own g
 in flight): the gate/up from a in natural order, the down h through the SiTU-GLU of the gate/up's
 partials, so that the op is these two launches alone; with `x_quads`, the row is staged in quad order
 and only lanes 0-3 read it (the pair is the mma's column 0; the other lanes' B words are zeros): a
-step's activations cost 4 shared-memory wavefronts a warp rather than 32 (docs/perf.md 0u).
+step's activations cost 4 shared-memory wavefronts a warp rather than 32 (docs/perf.md 0u). Without
+x_stage (grouped mode), the down is launched as the Triton SiTU-GLU launch's programmatic dependent
+(`pdl` "wait"): its first weight stages and scales in flight before it waits for that grid, h read after.
 `tile()` is one CTA's work; the pairwise one-launch form (routed_experts_w4a16_one_launch.py) runs both
 projections' tiles in one kernel through it, `waits` on: the activations after a flag, through L2.
 """
@@ -254,13 +256,15 @@ if compat.HAVE_CUTE:
             assert not x_stage or pairwise and not waits
             assert x_stage != "situ" or k_span == K and top_k == 1
             self.x_stage, self.gu_splits, self.beta, self.linear_beta = x_stage, gu_splits, beta, linear_beta
-            # programmatic dependent launch between the staged gate/up and down: "trigger", each gate/up
-            # CTA lets the down launch once all have started; "wait", the down (launched as a dependent)
-            # issues its first weight stages and reads its scales, then waits for the gate/up's grid
-            # before it stages h (the weight-only rule: static weights cross the sync point, activations
-            # never), reading the partials through L2: a read-only load is free to move above the wait
-            assert pdl in ("", "trigger", "wait") and (not pdl or x_stage)
-            assert pdl != "wait" or x_stage == "situ"
+            # programmatic dependent launch into the down: "trigger", each staged gate/up CTA lets the down
+            # launch once all have started; "wait", the down (launched as a dependent: of the staged gate/up,
+            # or without x_stage of the SiTU-GLU launch) issues its first weight stages and reads its scales,
+            # then waits for the preceding grid before it reads h (the weight-only rule: static weights cross
+            # the sync point, activations never): staged, the partials through L2; else h by side-effecting
+            # loads. A read-only (.nc) load is free to move above the wait and is not for bytes written while
+            # the kernel runs
+            assert pdl in ("", "trigger", "wait") and (pdl != "trigger" or x_stage)
+            assert pdl != "wait" or x_stage == "situ" or (not x_stage and top_k == 1 and k_span == K and not waits)
             self.pdl = pdl
             self.stage_early = bool(x_stage) and pdl != "wait"  # staged with the first weights in flight
             # 16-byte scale copies: aligned rows and block starts, blocks that never straddle a span, and
@@ -417,10 +421,11 @@ if compat.HAVE_CUTE:
                     bits = bits | self._scale_bits(s_at + row_tile * self._block_scales(), t)
             if const_expr(self.waits):  # the weights above are in flight; the activations only after the flag
                 wait_flag(flag, tidx)
-            if const_expr(self.pdl == "wait"):  # likewise, after the gate/up's grid (PDL)
+            if const_expr(self.pdl == "wait"):  # likewise, after the preceding grid (PDL)
                 compat.griddep_wait()
-                self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
-                x_base = Int64(x_smem)
+                if const_expr(bool(self.x_stage)):
+                    self._stage_x(x_base, x_smem, first, P, k_begin, tidx)
+                    x_base = Int64(x_smem)
             stream = self._stream_rounds if const_expr(self.rounds) else self._stream
             if const_expr(self.fmt == "int4"):  # one multiply a register at every scale
                 stream(acc, x_base, o_base, col_off, k_begin, first, size, split, P, mRows, tidx, row_a,
@@ -731,6 +736,8 @@ if compat.HAVE_CUTE:
                 xs = [compat.ld_shared_v4(*self._fold(Int32(x_at), x_off + 16 * q)) for q in range(4)]
             elif const_expr(self.waits):
                 xs = [compat.ld_cg_v4(*self._fold(x_at, x_off + x_step * q)) for q in range(4)]
+            elif const_expr(self.pdl == "wait"):  # h, written while this grid ran: kept below the wait
+                xs = [compat.ld_v4(*self._fold(x_at, x_off + x_step * q)) for q in range(4)]
             else:
                 xs = [compat.ld_nc_v4(*self._fold(x_at, x_off + x_step * q)) for q in range(4)]
             compat.cp_async_wait(D - 1)  # this step's group has landed
@@ -1001,6 +1008,10 @@ BALANCED = False
 #: read while the gate/up drains); off until an A/B shows it pays (docs/perf.md 0q, 0r);
 #: K3FUSE_W4A16_PDL overrides it
 PDL = False
+#: without x_stage (grouped mode; pairwise in four launches), the down launched as the SiTU-GLU launch's
+#: programmatic dependent: its first weights and scales read while that launch runs, its launch gap hidden
+#: (docs/perf.md 0z)
+ACT_PDL = True
 #: pairwise, the step loop in rounds of `stages` steps with its ring slots and byte offsets constants: no slot
 #: or address arithmetic a step, for more registers (fewer CTAs an SM); off until an A/B on the H200, where the
 #: few-token op is bound by its issue rate, shows it pays (docs/perf.md 0v)
@@ -1008,6 +1019,9 @@ ROUNDS = False
 #: int4 tables (bf16 scales) on this kernel rather than the Triton one, which it outran at every measured
 #: width and token count (docs/perf.md 0p); K3FUSE_W4A16_CUTE_INT4 overrides it
 INT4 = True
+#: grouped mode, the grouping and the activations' word order in one Triton launch
+#: (group_in_word_order), not a launch each: the copy rides beside the one-program sort (docs/perf.md 0z)
+ONE_PREP = True
 
 
 def runs_int4() -> bool:
@@ -1030,7 +1044,7 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
                 one_launch: bool | None = None, x_stage: bool | None = None,
                 gate_up_tiles: int | None = None, balanced: bool | None = None,
                 gate_up_shares: int | None = None, pdl: bool | None = None, rounds: bool | None = None,
-                blocked: bool = False) -> dict:
+                blocked: bool = False, one_prep: bool | None = None, act_pdl: bool | None = None) -> dict:
     """The gate/up K split and the down's row tiles a CTA for the expected number of groups: enough
     CTAs to cover the SMs, no more; `stages` for the ring; the grid's order; the activations' order
     for the mode (`pairwise`); the scale copies' steps (a launch whose widths do not fit takes 1);
@@ -1038,12 +1052,13 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     balanced or not (`balanced`: "gate_up_shares" CTAs a pair and table, 0 off), and with x_stage the down
     launched as the gate/up's programmatic dependent or not (`pdl`), and pairwise the step loop in rounds
     or not (`rounds`); `blocked`: the tables are quant.block_order's (the caller's to say: the kernels read
-    whichever layout they are told). I and L whole 128-element steps
-    (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up CTA's row blocks), `down_stages`
-    (the down's ring depth; default `stages`), `rows_first`, `x_quads`, `scale_steps`, `one_launch`,
-    `x_stage`, `balanced`, `gate_up_shares` (balanced, with that many CTAs a pair), `pdl` and `rounds` impose a choice
-    instead (the benchmark's A/B arms). "partials": the gate/up's fp32 partial slots (its split, or
-    balanced, share_slots)."""
+    whichever layout they are told); grouped, the grouping and the word-order copy in one launch or two
+    (`one_prep`); without x_stage, the down launched as the SiTU-GLU launch's dependent or not (`act_pdl`).
+    I and L whole 128-element steps (the op's predicate). `split`, `n_tiles`, `gate_up_tiles` (a gate/up
+    CTA's row blocks), `down_stages` (the down's ring depth; default `stages`), `rows_first`, `x_quads`,
+    `scale_steps`, `one_launch`, `x_stage`, `balanced`, `gate_up_shares` (balanced, with that many CTAs a
+    pair), `pdl`, `rounds`, `one_prep` and `act_pdl` impose a choice instead (the benchmark's A/B arms).
+    "partials": the gate/up's fp32 partial slots (its split, or balanced, share_slots)."""
     from k3fuse import settings
 
     if scale_steps not in (1, 4):
@@ -1075,6 +1090,12 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
     if blocked and (one_launch or scale_steps != 1 or balanced or gate_up_shares):
         raise ValueError("blocked tables are read a step at a time by the two- or four-launch forms with one scale "
                          "copy a step: no one_launch, scale_steps 4 or balanced beside it")
+    if one_prep and pairwise:
+        raise ValueError("one_prep runs grouped mode only (pairwise has no grouping launch)")
+    one_prep = not pairwise and (ONE_PREP if one_prep is None else one_prep)
+    if act_pdl and (x_stage or one_launch):
+        raise ValueError("act_pdl launches the down after the SiTU-GLU launch: none with x_stage or one_launch")
+    act_pdl = not (x_stage or one_launch) and (ACT_PDL if act_pdl is None else act_pdl)
     gate_up_tiles = 1 if gate_up_tiles is None else gate_up_tiles
     if gate_up_tiles < 1 or (I // BLOCK_ROWS) % gate_up_tiles:
         raise ValueError(f"gate_up_tiles {gate_up_tiles} does not divide the {I // BLOCK_ROWS} row blocks of w1 / w3")
@@ -1105,7 +1126,8 @@ def pick_config(groups: float, I: int, L: int, stages: int = STAGES, *, pairwise
             "down_stages": _stages(I // STEP, down_stages), "rows_first": rows_first, "x_quads": x_quads,
             "scale_steps": scale_steps, "one_launch": one_launch, "x_stage": bool(x_stage),
             "gate_up_tiles": gate_up_tiles, "gate_up_shares": shares, "pdl": pdl, "rounds": rounds,
-            "blocked": bool(blocked), "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
+            "one_prep": one_prep, "act_pdl": act_pdl, "blocked": bool(blocked),
+            "partials": share_slots(I // BLOCK_ROWS, steps, shares) if shares else split}
 
 
 def _gate_up_shares(groups: float, I: int, steps: int, stages: int, pairwise: bool, fits: bool,
@@ -1172,6 +1194,8 @@ def down_params(I: int, L: int, config: dict, fmt: str, betas: tuple[float, floa
             raise ValueError("x_stage: the down computes the SiTU-GLU, so it needs SiTU's betas")
         params.update(x_stage="situ", gu_splits=config["partials"], beta=float(betas[0]),
                       linear_beta=float(betas[1]), pdl="wait" if config["pdl"] else "")
+    elif config.get("act_pdl"):
+        params.update(pdl="wait")
     return params
 
 

@@ -75,9 +75,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _group_kernel(experts_ptr, rows_ptr, groups_ptr, scratch_ptr, P, E, BLOCK_P: tl.constexpr):
+        """One program: `_group_pairs_into`."""
+        _group_pairs_into(experts_ptr, rows_ptr, groups_ptr, scratch_ptr, P, E, BLOCK_P)
+
+    @triton.jit
+    def _group_pairs_into(experts_ptr, rows_ptr, groups_ptr, scratch_ptr, P, E, BLOCK_P: tl.constexpr):
         """rows [P]: pair ids grouped by expert (experts ascending, pairs ascending within a group);
         groups [1 + 3 * P]: the number of groups, then (expert, first row, size) per group, each a
-        column of P entries. One sort of the keys expert * BLOCK_P + pair does the grouping."""
+        column of P entries. One sort of the keys expert * BLOCK_P + pair does the grouping. The
+        calling program's work alone (other launches share it)."""
         p = tl.arange(0, BLOCK_P)
         in_p = p < P
         e = tl.load(experts_ptr + p, mask=in_p, other=-1)

@@ -57,6 +57,7 @@ from . import routed_experts as bf16_kernel
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
 
 FORMATS = ("mxfp4", "int4")
 GROUP = 32  # elements per scale (both formats)
@@ -74,6 +75,7 @@ if HAVE_TRITON:
     _SCALES_A_STEP = tl.constexpr(quant.BLOCK_STEP // GROUP)
 
     _group_kernel = bf16_kernel._group_kernel
+    _group_pairs_into = bf16_kernel._group_pairs_into
     _group = bf16_kernel._group
     _group_pairs = bf16_kernel._group_pairs
     _tanh = bf16_kernel._tanh
@@ -274,10 +276,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _act_kernel(gu_ptr, act_ptr, P, beta, linear_beta, I: tl.constexpr, SPLIT_K: tl.constexpr,
-                    BLOCK: tl.constexpr, WORD_ORDER: tl.constexpr, QUADS: tl.constexpr):
+                    BLOCK: tl.constexpr, WORD_ORDER: tl.constexpr, QUADS: tl.constexpr,
+                    LAUNCH_DEPENDENTS: tl.constexpr):
         """act [P, I] = situ_glu(g, u): the splits summed, g and u rounded to act's dtype, SiTU in fp32;
         WORD_ORDER: each 8 columns in the dequantized weights' order, QUADS: and each 128 columns' words
-        in quad order (word_order)."""
+        in quad order (word_order). LAUNCH_DEPENDENTS: the next launch, a programmatic dependent, may start
+        at once (it waits for this grid before it reads act)."""
+        if LAUNCH_DEPENDENTS:
+            gdc_launch_dependents()
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < P * I
         pair = offs // I
@@ -292,13 +298,34 @@ if HAVE_TRITON:
         g = g.to(dtype).to(tl.float32)
         u = u.to(dtype).to(tl.float32)
         act = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
-        if WORD_ORDER:  # element 8w + j + 4h to position 8w + 2j + h
-            word = col // 8
-            if QUADS:  # word 4t + i of a 128-column step to 4i + t
-                word = (word // 16) * 16 + (word % 4) * 4 + (word % 16) // 4
-            tl.store(act_ptr + pair * I + word * 8 + 2 * (col % 4) + (col % 8) // 4, act.to(dtype), mask=ok)
+        if WORD_ORDER:
+            tl.store(act_ptr + pair * I + _word_position(col, QUADS), act.to(dtype), mask=ok)
         else:
             tl.store(act_ptr + offs, act.to(dtype), mask=ok)
+
+    @triton.jit
+    def _word_position(col, QUADS: tl.constexpr):
+        """Where word_order puts column `col` of a row: element 8w + j + 4h at 8w + 2j + h; QUADS, and word
+        4t + i of a 128-column step at 4i + t."""
+        word = col // 8
+        if QUADS:
+            word = (word // 16) * 16 + (word % 4) * 4 + (word % 16) // 4
+        return word * 8 + 2 * (col % 4) + (col % 8) // 4
+
+    @triton.jit
+    def _group_in_word_order_kernel(experts_ptr, rows_ptr, groups_ptr, scratch_ptr, a_ptr, x_ptr, P, E, N,
+                                    K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+                                    QUADS: tl.constexpr):
+        """Grouped mode's two preparations in one launch: program 0 groups the pairs (`_group_pairs_into`),
+        the others copy a [N / K, K] into x in word order (QUADS: quad order too), BLOCK elements each."""
+        pid = tl.program_id(0)
+        if pid == 0:
+            _group_pairs_into(experts_ptr, rows_ptr, groups_ptr, scratch_ptr, P, E, BLOCK_P)
+        else:
+            offs = (pid - 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < N
+            col = offs % K
+            tl.store(x_ptr + offs - col + _word_position(col, QUADS), tl.load(a_ptr + offs, mask=ok), mask=ok)
 
     @triton.jit
     def _down_kernel(act_ptr, w2_ptr, s2_ptr, z_ptr, experts_ptr, rows_ptr, groups_ptr, P, E,
@@ -331,6 +358,7 @@ GATE_UP = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": 
            "WORD_ORDER": False}
 DOWN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None, "WORD_ORDER": False}
 ACT_BLOCK = 1024
+WORD_ORDER_BLOCK = 1024  # elements of a a copy program of group_in_word_order takes
 
 
 def block_k(span: int, want: int) -> int:
@@ -435,15 +463,38 @@ def group(experts: torch.Tensor, E: int, pairwise: bool) -> tuple[torch.Tensor |
     return rows, groups
 
 
+def group_in_word_order(a: torch.Tensor, experts: torch.Tensor, E: int,
+                        quads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped mode's (rows, groups) as `group` and x = word_order(a, quads), in one launch
+    (`_group_in_word_order_kernel`): the copy's programs run beside the grouping's one, which a launch of
+    its own would follow with a gap (docs/perf.md 0z). a [T, K] contiguous, K whole words (quads: whole
+    steps of 128)."""
+    T, K = a.shape
+    if not a.is_contiguous() or K % (128 if quads else 8):
+        raise ValueError(f"group_in_word_order: a contiguous [T, K] with K a multiple of {128 if quads else 8}, "
+                         f"got {tuple(a.shape)} (contiguous {a.is_contiguous()})")
+    P = experts.shape[0]
+    block_p = bf16_kernel._pow2(P)
+    work = torch.empty(P + 1 + 3 * P + block_p, dtype=torch.int32, device=experts.device)
+    rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
+    x = torch.empty_like(a)
+    _group_in_word_order_kernel[(1 + triton.cdiv(T * K, WORD_ORDER_BLOCK),)](
+        experts, rows, groups, scratch, a, x, P, E, T * K, K=K, BLOCK_P=block_p, BLOCK=WORD_ORDER_BLOCK, QUADS=quads,
+        num_warps=4)
+    return rows, groups, x
+
+
 def act(gu: torch.Tensor, dtype: torch.dtype, situ_beta: float, situ_linear_beta: float,
-        word_ordered: bool, quads: bool = False) -> torch.Tensor:
+        word_ordered: bool, quads: bool = False, launch_dependents: bool = False) -> torch.Tensor:
     """act [P, I] in `dtype` from the fp32 partials gu [SPLIT_K, P, 2I] (`_act_kernel`), its columns
-    as word_order(act, quads) puts them when word_ordered."""
+    as word_order(act, quads) puts them when word_ordered; `launch_dependents`: the next launch is its
+    programmatic dependent (PDL), let start at once."""
     split, P, I = gu.shape[0], gu.shape[1], gu.shape[2] // 2
     out = torch.empty((P, I), dtype=dtype, device=gu.device)
     _act_kernel[(triton.cdiv(P * I, ACT_BLOCK),)](gu, out, P, float(situ_beta), float(situ_linear_beta), I=I,
                                                   SPLIT_K=split, BLOCK=ACT_BLOCK, WORD_ORDER=word_ordered,
-                                                  QUADS=quads, num_warps=4)
+                                                  QUADS=quads, LAUNCH_DEPENDENTS=launch_dependents,
+                                                  num_warps=4)
     return out
 
 
