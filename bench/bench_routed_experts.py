@@ -51,6 +51,9 @@ STEPS = 8  # calls per captured graph, each on its own token rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k3fuse import quant
+    from k3fuse.model import PRESETS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inter", default="128,64", help="expert intermediate widths per rank")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
@@ -68,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cute-choices", default=None,
                     help='W4A16 table: CuTe arms with imposed launch choices, JSON {"name": {"split": 2, '
                          '"n_tiles": 1, "down_stages": 4}}; {"rule": {}}: the rule without the tuned table')
+    ap.add_argument("--layout", default=PRESETS["k3"].expert_layout, choices=quant.EXPERT_LAYOUTS,
+                    help="W4A16 table: the tables' layout the cute arm (the op as a model calls it) and the profile "
+                         "run over (default: the k3 preset's)")
     ap.add_argument("--profile", action="store_true",
                     help="W4A16 table: the CuTe arm's kernels in one profiled replay (the middle call)")
     ap.add_argument("--w4a16-config", default=None, help="W4A16: a GATE_UP/DOWN override (JSON) for both kernels")

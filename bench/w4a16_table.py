@@ -198,7 +198,8 @@ def run_w4a16(args) -> int:
                                                                format=fmt, scale_dtype=packed[1].dtype))
             cute_here = cute_missing is None
             tables.append({"inter": I, "format": fmt, "table_bytes": per_expert * E,
-                           "table_copy_TBps": table_copy_bandwidth(packed) / 1e12, "cute_not_run": cute_missing})
+                           "table_copy_TBps": table_copy_bandwidth(packed) / 1e12, "cute_not_run": cute_missing,
+                           "cute_layout": args.layout})
             results = {T: {} for T in tokens}
             for T in tokens:
                 r = Routing(T)
@@ -229,13 +230,15 @@ def run_w4a16(args) -> int:
                     return lambda: [cute_run(r.a[i], r.experts[i], *tables, K, *SITU, fmt, table, layout, out=out[i],
                                              config=cfg) for i in range(STEPS)]
 
-                if "cute" in arms and cute_here:  # the op's own launch: the rule's, or the tuned table's
-                    results[T]["cute"] = timed(cute_steps(), r.refill, args.replays)
-                    results[T]["cute_config"] = cute_config(T, E, I, L, K, format=fmt)
+                # the op's own launch as a model holding args.layout calls it: the rule's, or the tuned table's
+                op_config = cute_config(T, E, I, L, K, format=fmt, layout=args.layout)
+                if "cute" in arms and cute_here:
+                    results[T]["cute"] = timed(cute_steps(op_config), r.refill, args.replays)
+                    results[T]["cute_config"] = op_config
                     results[T]["cute_tuned"] = tuned_choices(fmt, T, E, I, L, K)
                 for depth in cute_depths if cute_here else ():  # the same kernel at other ring depths
-                    results[T][f"cute_stages_{depth}"] = timed(cute_steps(cute_config(T, E, I, L, K, stages=depth)),
-                                                               r.refill, args.replays)
+                    depth_config = cute_config(T, E, I, L, K, stages=depth, layout=args.layout)
+                    results[T][f"cute_stages_{depth}"] = timed(cute_steps(depth_config), r.refill, args.replays)
                 for name, choice in cute_choices.items() if cute_here else ():  # imposed launch choices
                     arms_here = results[T].setdefault("cute_choices", {})
                     try:
@@ -245,7 +248,7 @@ def run_w4a16(args) -> int:
                         continue
                     arms_here[name] = {"us": timed(cute_steps(cfg), r.refill, args.replays), "config": cfg}
                 if args.profile and "cute" in arms and cute_here:
-                    results[T]["cute_profile"] = profiled(cute_steps(), r.refill)
+                    results[T]["cute_profile"] = profiled(cute_steps(op_config), r.refill)
                 results[T]["touched"] = statistics.mean(r.touched)
                 results[T]["mode"] = "pairwise" if kernel.pick_config(T, E, I, L, K)["pairwise"] else "grouped"
             if I in humming_inters and "humming" in arms:
@@ -298,7 +301,8 @@ def run_w4a16(args) -> int:
                     if extra in res:
                         row[extra] = res[extra]
                 rows.append(row)
-                cute = (f"  cute{'[tuned ' + json.dumps(row['cute_tuned']) + ']' if row.get('cute_tuned') else ''} "
+                tuned = f"[tuned {json.dumps(row['cute_tuned'])}]" if row.get("cute_tuned") else ""
+                cute = (f"  cute {args.layout}{tuned} "
                         f"{row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else "")
                 cute += "".join(f"  {arm} {row[arm]:8.1f} µs {row[f'{arm}_pct_copy_bw']:5.1f}%"
                                 for arm in READ_ARMS if arm in row)
