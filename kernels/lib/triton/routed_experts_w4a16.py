@@ -358,7 +358,7 @@ GATE_UP = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": 
            "WORD_ORDER": False}
 DOWN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None, "WORD_ORDER": False}
 ACT_BLOCK = 1024
-WORD_ORDER_BLOCK = 1024  # elements of a a copy program of group_in_word_order takes
+WORD_ORDER_BLOCK = 1024  # elements of a each copy program of group_in_word_order moves
 
 
 def block_k(span: int, want: int) -> int:
@@ -455,12 +455,17 @@ def group(experts: torch.Tensor, E: int, pairwise: bool) -> tuple[torch.Tensor |
     the experts directly)."""
     if pairwise:
         return None, None
+    rows, groups, scratch, block_p = _grouping_buffers(experts)
+    _group_kernel[(1,)](experts, rows, groups, scratch, experts.shape[0], E, BLOCK_P=block_p, num_warps=4)
+    return rows, groups
+
+
+def _grouping_buffers(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """rows [P], groups [1 + 3P] and the sort's scratch in one int32 allocation, and the sort's block."""
     P = experts.shape[0]
     block_p = bf16_kernel._pow2(P)
     work = torch.empty(P + 1 + 3 * P + block_p, dtype=torch.int32, device=experts.device)
-    rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
-    _group_kernel[(1,)](experts, rows, groups, scratch, P, E, BLOCK_P=block_p, num_warps=4)
-    return rows, groups
+    return work[:P], work[P:4 * P + 1], work[4 * P + 1:], block_p
 
 
 def group_in_word_order(a: torch.Tensor, experts: torch.Tensor, E: int,
@@ -473,14 +478,11 @@ def group_in_word_order(a: torch.Tensor, experts: torch.Tensor, E: int,
     if not a.is_contiguous() or K % (128 if quads else 8):
         raise ValueError(f"group_in_word_order: a contiguous [T, K] with K a multiple of {128 if quads else 8}, "
                          f"got {tuple(a.shape)} (contiguous {a.is_contiguous()})")
-    P = experts.shape[0]
-    block_p = bf16_kernel._pow2(P)
-    work = torch.empty(P + 1 + 3 * P + block_p, dtype=torch.int32, device=experts.device)
-    rows, groups, scratch = work[:P], work[P:4 * P + 1], work[4 * P + 1:]
+    rows, groups, scratch, block_p = _grouping_buffers(experts)
     x = torch.empty_like(a)
     _group_in_word_order_kernel[(1 + triton.cdiv(T * K, WORD_ORDER_BLOCK),)](
-        experts, rows, groups, scratch, a, x, P, E, T * K, K=K, BLOCK_P=block_p, BLOCK=WORD_ORDER_BLOCK, QUADS=quads,
-        num_warps=4)
+        experts, rows, groups, scratch, a, x, experts.shape[0], E, T * K, K=K, BLOCK_P=block_p,
+        BLOCK=WORD_ORDER_BLOCK, QUADS=quads, num_warps=4)
     return rows, groups, x
 
 
