@@ -231,7 +231,7 @@ def run_w4a16(args) -> int:
                                              config=cfg) for i in range(STEPS)]
 
                 # the op's own launch as a model holding args.layout calls it: the rule's, or the tuned table's
-                op_config = cute_config(T, E, I, L, K, format=fmt, layout=args.layout)
+                op_config = cute_config(T, E, I, L, K, format=fmt, layout=args.layout) if cute_here else None
                 if "cute" in arms and cute_here:
                     results[T]["cute"] = timed(cute_steps(op_config), r.refill, args.replays)
                     results[T]["cute_config"] = op_config
