@@ -231,8 +231,8 @@ def _sweep_worker(rank, world, tokens, as_tp, out_json):
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-#: perf.md section 2's fused out-projection all-reduce (TP 2) and its GEMM alone: the pessimistic
-#: bracket of the exchange in --project
+#: the fused out-projection all-reduce (TP 2) and its GEMM alone (section 2 of
+#: docs/perf/2026-11-30-decode-gemm-fused-ar.md): the pessimistic bracket of the exchange in --project
 BRACKET = (os.path.join(RESULTS, "h200_fused_ar_tp2.json"), os.path.join(RESULTS, "h200_decode_gemm.json"))
 
 
@@ -270,10 +270,10 @@ def project(paths, out_json, bracket=BRACKET, nvlink_GBps=None, nvlink_latency_u
         with open(bracket[0]) as f, open(bracket[1]) as g:
             fused, gemm = json.load(f), json.load(g)
         br = M.bracket_from_json(fused, gemm)
-        br_src = (f"measured on 2 x H200 (perf.md section 2): 'k3fuse' of {os.path.basename(bracket[0])} minus "
-                  f"'k3fuse' of oproj_tp2 in {os.path.basename(bracket[1])}, per token count: the fused "
-                  f"out-projection all-reduce's whole cost over its GEMM (exchange, second kernel, launch "
-                  f"boundary, skew), charged instead of the exchange")
+        br_src = (f"measured on 2 x H200 (docs/perf/2026-11-30-decode-gemm-fused-ar.md section 2): 'k3fuse' of "
+                  f"{os.path.basename(bracket[0])} minus 'k3fuse' of oproj_tp2 in {os.path.basename(bracket[1])}, "
+                  f"per token count: the fused out-projection all-reduce's whole cost over its GEMM (exchange, "
+                  f"second kernel, launch boundary, skew), charged instead of the exchange")
     kw = {}
     if nvlink_GBps is not None:
         kw["nvlink_GBps"] = nvlink_GBps

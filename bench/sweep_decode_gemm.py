@@ -6,7 +6,7 @@ and the token bucket and is found by measurement, not guessed. Same timing metho
 bench_decode_gemm.py (CUDA-graph replays over rotated weight copies, fresh activations, medians).
 Triton variants are compiled first by a pool of processes (shared on-disk Triton cache), then timed.
 Writes JSON with every timing and prints the best configurations; `--emit` writes the tuned table
-kernels/lib/triton/splitk_tuned.py is made from (see docs/perf.md), keeping the entries of the sites not
+kernels/lib/triton/splitk_tuned.py is made from (see docs/perf/), keeping the entries of the sites not
 swept this time. `--sites` sweeps other K3 sites than the benchmark's (k3fuse/model/shapes.py names).
 
     python bench/sweep_decode_gemm.py --json sweep.json [--sites qkvg_tp1,shared_gate_tp1]
@@ -198,7 +198,8 @@ def merged(old: dict, new: dict) -> dict:
 def tuned_source(table: dict) -> str:
     """kernels/lib/triton/splitk_tuned.py for `table`."""
     lines = ['"""Split-K configs measured fastest on H200 by bench/sweep_decode_gemm.py (generated).', "",
-             "Key: (N, K, BLOCK_M). Conditions and timings: docs/perf.md.", '"""', "TUNED = {"]
+             "Key: (N, K, BLOCK_M). Conditions and timings: docs/perf.md and its history, docs/perf/.", '"""',
+             "TUNED = {"]
     lines += [f"    {k!r}: {v!r}," for k, v in sorted(table.items())]
     return "\n".join(lines + ["}", ""])
 

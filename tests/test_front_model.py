@@ -177,7 +177,7 @@ def test_project_on_the_real_json_prints_the_models_table(tmp_path):
             assert cells[-1] == ("declines (below)" if W == 16 else "covers")
     assert len(js["projection"]) == len(M.TABLE_TP) * len(M.TABLE_TOKENS)
     assert "world_size 16 outside [1, 8]" in text   # the kernel's own reason at TP 16
-    # the bracket (perf.md section 2's fused-AR overhead) is in the table
+    # the bracket (the fused-AR overhead, docs/perf/2026-11-30-decode-gemm-fused-ar.md section 2) is in the table
     assert set(js["params"]["bracket_us"]) >= {"1", "8", "64"}
     tp2_t1 = next(r for r in js["projection"] if r["W"] == 2 and r["T"] == 1)
     assert tp2_t1["bracket_sharded_us"] == pytest.approx(tp2_t1["compute_us"] + js["params"]["bracket_us"]["1"])
