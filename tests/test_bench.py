@@ -303,8 +303,7 @@ def test_the_gemm_sweep_keeps_the_tuned_entries_of_sites_it_did_not_sweep():
     """bench/sweep_decode_gemm.py --sites sweeps a few K3 sites (the TP 1 q/k/v/g projection, say):
     its --emit replaces those (N, K) shapes' entries in splitk_tuned.py, keeps every other, and the
     file it writes is the table."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import sweep_decode_gemm as sweep
+    from bench import sweep_decode_gemm as sweep
 
     from k3fuse.kernels.lib.triton.splitk_tuned import TUNED
     from k3fuse.model.shapes import gemm_site
