@@ -75,13 +75,17 @@ fi
 # the repo itself: editable install offline, else PYTHONPATH
 if ! "$PY" -c "import k3fuse.kernels" >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
-    || export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH}"
+    || export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH:-}"
 fi
+PYTEST_ROOT=""
 if ! "$PY" -c "import k3fuse.kernels" >/dev/null 2>&1; then
-  # package-dir mapping by symlinks (k3fuse.kernels -> kernels, k3fuse.patterns -> patterns)
+  # package-dir mapping by symlinks (k3fuse.kernels -> kernels, k3fuse.patterns -> patterns). The checkout's
+  # own k3fuse/ has neither, so the root must not come first on sys.path (PYTHONSAFEPATH: not for -m, -c or
+  # stdin; pytest: no pythonpath): it comes last, where `python -m bench.<name>` finds bench/
   mkdir -p .k3fuse_path && rm -rf .k3fuse_path/k3fuse && cp -r k3fuse .k3fuse_path/k3fuse
   ln -sfn "$(pwd)/kernels" .k3fuse_path/k3fuse/kernels; ln -sfn "$(pwd)/patterns" .k3fuse_path/k3fuse/patterns
-  export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH}"
+  export PYTHONSAFEPATH=1 PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH:-}:$(pwd)"
+  PYTEST_ROOT="-o pythonpath="
 fi
 
 {
@@ -111,7 +115,7 @@ step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.lo
 }
 # -v: one line per test as it finishes, so a run cut short by the device's time limit still says
 # which tests passed and failed; -rA --tb=short: every outcome and a short traceback at the end
-PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X:-} -v --tb=short -rA -p no:cacheprovider -o addopts=
+PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X:-} -v --tb=short -rA -p no:cacheprovider -o addopts= $PYTEST_ROOT
         --timeout=${PYTEST_TIMEOUT:-400} ${PYTEST_K:+-k "$PYTEST_K"})
 for s in "${STEPS[@]}"; do
   case "$s" in
