@@ -13,7 +13,7 @@ tokens and experts per replay, median µs per call. "floor" is the touched exper
 over the measured copy bandwidth (the expected number of distinct experts for T tokens drawing 16
 of 896 each).
 
-    python bench/bench_routed_experts.py [--inter 128,64] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python -m bench.bench_routed_experts [--inter 128,64] [--tokens 1,2,4,8,16,32,64] [--json out.json]
 
 W4A16 (--formats mxfp4,int4; I = 3072, 1536, 384 per rank by default): the packed experts drawn as
 random codes and scales in k3fuse/quant.py's layouts (the bytes the checkpoint has). Arms, each in
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.formats:
-        from w4a16_table import run_w4a16
+        from bench.w4a16_table import run_w4a16
 
         return run_w4a16(args)
     from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph

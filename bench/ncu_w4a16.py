@@ -8,7 +8,7 @@ over a random packed table of several GB), after a call on other tokens that com
 profiled call sits between cudaProfilerStart and Stop, so run it under `ncu --profile-from-start off`:
 
     ncu --profile-from-start off --clock-control none -k regex:W4A16RowsDot --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis_Tables python bench/ncu_w4a16.py --inter 3072 --tokens 1,64
+        --section MemoryWorkloadAnalysis_Tables python -m bench.ncu_w4a16 --inter 3072 --tokens 1,64
 
 (MemoryWorkloadAnalysis_Tables splits the L1/TEX wavefronts by instruction kind: the activations'
 global loads, the weights' and scales' LDGSTS, the shared-memory reads: which of them holds the busy
@@ -24,7 +24,7 @@ import torch
 from k3fuse import quant
 from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config, cute_run
 
-from w4a16_table import E, K, L, SITU, Routing, packed_table
+from bench.w4a16_table import E, K, L, SITU, Routing, packed_table
 
 
 def main(argv: list[str] | None = None) -> int:

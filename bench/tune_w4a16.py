@@ -8,7 +8,7 @@ best there, so that no other token count's entry stands in for it). Rows that ti
 launch leave their entry as it was; entries for rows not in these runs are kept. Arms over block-ordered
 tables (`blocked`) are left out: no choice spells them, as the op's tables are the checkpoint's.
 
-    python bench/tune_w4a16.py RUN.json [RUN.json ...] [--margin 0.02] [--skip-arms a,b] [--check]
+    python -m bench.tune_w4a16 RUN.json [RUN.json ...] [--margin 0.02] [--skip-arms a,b] [--check]
 
 Run the benchmark and the tuner with the launch-form switches (LAUNCH_FORM_SETTINGS) unset: the rule the arms
 are weighed against is today's, without them. `--skip-arms` leaves out arms whose code changed since the run.

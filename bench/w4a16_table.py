@@ -22,7 +22,7 @@ from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
 from k3fuse.kernels.ops.routed_experts_w4a16 import (RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run,
                                                      tuned_choices)
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
-from touched_read import TiledRead, TouchedRead, distinct
+from bench.touched_read import TiledRead, TouchedRead, distinct
 
 E, K, L = 896, 16, 3584
 STEPS = 8
@@ -345,7 +345,7 @@ def _fmt(us: float | None) -> str:
 def _humming_arm(fmt: str, I: int, packed, tokens, results, errors: dict, replays: int) -> None:
     """humming's two indexed GEMMs per token count (one layer pair per T: its tile follows T*k)."""
     try:
-        from humming_moe import HummingMoE
+        from bench.humming_moe import HummingMoE
     except Exception as exc:
         errors[f"{fmt}/{I}"] = f"import: {type(exc).__name__}: {exc}"
         return

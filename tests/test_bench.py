@@ -228,6 +228,36 @@ def test_bench_cli_mxfp4_experts_with_zipf_routing(tmp_path):
     assert result["arms"]["k3fuse"]["error"] is None and result["arms"]["k3fuse"]["fallbacks"] == {}
 
 
+def test_the_floor_is_the_bytes_at_the_cards_nominal_bandwidth(capsys):
+    """docs/perf.md, Floors: the bytes divided by the card's nominal HBM bandwidth (found by its device name),
+    never by the copy rate the run measured; a card not listed has no floor and keeps its bytes; the table says
+    what the floor divides by and prints the measured read beside it."""
+    from k3fuse.tools.bench.report import merge, nominal_bandwidth, print_tables
+    from k3fuse.tools.bench.runner import BenchConfig
+
+    assert nominal_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert nominal_bandwidth("NVIDIA H200") == nominal_bandwidth("NVIDIA H200 NVL") == 4.8e12
+    assert nominal_bandwidth("NVIDIA H100 PCIe") == 2.0e12 and nominal_bandwidth("NVIDIA H100 NVL") == 3.9e12
+    assert nominal_bandwidth("NVIDIA GH200 480GB") is None and nominal_bandwidth(None) is None
+    floor = {1: {"dense_bytes": 1.5e9, "expert_bytes_touched": 5e7, "experts_touched": 16.0,
+                 "state_bytes_read_write": 1.3e7}}
+    report = {"arms": {}, "floor": floor, "model": {}, "gpu": "NVIDIA H100 80GB HBM3",
+              "copy_bandwidth_Bps": 2.8e12, "read_bandwidth_Bps": 3.2e12}
+    f = merge(BenchConfig(device="cpu"), [report])["weight_read_floor"][1]
+    assert f["us"] == pytest.approx(1.55e9 / 3.35e12 * 1e6)
+    assert f["us_with_state"] == pytest.approx(1.563e9 / 3.35e12 * 1e6)
+    unknown = merge(BenchConfig(device="cpu"), [{**report, "gpu": "NVIDIA A100-SXM4-80GB"}])["weight_read_floor"][1]
+    assert unknown["us"] is None and unknown["bytes"] == 1.55e9
+
+    conditions = {"preset": "k3", "overrides": {}, "layers": 1, "residual": "plain", "tp": 1, "device": "cuda",
+                  "steps_per_graph": 4, "replays": 10, "gpu": "NVIDIA H100 80GB HBM3", "nominal_bandwidth_TBps": 3.35,
+                  "read_bandwidth_TBps": 3.2, "copy_bandwidth_TBps": 2.8}
+    print_tables({"conditions": conditions, "model": {}, "arms": {}, "weight_read_floor": {1: f}})
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("floor: bytes at the NVIDIA H100 80GB HBM3's nominal 3.35 TB/s; a read-only kernel measured 3.2 TB/s "
+            "here (a copy 2.8)") in out
+
+
 def test_tables_print_when_every_arm_failed(capsys):
     from k3fuse.tools.bench.report import print_tables
 
@@ -273,8 +303,7 @@ def test_the_gemm_sweep_keeps_the_tuned_entries_of_sites_it_did_not_sweep():
     """bench/sweep_decode_gemm.py --sites sweeps a few K3 sites (the TP 1 q/k/v/g projection, say):
     its --emit replaces those (N, K) shapes' entries in splitk_tuned.py, keeps every other, and the
     file it writes is the table."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import sweep_decode_gemm as sweep
+    from bench import sweep_decode_gemm as sweep
 
     from k3fuse.kernels.lib.triton.splitk_tuned import TUNED
     from k3fuse.model.shapes import gemm_site

@@ -372,7 +372,7 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
     multiply a register, one bf16 multiply a register in the loop for ordinary scales and two in the
     loop for wide ones, no spills, no multicast; each k loop is its steps once, marked nounroll
     (ptxas unrolled a 12-step span into straight code that thrashed the instruction cache:
-    docs/perf.md 0i). The ring: the weights and scales by cp.async
+    docs/perf/2026-12-03-w4a16-cute-gemms.md 0i). The ring: the weights and scales by cp.async
     into shared memory, waited for `stages - 1` groups behind, no barrier."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
@@ -390,7 +390,7 @@ def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
         assert ptx.count('.pragma "nounroll"') >= 3, where
         assert muls == mma // 2 * (4 + 8), (where, muls, mma)
         # the E2M1 pattern by mask, multiply, mask: one integer multiply a register (32 a step), no shifts
-        # but the word's one by 8 (docs/perf.md 0l)
+        # but the word's one by 8 (docs/perf/2026-12-04-w4a16-cute-few-tokens.md 0l)
         spreads = len(re.findall(r"mul\.lo\.u32 q, q, (?:4160|260);", ptx))
         assert spreads == mma * 4 and "shl.b32 q" not in ptx, (where, spreads)
         # a step: the activations' 4 x 16 bytes from global, the weights' 2 x 16 bytes and the scale

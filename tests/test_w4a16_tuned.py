@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,9 @@ from k3fuse.kernels.lib.cute import routed_experts_w4a16_tuned as shipped  # noq
 from k3fuse.kernels.ops import routed_experts_w4a16 as op  # noqa: E402
 from k3fuse.kernels.ops.routed_experts_w4a16 import LAUNCH_FORM_SETTINGS, cute_config, tuned_choices  # noqa: E402
 
+from bench import tune_w4a16 as tuner  # noqa: E402  (a benchmark tool, not part of the installed package)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # the tuner is a benchmark tool, not part of the installed package
-import tune_w4a16 as tuner  # noqa: E402
 
 E, L, K = 896, 3584, 16
 

@@ -206,7 +206,9 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
                               "distinct_experts": experts,
                               "floor": {T: weight_floor(model, T, experts[T]["mean"]) for T in cfg.tokens}}
     if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
         report["copy_bandwidth_Bps"] = timing.copy_bandwidth(device)
+        report["read_bandwidth_Bps"] = timing.read_bandwidth(device)
         ctx = k3fuse.DecodeContext.from_process_group() if world_size > 1 else k3fuse.DecodeContext()
         status = ctx.multicast_status()
         report["multicast"] = {"available": status.available, "reason": status.reason}
