@@ -73,7 +73,7 @@ def _layout_misfit(q, kv_cache, block_table, seq_lens, kv_scale) -> str | None:
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_table.stride(-1) != 1 or seq_lens.stride(0) != 1:
         return "q, kv_cache, block_table and seq_lens need a unit inner stride"
     size = kv_cache.element_size()
-    if kv_cache.data_ptr() % 16 or any(s * size % 16 for s in kv_cache.stride()[:2]):
+    if any(s * size % 16 for s in (kv_cache.storage_offset(), *kv_cache.stride()[:2])):
         return f"kv_cache rows must be 16-byte aligned (strides {kv_cache.stride()}, {size}-byte elements)"
     if (kv_cache.dtype == FP8) != (kv_scale is not None):
         return "an fp8 cache needs its kv_scale, and only an fp8 cache takes one"

@@ -83,7 +83,7 @@ CONFIGS = {2: LaunchConfig(block_n=32, num_warps=8, num_stages=3, programs_per_s
 # The split count's cost model (split_count). Model parameters, not measurements: bench/bench_mla_decode.py
 # --splits times other counts beside the chosen one.
 MODEL_BANDWIDTH = 3.0e12  # bytes/s the whole GPU streams (H100 copy bandwidth, read + write)
-PROGRAM_BANDWIDTH = 40e9  # bytes/s one program streams alone (one 36 KB tile in flight over HBM latency)
+PROGRAM_BANDWIDTH = 20e9  # bytes/s one program streams alone: one 36 KB tile in flight over HBM latency, less its dots
 COMBINE_LAUNCH_S = 2e-6  # the combine's launch and drain
 
 
