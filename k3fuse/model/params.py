@@ -203,7 +203,9 @@ class TableEntry:
 
 def model_table(cfg: K3Config) -> list[TableEntry]:
     """Every parameter of K3Model(cfg), in module order: what a checkpoint loader iterates."""
-    out = [TableEntry(s.name, HF_MODEL_PREFIX + s.hf, s, -1) for s in head_params(cfg)]
+    # the embedding is K3Model.embed's; the final norm, AttnRes output mix and LM head live in K3Model.head
+    out = [TableEntry(s.name if s.name == "embed.weight" else f"head.{s.name}", HF_MODEL_PREFIX + s.hf, s, -1)
+           for s in head_params(cfg)]
     for i, kind in enumerate(cfg.layer_kinds()):
         for path, specs in layer_params(cfg, kind).items():
             out += [TableEntry(f"layers.{i}.{path}{s.name}", HF_LAYER_PREFIX.format(layer=i) + s.hf, s, i)
