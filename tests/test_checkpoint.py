@@ -204,6 +204,35 @@ def test_older_layer_prefix_reads_as_the_released_one(tmp_path):
     assert_same(params(K3Model(cfg, seed=1)), params(model))
 
 
+def test_other_stored_forms_the_engines_read(tmp_path):
+    """A_log as the older [1, 1, h, 1], a conv weight as [P, K] (vLLM's loaders take both), a BF16 copy of an F32
+    vector: read as the model holds them."""
+    cfg = tiny("bf16")
+    write_checkpoint(tmp_path / "c", cfg, seed=1)
+    path = tmp_path / "c"
+    a_log, conv = LAYER.format(1) + "self_attn.A_log", LAYER.format(2) + "self_attn.v_conv1d.weight"
+    bias = LAYER.format(1) + "block_sparse_moe.gate.e_score_correction_bias"
+    for shard in path.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        if a_log in tensors:
+            tensors[a_log] = tensors[a_log].view(1, 1, -1, 1)
+        if conv in tensors:
+            tensors[conv] = tensors[conv].squeeze(1)
+        if bias in tensors:
+            tensors[bias] = tensors[bias].bfloat16()
+        save_file(tensors, str(shard))
+    source = params(K3Model(cfg, seed=1))
+    for rank in range(2):  # the 4-D A_log is split along its heads
+        _, state, _ = load_state_dict(path, rank=rank, tp_size=2)
+        heads = source["layers.1.attn.A_log"].chunk(2)[rank]
+        assert torch.equal(state["layers.1.attn.A_log"], heads)
+    _, model, _ = load_checkpoint(path)
+    got = params(model)
+    assert torch.equal(got["layers.2.attn.conv_weight"], source["layers.2.attn.conv_weight"])
+    bias_name = "layers.1.mlp.routed.router.b_corr"
+    assert got[bias_name].dtype == torch.float32 and torch.equal(got[bias_name], source[bias_name].bfloat16().float())
+
+
 def test_tensors_outside_the_language_model_are_skipped(tmp_path):
     cfg = tiny("bf16")
     write_checkpoint(tmp_path / "c", cfg, seed=1)

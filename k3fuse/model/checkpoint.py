@@ -41,6 +41,7 @@ big preset holds one parameter and one shard in memory, never the model. It writ
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -273,8 +274,7 @@ def load_into(model: K3Model, path: str | Path, *, layers: Sequence[int] | None 
         raise TypeError(f"load_into fills a K3Model, got {type(model).__name__}")
     cfg = model.config
     ckpt = _Checkpoint(path, cfg.expert_layout)
-    chosen = ckpt.layers(list(range(cfg.n_layers)) if layers is None and cfg.n_layers != ckpt.config.n_layers
-                         else layers)
+    chosen = ckpt.layers(list(range(cfg.n_layers)) if layers is None else layers)
     # the model's layers are checked one by one against the checkpoint's below; its dtype is its own
     differ = differences(ckpt.config, cfg, skip=("n_layers", "dense_layers", "mla_every", "dtype"))
     if differ:
@@ -399,8 +399,6 @@ def write_checkpoint(path: str | Path, source: K3Model | K3Config | str, *, seed
                 shards.add(stored.name, value)
         files, weight_map = shards.finish()
         index = {"metadata": {"total_size": shards.total}, "weight_map": weight_map}
-        import json
-
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=1))
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=1))
         if path.exists():

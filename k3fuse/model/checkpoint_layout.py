@@ -165,10 +165,6 @@ def _expand(pattern: str) -> list[str]:
     return [pattern[:m.start()] + alt + pattern[m.end():] for alt in m.group(1).split(",")]
 
 
-def _float_dtypes(spec_dtype: str) -> tuple[str, ...]:
-    return FLOAT_DTYPES if spec_dtype != "float32" else ("F32", "BF16", "F16")
-
-
 def param_layout(cfg: K3Config, entry: TableEntry, ckpt_layer: int | None = None) -> ParamLayout:
     """The stored tensors of `entry` as checkpoint layer `ckpt_layer` (default: the entry's own) holds them."""
     spec = entry.spec
@@ -181,7 +177,7 @@ def param_layout(cfg: K3Config, entry: TableEntry, ckpt_layer: int | None = None
     names = _expand(hf)
     if spec.parts:  # stacked: each [P, 1, K] (or [P, K]) split by rows
         P, K = spec.shape[0] // len(spec.parts), spec.shape[1]
-        stored = tuple(Stored(n, (((P, 1, K), 0), ((P, K), 0)), _float_dtypes(spec.dtype), "float") for n in names)
+        stored = tuple(Stored(n, (((P, 1, K), 0), ((P, K), 0)), FLOAT_DTYPES, "float") for n in names)
         return ParamLayout(entry, "stacked", stored, cfg)
     if len(names) == 2:  # an AttnRes query: [norm weight H | proj weight 1 x H], replicated
         (H,) = spec.shape
@@ -192,7 +188,7 @@ def param_layout(cfg: K3Config, entry: TableEntry, ckpt_layer: int | None = None
     forms: tuple[tuple[tuple[int, ...], int | None], ...] = ((spec.shape, dim),)
     if spec.name == "A_log":  # the older [1, 1, h, 1]
         forms += (((1, 1, spec.shape[0], 1), 2),)
-    return ParamLayout(entry, "one", (Stored(names[0], forms, _float_dtypes(spec.dtype), "float"),), cfg)
+    return ParamLayout(entry, "one", (Stored(names[0], forms, FLOAT_DTYPES, "float"),), cfg)
 
 
 def _expert_stored(cfg: K3Config, entry: TableEntry, hf: str) -> tuple[Stored, ...]:
@@ -210,14 +206,12 @@ def _expert_stored(cfg: K3Config, entry: TableEntry, hf: str) -> tuple[Stored, .
                       ("weight_scale", quant.scale_shape(fmt, rows, cols), scale_dtypes,
                        "e8m0" if fmt == "mxfp4" else "int4_scale", False, ()),
                       ("weight_shape", (2,), ("I32", "I64"), "shape", True, (rows, cols))]
-    base = hf.split("{e}")[0]
-    proj = hf.split("{e}.")[1].split(".")[0]
     stored = []
     for e in range(cfg.n_experts):
         for part, shape, dtypes, values, optional, expect in per_expert:
-            split = None if values == "shape" else dim
-            stored.append(Stored(f"{base}{e}.{proj}.{part}", ((tuple(shape), split),), dtypes, values, optional,
-                                 expect))
+            name = _expand(hf.replace("{e}", str(e)))[0].rsplit(".", 1)[0] + "." + part  # <...>.experts.<e>.<proj>.
+            stored.append(Stored(name, ((tuple(shape), None if values == "shape" else dim),), dtypes, values,
+                                 optional, expect))
     return tuple(stored)
 
 
