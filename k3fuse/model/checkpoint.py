@@ -85,6 +85,9 @@ class LoadReport:
 
 
 class Loaded(NamedTuple):
+    """What a load returns: the model's config (the checkpoint's, n_layers = len(layers)), the model (or state
+    dict) and the report."""
+
     config: K3Config
     model: Any  # K3Model, or the state dict of `load_state_dict`
     report: LoadReport
@@ -141,13 +144,13 @@ class _Checkpoint:
         """Refuse a config.json describing more tensors than the shards hold, before listing them (a config of a
         billion layers or experts must not cost a billion names)."""
         cfg, held = self.config, len(self.files.tensors)
-        counts = [cfg.n_layers]
-        if cfg.n_layers <= held:
+        least = cfg.n_layers  # a tensor a layer at least
+        if least <= held:  # then the layer kinds are cheap to list: the routed experts' tensors
             moe_layers = sum(1 for k in cfg.layer_kinds() if k.mlp == "moe")
-            counts.append(moe_layers * cfg.n_experts * 3 * (2 if cfg.quantized_experts else 1))
-        if max(counts) > held:
-            raise CheckpointError(f"{CONFIG_FILE} describes a model of at least {max(counts)} tensors but the shards "
-                                  f"hold {held}", "the config and the shards are of different models")
+            least = max(least, moe_layers * cfg.n_experts * 3 * (2 if cfg.quantized_experts else 1))
+        if least > held:
+            raise CheckpointError(f"{CONFIG_FILE} describes a model of at least {least} tensors but the shards hold "
+                                  f"{held}", "the config and the shards are of different models")
 
     def layers(self, layers: Sequence[int] | None) -> list[int]:
         """`layers` checked against the checkpoint (ints in range, at least one)."""
@@ -269,21 +272,27 @@ def load_state_dict(path: str | Path, *, rank: int = 0, tp_size: int = 1, layers
 
 def load_into(model: K3Model, path: str | Path, *, layers: Sequence[int] | None = None) -> LoadReport:
     """Copy checkpoint `path` into `model` (a K3Model, its rank's slice; model layer i from checkpoint layer
-    `layers[i]`), all or nothing: every value is read and checked into host tensors first, then copied."""
+    `layers[i]`), all or nothing: every value is read and checked into host tensors first, then copied (under the
+    model's process group, only once every rank's staging succeeded)."""
     if not isinstance(model, K3Model):
         raise TypeError(f"load_into fills a K3Model, got {type(model).__name__}")
     cfg = model.config
-    ckpt = _Checkpoint(path, cfg.expert_layout)
-    chosen = ckpt.layers(list(range(cfg.n_layers)) if layers is None else layers)
-    # the model's layers are checked one by one against the checkpoint's below; its dtype is its own
-    differ = differences(ckpt.config, cfg, skip=("n_layers", "dense_layers", "mla_every", "dtype"))
-    if differ:
-        raise CheckpointError(f"the checkpoint's config.json does not describe this model (checkpoint vs model): "
-                              f"{'; '.join(differ)}", "build the model from read_config(path)")
-    ckpt.check_kinds(cfg, chosen)
     params = dict(model.named_parameters())
-    staged = ckpt.read(cfg, chosen, model.rank, model.tp_size, {n: p.dtype for n, p in params.items()}, model.dtype,
-                       None)
+    failure: BaseException | None = None
+    try:
+        ckpt = _Checkpoint(path, cfg.expert_layout)
+        chosen = ckpt.layers(list(range(cfg.n_layers)) if layers is None else layers)
+        # the model's layers are checked one by one against the checkpoint's below; its dtype is its own
+        differ = differences(ckpt.config, cfg, skip=("n_layers", "dense_layers", "mla_every", "dtype"))
+        if differ:
+            raise CheckpointError(f"the checkpoint's config.json does not describe this model (checkpoint vs model): "
+                                  f"{'; '.join(differ)}", "build the model from read_config(path)")
+        ckpt.check_kinds(cfg, chosen)
+        staged = ckpt.read(cfg, chosen, model.rank, model.tp_size, {n: p.dtype for n, p in params.items()},
+                           model.dtype, None)
+    except Exception as exc:
+        failure = exc
+    _agree(model.tp_size > 1 and model.group is not None, model.group, failure)
     assert staged.keys() == params.keys() and all(staged[n].shape == params[n].shape for n in params)
     with torch.no_grad():
         for name, value in staged.items():
@@ -292,12 +301,11 @@ def load_into(model: K3Model, path: str | Path, *, layers: Sequence[int] | None 
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
-def _full_from_model(model: K3Model, layout: ParamLayout) -> dict[str, torch.Tensor]:
-    params = dict(model.named_parameters())
+def _full_from_model(params: dict[str, torch.Tensor], cfg: K3Config, layout: ParamLayout) -> dict[str, torch.Tensor]:
+    """A TP 1 model's parameter(s) of `layout`, the experts in the checkpoint's row-major layout."""
     names = layout.params()
-    if layout.form == "experts" and model.config.quantized_experts:
-        packed, scale = quant.from_layout(params[names[0]].detach(), params[names[1]].detach(),
-                                          model.config.expert_layout)
+    if layout.form == "experts" and cfg.quantized_experts:
+        packed, scale = quant.from_layout(params[names[0]].detach(), params[names[1]].detach(), cfg.expert_layout)
         return {names[0]: packed, names[1]: scale}
     return {n: params[n].detach() for n in names}
 
@@ -377,7 +385,8 @@ def write_checkpoint(path: str | Path, source: K3Model | K3Config | str, *, seed
             raise ValueError(f"write_checkpoint writes full tensors: a TP 1 model, not tp_size={source.tp_size}")
         dtype_name = next(k for k, v in DTYPES.items() if v == source.dtype)
         cfg = dataclasses.replace(source.config, dtype=dtype_name)
-        full = lambda layout: _full_from_model(source, layout)  # noqa: E731
+        held = dict(source.named_parameters())
+        full = lambda layout: _full_from_model(held, cfg, layout)  # noqa: E731
     else:
         cfg = get_config(source) if isinstance(source, str) else source
         if not isinstance(cfg, K3Config):

@@ -25,6 +25,7 @@ import torch
 from .. import quant
 from .config import K3Config
 from .params import HF_LAYER_PREFIX, TableEntry, model_table
+from .weights import ParamSpec
 
 #: safetensors names of the float dtypes a non-expert tensor may be stored in (the loader casts to the model's)
 FLOAT_DTYPES = ("BF16", "F32", "F16")
@@ -57,7 +58,7 @@ Read = Callable[[Stored], "torch.Tensor | None"]
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """The stored tensors of one model parameter (`entry`), as layer `ckpt_layer` of the checkpoint holds them."""
+    """The stored tensors of one model parameter (`entry`), named as the checkpoint layer it reads holds them."""
 
     entry: TableEntry
     form: Literal["one", "stacked", "fold", "experts"]
@@ -143,7 +144,7 @@ def _put(out: dict[str, torch.Tensor] | None, name: str, value: torch.Tensor) ->
     return {name: out[name]}
 
 
-def _expert_local_shapes(cfg: K3Config, spec, tp: int) -> list[tuple[int, ...]]:
+def _expert_local_shapes(cfg: K3Config, spec: ParamSpec, tp: int) -> list[tuple[int, ...]]:
     """One expert's tables at TP `tp` (packed and scale, or the bf16 weight)."""
     rows, cols = spec.shape[1:]
     dim = spec.shard_dim - 1
