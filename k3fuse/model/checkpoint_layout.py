@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -36,10 +36,9 @@ ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
 Values = Literal["float", "e8m0", "int4_scale", "bits", "shape"]
 
 
-@dataclass(frozen=True, slots=True)
-class Stored:
+class Stored(NamedTuple):
     """One checkpoint tensor: `forms` are the (shape, TP-split dim) layouts it may have, the first the one the
-    writer stores; `optional` ones may be absent."""
+    writer stores; `optional` ones may be absent. (A NamedTuple: K3 has 740k of them, built on every load.)"""
 
     name: str
     forms: tuple[tuple[tuple[int, ...], int | None], ...]
@@ -207,13 +206,11 @@ def _expert_stored(cfg: K3Config, entry: TableEntry, hf: str) -> tuple[Stored, .
                       ("weight_scale", quant.scale_shape(fmt, rows, cols), scale_dtypes,
                        "e8m0" if fmt == "mxfp4" else "int4_scale", False, ()),
                       ("weight_shape", (2,), ("I32", "I64"), "shape", True, (rows, cols))]
-    stored = []
-    for e in range(cfg.n_experts):
-        for part, shape, dtypes, values, optional, expect in per_expert:
-            name = _expand(hf.replace("{e}", str(e)))[0].rsplit(".", 1)[0] + "." + part  # <...>.experts.<e>.<proj>.
-            stored.append(Stored(name, ((tuple(shape), None if values == "shape" else dim),), dtypes, values,
-                                 optional, expect))
-    return tuple(stored)
+    # "<layer>.block_sparse_moe.experts.{e}.w1.<part>": the text around {e}, once (K3 has 740k of these names)
+    head, tail = _expand(hf)[0].rsplit(".", 1)[0].split("{e}")
+    return tuple(Stored(f"{head}{e}{tail}.{part}", ((tuple(shape), None if values == "shape" else dim),), dtypes,
+                        values, optional, expect)
+                 for e in range(cfg.n_experts) for part, shape, dtypes, values, optional, expect in per_expert)
 
 
 def param_layouts(cfg: K3Config, layers: list[int] | None = None) -> list[ParamLayout]:
