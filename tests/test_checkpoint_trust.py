@@ -243,6 +243,42 @@ def test_deeply_nested_config_json_is_a_checkpoint_error(ckpt, depth):
     refused(path, r"config\.json nests deeper than 32 levels, which no config\.json does")
 
 
+def _paths(node, path=()):
+    """Every place in a JSON value: objects, lists and leaves alike."""
+    yield path
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        yield from _paths(child, path + (key,))
+
+
+def test_any_value_of_any_type_anywhere_in_config_json_is_a_model_or_a_checkpoint_error():
+    """Every place of a K3 config.json replaced by a value of every JSON type (a list where an object belongs, an
+    object where a number does, null, a huge number...): the config is read as a K3Config, or refused with one
+    CheckpointError line; never AttributeError, TypeError, KeyError or a hang."""
+    import copy
+
+    from k3fuse.model.hf_config import hf_config, k3_config
+
+    config = hf_config(tiny("mxfp4", residual="attnres"))
+    refusals = 0
+    for path in _paths(config):
+        for value in ([], {}, None, "x", 10**12, -1, 0, 1.5, True, [[1]], {"a": [1]}, ["kimi_k3"]):
+            mutated = copy.deepcopy(config)
+            if path:
+                node = mutated
+                for key in path[:-1]:
+                    node = node[key]
+                node[path[-1]] = value
+            else:
+                mutated = value
+            try:
+                k3_config(mutated)
+            except CheckpointError as exc:
+                assert "\n" not in str(exc)
+                refusals += 1
+    assert refusals > 500
+
+
 @pytest.mark.parametrize("key,value,pattern", [
     ("strategy", "channel", r"weights\.strategy is 'channel', expected 'group' for mxfp4-pack-quantized"),
     ("group_size", None, r"weights\.group_size is missing; mxfp4-pack-quantized needs group_size 32"),

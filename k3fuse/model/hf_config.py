@@ -79,13 +79,12 @@ def _get(obj: dict[str, Any], key: str, path: str, kind: type | tuple[type, ...]
 
 
 def _mla_every(full: list[int], n_layers: int, preferred: int) -> int:
-    """The K3Config.mla_every whose pattern (every m-th layer, 1-based, and the last) is `full`."""
+    """The K3Config.mla_every whose pattern (every m-th layer, 1-based, and the last) is `full`: `preferred` where
+    it fits, else the first MLA layer (or the last layer, where it is the only one)."""
     def pattern(m: int) -> list[int]:
         return [i + 1 for i in range(n_layers) if (i + 1) % m == 0 or i == n_layers - 1]
-    if pattern(preferred) == full:
-        return preferred
-    for m in range(1, n_layers + 1):
-        if pattern(m) == full:
+    for m in (preferred, full[0] if full else n_layers, n_layers):
+        if m >= 1 and pattern(m) == full:
             return m
     raise CheckpointError(f"{_where('text_config.linear_attn_config.full_attn_layers')} is {shown(full)}, which "
                           "is not K3's layer pattern", "MLA layers are every m-th layer (1-based) and the last")
@@ -122,7 +121,7 @@ def quantization_format(config: dict[str, Any]) -> str:
         if not isinstance(group, dict):
             raise CheckpointError(f"{_where(path[:-1])} is {described(group)}, expected an object")
         name = group.get("format", qc.get("format"))
-        if name not in by_name:
+        if not isinstance(name, str) or name not in by_name:
             raise CheckpointError(f"{_where(path + 'format')} is {shown(name)}, expected one of {sorted(by_name)}")
         fmt = by_name[name]
         found.add(fmt)
@@ -199,13 +198,13 @@ def k3_config(config: Any, *, name: str = "checkpoint", expert_layout: str = "ro
         if not all(type(i) is int for i in layers):
             raise CheckpointError(f"{_where('text_config.linear_attn_config.' + key)} holds a non-integer: "
                                   f"{shown(layers)}")
-    if sorted(full + kda_layers) != list(range(1, n + 1)) or full != sorted(full):
+    if len(full) + len(kda_layers) != n or sorted(full + kda_layers) != list(range(1, n + 1)) or full != sorted(full):
         raise CheckpointError(f"{_where('text_config.linear_attn_config')}: full_attn_layers and kda_layers do "
                               f"not split layers 1..{n} (num_hidden_layers)", "each layer is in exactly one, "
                               "in order")
     fields["mla_every"] = _mla_every(full, n, K3Config.__dataclass_fields__["mla_every"].default)
     dtype = text.get("torch_dtype", text.get("dtype", config.get("torch_dtype", "bfloat16")))
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{_where('text_config.torch_dtype')} is {shown(dtype)}, expected one of "
                               f"{sorted(DTYPES)}")
     fields["dtype"] = dtype
