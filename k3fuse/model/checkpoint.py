@@ -18,6 +18,7 @@ The API (for `k3fuse generate --checkpoint / --write-checkpoint` and the tests):
     cfg, state, report = load_state_dict(path, rank=r, tp_size=n)     # the same slices as CPU tensors
     report = load_into(model, path, layers=[0, 1, 2, 3])              # into an existing K3Model
     files = write_checkpoint(path, "small", seed=0)                   # a preset, a K3Config or a TP 1 K3Model
+    cfg = read_config(path)                                            # config.json alone
 
 Each rank reads only its slice of every tensor (``safe_open(...).get_slice``; `LoadReport.bytes_read` counts
 them). ``layers[i]`` is the checkpoint layer that model layer i reads (default: all, in order); each must be of
@@ -30,7 +31,8 @@ non-finite int4 scales), every tensor's presence, shape and dtype. Each problem 
 UsageError: one line naming the file, the tensor and what was expected). **Never half-loaded**: every name,
 shape and dtype is checked before any value is read; `load_into` reads every value into fresh host tensors and
 copies them into the model only when all passed, so a failed load leaves the model bit for bit as it was;
-`load_checkpoint` fills a model it builds and returns it only when every tensor loaded. Under a process group
+`load_checkpoint` fills a model it builds (drawn first as K3Model draws it, on the device where that is CUDA, then
+overwritten) and returns it only when every tensor loaded. Under a process group
 every rank learns whether any rank failed, so one rank's bad slice is an error on all of them, not a hang.
 
 `write_checkpoint` writes the same layout (sharded by `max_shard_bytes`, with its index) from a TP 1 model or by
@@ -57,7 +59,7 @@ import torch.distributed as dist
 
 from .. import quant
 from .checkpoint_error import CheckpointError, shown
-from .checkpoint_files import (INDEX_FILE, MAX_CONFIG_BYTES, CheckpointFiles, read_json)
+from .checkpoint_files import INDEX_FILE, MAX_CONFIG_BYTES, CheckpointFiles, read_json
 from .checkpoint_layout import ParamLayout, Stored, param_layouts
 from .config import DTYPES, K3Config, get_config
 from .hf_config import CONFIG_FILE, differences, hf_config, k3_config

@@ -3,8 +3,8 @@ inventory of where each tensor is, and reads of one rank's slice of a tensor wit
 
 What is refused, each as one `CheckpointError` naming the file and the tensor:
 
-* JSON that is not a regular file, is larger than its bound, is not UTF-8, nests past Python's recursion limit,
-  holds NaN / Infinity, repeats a key, or puts a list where an object belongs;
+* JSON that is not a regular file, is larger than its bound, is not UTF-8, nests deeper than MAX_JSON_DEPTH,
+  holds NaN / Infinity or repeats a key; an index whose weight_map is not an object of names to file names;
 * an index `weight_map` naming anything but a plain ``*.safetensors`` file name inside the directory (``../x``,
   ``/abs``, ``a/b`` are refused before anything is opened); a shard that is missing or not a regular file (a
   symlink to one is followed, as Hugging Face's cache links shards into its blob store);
