@@ -400,7 +400,8 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
     for I in (3072, 1536, 384):
         for T in (1, 2, 5, 64):
             blocked = dataclasses.replace(spec(T, I), layout="blocks")
-            assert cute_accepts(blocked) is None and W4A16Launch.for_call("mxfp4", T, 896, I, 3584, 16, "blocks").blocked
+            assert cute_accepts(blocked) is None
+            assert W4A16Launch.for_call("mxfp4", T, 896, I, 3584, 16, "blocks").blocked
             assert accepts(blocked) is None
     assert accepts(dataclasses.replace(spec(1, 192), layout="blocks")) == \
         "layout 'blocks' at I=192, L=3584 (block order needs whole steps of 128)"

@@ -9,9 +9,10 @@ both kernels read either layout in place). z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a
 after each projection. Stock: the model's
 `routed_experts_quantized` (the step's experts gathered, dequantized, grouped GEMMs on CUDA);
 reference: the same dequantization, then the gathered bmm (any device); CUDA, both reading the packed
-words and scales once and dequantizing in registers: lib/cute/routed_experts_w4a16.py (bf16 activations
-with MXFP4, or int4 with bf16 scales: the expert GEMMs on mma.sync, tried first) and
-lib/triton/routed_experts_w4a16.py (both formats, bf16 and fp16).
+words and scales once and dequantizing in registers: lib/composite/routed_experts_w4a16.py (bf16 activations
+with MXFP4, or int4 with bf16 scales: the CuTe expert GEMMs on mma.sync between the Triton grouping and
+SiTU-GLU, tried first) and lib/triton/routed_experts_w4a16.py (both formats, bf16 and fp16). This module holds
+the op's Spec, its kernels' predicates and their registration.
 """
 from __future__ import annotations
 

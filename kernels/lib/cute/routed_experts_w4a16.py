@@ -90,7 +90,8 @@ class GateUp:
     blocked: bool = False
 
     def __post_init__(self):
-        if self.L % (self.split * STEP) or self.I % BLOCK_ROWS or not 2 <= self.stages <= self.L // self.split // STEP + 1:
+        span = self.L // self.split
+        if self.L % (self.split * STEP) or self.I % BLOCK_ROWS or not 2 <= self.stages <= span // STEP + 1:
             raise ValueError(f"gate/up at I={self.I}, L={self.L}: split {self.split} and ring {self.stages} need "
                              f"whole {STEP}-element steps a span, {BLOCK_ROWS}-row blocks and 2 .. steps + 1 stages")
 
@@ -219,16 +220,17 @@ if compat.HAVE_CUTE:
         bf16 scales), bf16 x in word order: one launch, a `GateUp` or a `Down`."""
 
         def __init__(self, launch: GateUp | Down):
-            self.launch = launch
             self.fmt, self.stages, self.blocked = launch.fmt, launch.stages, launch.blocked
             self.gate_up = isinstance(launch, GateUp)
-            if self.gate_up:  # n_tiles blocks of w1 a CTA, then of w3, into gu's columns [0, I) and [I, 2I)
-                self.N, self.K, self.k_span, self.top_k, self.n_tiles = launch.I, launch.L, launch.L // launch.split, \
-                    launch.top_k, 1
-                self.pairwise, self.situ, self.col_b, self.out_stride = launch.pairwise, None, launch.I, 2 * launch.I
+            if self.gate_up:  # blocks of w1, then of w3, into gu's columns [0, I) and [I, 2I)
+                self.N, self.K, self.k_span = launch.I, launch.L, launch.L // launch.split
+                self.top_k, self.n_tiles, self.pairwise, self.situ = launch.top_k, 1, launch.pairwise, None
+                self.col_b, self.out_stride = launch.I, 2 * launch.I
             else:  # (the activations' rows are pairs)
-                self.N, self.K, self.k_span, self.top_k, self.n_tiles = launch.L, launch.I, launch.I, 1, launch.n_tiles
-                self.pairwise, self.situ, self.col_b, self.out_stride = launch.situ is not None, launch.situ, 0, launch.L
+                self.N, self.K, self.k_span = launch.L, launch.I, launch.I
+                self.top_k, self.n_tiles, self.situ = 1, launch.n_tiles, launch.situ
+                self.pairwise = launch.situ is not None
+                self.col_b, self.out_stride = 0, launch.L
             self.scale_row = self.K // 32 * SCALE_BYTES[self.fmt]  # bytes of a row's scales
             self.scale_step = GROUPS_PER_STEP * SCALE_BYTES[self.fmt]  # bytes of a row's scales a step, one copy
             self.blocks_a = self.N // BLOCK_ROWS
