@@ -3,8 +3,9 @@ with the Triton grouping and SiTU-GLU (lib/triton/routed_experts_w4a16.py), and 
 
 z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a[p // k], w3[e_p] @ a[p // k]) over MXFP4 tables, or int4 ones with bf16
 scales, bf16 activations. Pairwise (up to the grouping's pair count): two CuTe launches whose CTAs stage
-their activations. Grouped: the Triton grouping with the word-order copy of a (one launch), the CuTe gate/up,
-the Triton SiTU-GLU, the CuTe down as its programmatic dependent (docs/perf.md 0q, 0z).
+their activations (docs/perf/2026-12-05-w4a16-staged-launches.md 0q). Grouped: the Triton grouping with the
+word-order copy of a (one launch), the CuTe gate/up, the Triton SiTU-GLU, the CuTe down as its programmatic
+dependent (docs/perf/2026-12-06-w4a16-grouped-launches.md 0z).
 """
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from ..cute import routed_experts_w4a16 as cute
 from ..triton import routed_experts_w4a16 as tri
 
 #: the ring's depth: STAGES - 1 steps of weights in flight (5 KB of shared memory a stage); 3 was the fastest
-#: depth at all but one measured width and token count, and within 4% there (docs/perf.md 0j, 0u)
+#: depth at all but one measured width and token count, and within 4% there (docs/perf/2026-12-04-w4a16-cute-ring.md
+#: 0j; deeper rings lost again in docs/perf/2026-12-05-w4a16-h100-ncu.md 0u)
 STAGES = 3
 TARGET_CTAS = 1056  # ~8 per SM on H200 (132 SMs): each CTA keeps 4 warps' loads in flight
 MAX_SPLITS = 8
 MAX_N_TILES = 8
 #: pairwise MXFP4 launches measured faster without the rule's K split, at K3's shapes (E, I, L, top-k,
-#: tokens): 4.7-5.0% at I = 1536 / 1 token, 7.8-11.0% at I = 384 / 2 tokens (docs/perf.md 0s, 0t, one H200)
+#: tokens): 4.7-5.0% at I = 1536 / 1 token, 7.8-11.0% at I = 384 / 2 tokens, one H200
+#: (docs/perf/2026-12-05-w4a16-read-ceiling-tuned-table.md 0s, 0t)
 UNSPLIT_MXFP4 = frozenset({(896, 1536, 3584, 16, 1), (896, 384, 3584, 16, 2)})
 
 

@@ -4,8 +4,8 @@ The two weight-streaming launches of the routed experts over MXFP4 weights (K3's
 group scales (compressed-tensors pack-quantized, Kimi K2.x's); lib/composite/routed_experts_w4a16.py puts
 them in sequence with the Triton grouping and SiTU-GLU (lib/triton/routed_experts_w4a16.py), whose numerics
 this matches. Why not Triton: there the dequantized weights reach the MMA through layout conversions and a
-wait on every wgmma (docs/perf.md 0g); here a thread's packed bytes are its own MMA fragment and nothing else
-runs in the loop.
+wait on every wgmma (docs/perf/2026-12-02-w4a16-triton.md 0g); here a thread's packed bytes are its own MMA
+fragment and nothing else runs in the loop.
 
 Per warp, 16 rows of W (rows r and r + 8, r = lane / 4) by a group's pairs, 8 at a time (the mma's N):
 - a thread (r, t = lane % 4) loads 16 bytes of each of its two rows a step of 128 elements: elements
@@ -24,7 +24,8 @@ each thread keeps `stages - 1` steps of its own weight and scale bytes in flight
 own shared-memory slots, across span boundaries (a ring); it reads back only what it copied, so no
 barrier is needed, and the loads do not wait on the mmas. With `blocked`, the tables are
 k3fuse.quant.block_order's (a row block's step one contiguous piece): the same copies at other
-addresses, a warp's copy of a step 512 contiguous bytes rather than 8 rows' 64 (docs/perf.md 0x).
+addresses, a warp's copy of a step 512 contiguous bytes rather than 8 rows' 64
+(docs/perf/2026-12-06-w4a16-block-order.md 0x).
 
 Launches (`GateUp`, `Down`): grid (row blocks, groups, K splits), a group's row blocks side by side. The
 gate/up streams w1's row blocks then w3's into fp32 partials gu [split, P, 2I]; the down N_TILES row
@@ -32,11 +33,12 @@ blocks of w2 a CTA, rounded to bf16 into z [P, L]. Expert ids outside [0, E) are
 - Pairwise (each pair its own group, at few tokens): each CTA stages its pair's activation row in shared
   memory, in word order, with its first weight stages in flight: the gate/up a's row (natural order),
   the down h = the SiTU-GLU of the gate/up's partials, so that the op is these two launches alone
-  (docs/perf.md 0q).
+  (docs/perf/2026-12-05-w4a16-staged-launches.md 0q).
 - Grouped (`rows` / `groups` from the Triton grouping): the activations in global memory in quad order
   too (word 4t + i of a step at 4i + t: a quad's 16-byte loads of word i are 64 contiguous bytes,
-  docs/perf.md 0n); the down is the Triton SiTU-GLU launch's programmatic dependent, its first weight
-  stages and scales in flight before it waits for that grid, h read after (docs/perf.md 0z).
+  docs/perf/2026-12-04-w4a16-one-launch-quad-order.md 0n); the down is the Triton SiTU-GLU launch's
+  programmatic dependent, its first weight stages and scales in flight before it waits for that grid, h
+  read after (docs/perf/2026-12-06-w4a16-grouped-launches.md 0z).
 """
 from __future__ import annotations
 
@@ -134,7 +136,8 @@ def e2m1x8_ptx(one_multiply: bool) -> str:
     The pattern: the nibble pair isolated, one integer multiply (the FMA pipe) by 2^6 + 2^12 (or
     2^2 + 2^8) whose two copies put the magnitude at bits 6-8 and the sign at bit 15, a mask: 3
     integer instructions a register, 2 of them on the ALU pipe, which bounds the loop with the
-    issue rate (docs/perf.md 0l: two shifts and two masks ran 4-10% slower)."""
+    issue rate (docs/perf/2026-12-04-w4a16-cute-few-tokens.md 0l: two shifts and two masks ran 4-10%
+    slower)."""
     lines = [".reg .b32 q, c, w8;", "mov.b32 c, 0x7E807E80;",
              "shr.u32 w8, $4, 8;"]  # elements 2, 3, 6, 7 where 0, 1, 4, 5 are
     for j in range(4):
@@ -257,7 +260,8 @@ if compat.HAVE_CUTE:
                    mSb: cute.Tensor, mOut: cute.Tensor, mExperts: cute.Tensor, mRows: cute.Tensor,
                    mGroups: cute.Tensor):
             """One CTA: row blocks `col` of group `gid` over K span `split` (a group's row blocks launched side
-            by side, docs/perf.md 0m); the group's size 0 (an expert id outside [0, E)): nothing done."""
+            by side, docs/perf/2026-12-04-w4a16-ncu-combine-conv.md 0m); the group's size 0 (an expert id
+            outside [0, E)): nothing done."""
             tidx, _, _ = cute.arch.thread_idx()
             smem = compat.SmemAllocator()
             # the staged row (pairwise) right after the ring, whose bytes are whole 16-byte words
