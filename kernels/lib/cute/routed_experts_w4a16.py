@@ -28,7 +28,7 @@ addresses, a warp's copy of a step 512 contiguous bytes rather than 8 rows' 64
 (docs/perf/2026-12-06-w4a16-block-order.md 0x).
 
 Launches (`GateUp`, `Down`): grid (row blocks, groups, K splits), a group's row blocks side by side. The
-gate/up streams w1's row blocks then w3's into fp32 partials gu [split, P, 2I]; the down N_TILES row
+gate/up streams w1's row blocks then w3's into fp32 partials gu [split, P, 2I]; the down n_tiles row
 blocks of w2 a CTA, rounded to bf16 into z [P, L]. Expert ids outside [0, E) are left out.
 - Pairwise (each pair its own group, at few tokens): each CTA stages its pair's activation row in shared
   memory, in word order, with its first weight stages in flight: the gate/up a's row (natural order),
