@@ -561,7 +561,7 @@ def test_word_order_and_quad_order_put_each_element_where_the_cute_kernel_reads_
 
 
 def test_grouping_and_word_order_in_one_launch_are_the_two_launches():
-    """group_in_word_order (grouped mode's preparations in one launch, one_prep) in the interpreter: the same
+    """group_in_word_order (grouped mode's preparations in one launch) in the interpreter: the same
     groups and rows as `group`, and a copy of a equal to word_order(a, quads), both orders; an expert id
     outside [0, E) left out; the sizes it refuses, by name."""
     from k3fuse.kernels.lib.triton.routed_experts_w4a16 import group_in_word_order
