@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         for heads in (int(h) for h in args.heads.split(",")):
             for B in (int(b) for b in args.batch.split(",")):
                 for ctx in (int(c) for c in args.context.split(",")):
-                    row = {"cache": cache_name, "heads": heads, "batch": B, "context": ctx, "splits": {}}
+                    row = {"cache": cache_name, "heads": heads, "batch": B, "context": ctx, "splits": {}, "arms": []}
                     floor = decode_bytes(B * ctx, B, heads, cache_dtype)
                     row["cache_bytes"], row["bytes"] = floor.cache, floor.total
                     row["floor_us"] = floor.total / nominal * 1e6 if nominal else None
@@ -334,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
                         row["splits"]["k3fuse"] = kernel.splits_for(B, heads, ctx, sms, cache_dtype)
                     for v in variants[cache_name]:
                         cfg = kernel.config_for(cache_dtype, v)
+                        if kernel.resolve(cfg, cache_dtype, torch.device("cuda"), PAGE) is not cfg:
+                            row[v] = "n/a: " + (kernel.gluon_kernel.usable(torch.device("cuda"), PAGE, cfg.block_n)
+                                                or "resolves to another variant")
+                            row["arms"].append(v)
+                            continue
                         chosen = kernel.splits_for(B, heads, ctx, sms, cache_dtype, v)
                         for n, arm in [(chosen, v)] + [(n, f"{v}@{n}") for n in split_arms(args.splits, chosen)]:
                             row["splits"][arm] = n
@@ -345,12 +350,15 @@ def main(argv: list[str] | None = None) -> int:
                             calls["compiled"] = [(lambda s=s: compiled(*s[:4], SCALE, s[4])) for s in sets]
                         else:
                             row["compiled"] = "skipped: its fp32 gather does not fit"
+                            row["arms"].append("compiled")
                     for peer, module in peers.items():
                         try:
                             build = vllm_arm if peer == "vllm" else flashinfer_arm
                             calls[peer] = [build(module, *s, o) for s, o in zip(sets, outs)]
                         except Exception as exc:
                             row[peer] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                            row["arms"].append(peer)
+                    row["arms"] += list(calls)
                     for arm, fns in calls.items():
                         try:
                             got = fns[0]()
@@ -375,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                         row.update(best=best, best_us=ours[best], pct_copy=100 * bw / copy_bw,
                                    pct_read=100 * bw / read_bw, pct_nominal=100 * bw / nominal if nominal else None)
                     doc["rows"].append(row)
-                    print_row(row, list(calls), flush=True)
+                    print_row(row, flush=True)
                     save()
                     del sets, outs, calls, expect
                     torch.cuda.empty_cache()
@@ -384,14 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_row(row: dict, arms: list[str], flush=True) -> None:
+def print_row(row: dict, flush=True) -> None:
     """One line a point: µs of each arm (its S in brackets), then the best k3fuse arm's bandwidth."""
     head = f"{row['cache']:>4} h{row['heads']:<2} B{row['batch']:<2} ctx{row['context']:<6}"
     if "skipped" in row:
         print(f"{head} skipped: {row['skipped']}", flush=flush)
         return
     cells = []
-    for arm in arms + [a for a in PEERS + ("compiled",) if a not in arms and a in row]:
+    for arm in row["arms"]:
         v = row.get(arm)
         s = row["splits"].get(arm)
         label = f"{arm}[{s}]" if s is not None and "@" not in arm else arm

@@ -121,6 +121,8 @@ def test_against_float64_up_to_128k(lengths, heads, page, cache_dtype):
     ref, mag = f64_attention(*case[:4], case[4])
     for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]:
         cfg = kernel.VARIANTS[variant]
+        # a Gluon variant runs as itself on an H100 wherever a page holds whole tiles (else the default)
+        assert kernel.resolve(cfg, cache_dtype, case[0].device, page).gluon == (cfg.gluon and page % cfg.block_n == 0)
         out = poisoned(*case, config=cfg)
         check(out, ref, mag, (variant, len(lengths), max(lengths), heads, page, cache_dtype))
         assert torch.equal(out, poisoned(*case, config=cfg))  # deterministic: a fixed order, no atomics
@@ -204,6 +206,7 @@ def test_cuda_graph_1000_replays_over_changing_lengths(cache_dtype, variant):
     mla_op.warmup([{"B": B, "heads": heads, "block_size": page, "max_context": capacity, "cache_dtype": cache_dtype}])
     static_q, static_lens = q.clone(), lens.clone()
     cfg = kernel.VARIANTS[variant]
+    assert kernel.resolve(cfg, cache_dtype, q.device, page) is cfg  # pages of 64: every variant runs as itself
     splits = kernel.splits_for(B, heads, capacity, kernel.sm_count(torch.device(DEV)), cache_dtype, variant)
     static_out = torch.empty(B, heads, 512, dtype=q.dtype, device=DEV)
     kernel.run(static_q, cache, table, static_lens, SCALE, kv_scale, out=static_out, config=cfg, splits=splits)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import HAVE_TRITON
+from . import mla_decode_gluon as gluon_kernel
 
 if HAVE_TRITON:
     import triton
@@ -79,6 +80,10 @@ class LaunchConfig:
       q scaled by a power of two into fp16's range, p in fp16 (finer than bf16);
     twin_loads: an fp8 tile loaded twice, once for each dot's operand layout, so that the pipeliner
       buffers both through cp.async (the second read is an L2 hit);
+    gluon: the split kernel in Gluon (lib/triton/mla_decode_gluon.py: one warpgroup, wgmma from the
+      cp.async ring, fp8 widened once through shared memory; num_stages is its ring's depth); a call it
+      cannot serve (a page not holding whole tiles, not sm_90, the CPU interpreter) takes the cache's
+      default variant (`resolve`);
     pdl: the combine launched as the split kernel's programmatic dependent;
     wide_combine: the combine spread over column blocks with every split in one step (else round 1's:
       one program a head, 8 splits a step over all 512 columns);
@@ -94,6 +99,7 @@ class LaunchConfig:
     page_tiles: bool = True
     fp16_dots: bool = False
     twin_loads: bool = False
+    gluon: bool = False
     pdl: bool = True
     wide_combine: bool = True
     programs_per_sm: int = 1
@@ -125,10 +131,17 @@ VARIANTS: dict[str, LaunchConfig] = {
     # fp8 through cp.async (twin loads), 32-entry tiles, three buffers, fp16 dots: 171 registers, 87 KB
     "twin32": LaunchConfig(block_n=32, num_warps=8, num_stages=3, fp16_dots=True, twin_loads=True,
                            programs_per_sm=1, program_rate=9e9),
+    # Gluon, bf16: 64-entry tiles, a ring of two (one in flight while one is scored), 215 registers at 4 warps,
+    # 164 KB: one program an SM; ~0.043 warp instructions a byte against Triton's 0.10
+    "gluon64": LaunchConfig(block_n=64, num_warps=4, num_stages=2, gluon=True, programs_per_sm=1, program_rate=25e9),
+    # Gluon, fp8: a ring of three fp8 tiles (two in flight) and one fp16 staging tile, 255 registers, 200 KB:
+    # ~0.097 warp instructions a byte against Triton's 0.19-0.28
+    "gluon64_fp8": LaunchConfig(block_n=64, num_warps=4, num_stages=3, gluon=True, fp16_dots=True,
+                                programs_per_sm=1, program_rate=25e9),
 }
 #: the variants made for each cache element size (the benchmark's default arms), the first the one a call
 #: takes when none is named
-CACHE_VARIANTS = {2: ("page32", "r1_bf16", "wgmma64"), 1: ("fp16pf", "r1_fp8", "twin32")}
+CACHE_VARIANTS = {2: ("page32", "r1_bf16", "wgmma64", "gluon64"), 1: ("fp16pf", "r1_fp8", "twin32", "gluon64_fp8")}
 
 # split_count's model. Parameters, not measurements: bench/bench_mla_decode.py --splits times other
 # counts beside the chosen one, and --variants other configs.
@@ -409,6 +422,14 @@ def page_tiles(config: LaunchConfig, page: int) -> bool:
     return config.page_tiles and page % config.block_n == 0
 
 
+def resolve(config: LaunchConfig, cache_dtype: torch.dtype, device: torch.device, page: int) -> LaunchConfig:
+    """The config a call runs: `config`, or for a Gluon one that cannot serve the call (see
+    LaunchConfig.gluon), the cache's default variant."""
+    if config.gluon and (INTERPRET or gluon_kernel.usable(device, page, config.block_n) is not None):
+        return config_for(cache_dtype)
+    return config
+
+
 def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
         softmax_scale: float, kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
         config: LaunchConfig | None = None, splits: int | None = None,
@@ -420,7 +441,7 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
     B, H = q.shape[0], q.shape[1]
     page = kv_cache.shape[1]
     is_fp8 = kv_cache.dtype == FP8
-    cfg = config or config_for(kv_cache.dtype)
+    cfg = resolve(config or config_for(kv_cache.dtype), kv_cache.dtype, q.device, page)
     if out is None:
         out = torch.empty((B, H, LATENT), dtype=q.dtype, device=q.device)
     if B == 0:
@@ -436,6 +457,19 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
                   FP16_DOTS=cfg.fp16_dots and is_fp8, TWIN=cfg.twin_loads and is_fp8 and not cfg.prefetch,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kv_args = (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0))
+    if cfg.gluon:
+        single = S == 1
+        if not single and partials is None:
+            partials = (torch.empty((B, H, S, LATENT), dtype=torch.float32, device=q.device),
+                        torch.empty((B, H, S), dtype=torch.float32, device=q.device))
+        pout, plse = (out, out) if single else partials
+        part_strides = (0, 0, 0, 0, 0) if single else (pout.stride(0), pout.stride(1), pout.stride(2),
+                                                        plse.stride(0), plse.stride(1))
+        gluon_kernel.launch(grid, q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S,
+                            kv_args, (out.stride(0), out.stride(1)), part_strides, page=page, block_h=BLOCK_H,
+                            block_n=cfg.block_n, latent=LATENT, rope=ROPE, is_fp8=is_fp8, single=single,
+                            nbuf=cfg.num_stages, pdl=pdl)
+        return out if single else combine(pout, plse, out=out, pdl=pdl, wide=cfg.wide_combine)
     if S == 1:
         _mla_split_kernel[grid](q, kv_cache, block_table, seq_lens, scale_arg, out, out, out, qk_scale, H, 1,
                                 *kv_args, out.stride(0), out.stride(1), 0, 0, 0, 0, 0, SINGLE=True, PDL=False,
