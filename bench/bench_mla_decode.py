@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     "made for it, kernels/lib/triton/mla_decode.py CACHE_VARIANTS)")
     ap.add_argument("--variants-fp8", default=None, help="kernel variants timed on an fp8 cache (default: those made for it)")
     ap.add_argument("--splits", default="", help="each variant also at these split counts: N or xF (F x its model's)")
+    ap.add_argument("--sweep-batch", default="1,8", help="the batches --splits applies to")
     ap.add_argument("--compiled-heads", default="6", help="heads the compiled arm runs at (its compiles are slow)")
     ap.add_argument("--no-probe", action="store_true", help="skip the latency probes")
     ap.add_argument("--replays", type=int, default=20)
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, spec, size in (("bf16", args.variants_bf16, 2), ("fp8", args.variants_fp8, 1))}
     for v in variants["bf16"] + variants["fp8"]:
         kernel.config_for(torch.bfloat16, v)  # an unknown name fails here, before any measurement
+    sweep_batches = {int(b) for b in args.sweep_batch.split(",") if b}
 
     for cache_name in args.cache.split(","):
         cache_dtype = CACHE_DTYPES[cache_name]
@@ -340,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                             row["arms"].append(v)
                             continue
                         chosen = kernel.splits_for(B, heads, ctx, sms, cache_dtype, v)
-                        for n, arm in [(chosen, v)] + [(n, f"{v}@{n}") for n in split_arms(args.splits, chosen)]:
+                        others = split_arms(args.splits, chosen) if B in sweep_batches else []
+                        for n, arm in [(chosen, v)] + [(n, f"{v}@{n}") for n in others]:
                             row["splits"][arm] = n
                             calls[arm] = [(lambda s=s, o=o, n=n, c=cfg: kernel.run(*s[:4], SCALE, s[4], out=o, config=c,
                                                                                   splits=n))

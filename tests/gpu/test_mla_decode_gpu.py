@@ -139,12 +139,13 @@ def test_every_split_count_and_every_variant(cache_dtype):
         chosen = kernel.splits_for(3, 6, case[2].shape[1] * page, kernel.sm_count(torch.device(DEV)), cache_dtype)
         for splits in sorted({1, 2, 3, 7, chosen, 2 * chosen}):
             check(poisoned(*case, splits=splits), ref, mag, ("splits", splits, page))
-        for name, cfg in kernel.VARIANTS.items():  # every variant on either cache, the model's S and 5
-            check(poisoned(*case, config=cfg), ref, mag, (name, page))
-            check(poisoned(*case, config=cfg, splits=5), ref, mag, (name, page, 5))
-        for cfg in (kernel.LaunchConfig(32, 4, 1, prefetch=True), kernel.LaunchConfig(64, 8, 3),
-                    kernel.LaunchConfig(64, 4, 2, tokens_m=True, fp16_dots=True)):
-            check(poisoned(*case, config=cfg), ref, mag, (cfg, page))
+    # every variant on either cache (the model's S, and 5) over pages of 64, where each runs as itself
+    case = make_case([3000, 1, 1500], 6, 64, cache_dtype, seed=4)
+    ref, mag = f64_attention(*case[:4], case[4])
+    for name, cfg in kernel.VARIANTS.items():
+        assert kernel.resolve(cfg, cache_dtype, case[0].device, 64) is cfg
+        check(poisoned(*case, config=cfg), ref, mag, name)
+        check(poisoned(*case, config=cfg, splits=5), ref, mag, (name, 5))
 
 
 @pytest.mark.parametrize("S", [150, 300])

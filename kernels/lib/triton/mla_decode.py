@@ -289,7 +289,11 @@ if HAVE_TRITON:
             acc = _dot(p.to(dt), c_val, acc * alpha[:, None])
         return m_new, l_i, acc
 
-    @triton.jit
+    # the head count, split count and table width change a launch's integers but not its code: kept out of
+    # Triton's specialisation (each value divisible by 16 or equal to 1 would compile its own copy)
+    NOT_SPECIALIZED = ("H", "num_splits", "bt_sb", "pl_sb", "pl_sh")
+
+    @triton.jit(do_not_specialize=NOT_SPECIALIZED)
     def _mla_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, kv_scale_ptr, out_ptr, pout_ptr, plse_ptr,
                           qk_scale, H, num_splits,
                           q_sb, q_sh, kv_sblk, kv_stok, bt_sb,
@@ -381,7 +385,7 @@ if HAVE_TRITON:
             lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # ln
             tl.store(plse_ptr + b.to(tl.int64) * pl_sb + heads * pl_sh + split, lse, mask=h_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("S", "pl_sb", "pl_sh", "pl_ss", "lo_sb", "lo_sh"))
     def _mla_combine_kernel(pout_ptr, plse_ptr, out_ptr, lse_out_ptr, S,
                             po_sb, po_sh, po_ss, pl_sb, pl_sh, pl_ss, o_sb, o_sh, lo_sb, lo_sh,
                             BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,

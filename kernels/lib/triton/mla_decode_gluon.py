@@ -81,7 +81,7 @@ if GLUON_IMPORT_ERROR is None:
         rok = (t0 + rrows < end)[:, None]
         async_copy.async_copy_global_to_shared(rope_ring.index(buf), rptrs, mask=rok)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=("H", "num_splits", "bt_sb", "pl_sb", "pl_sh"))  # as the Triton kernel's
     def _mla_split_gluon(q_ptr, kv_ptr, bt_ptr, lens_ptr, kv_scale_ptr, out_ptr, pout_ptr, plse_ptr,
                          qk_scale, H, num_splits,
                          q_sb, q_sh, kv_sblk, kv_stok, bt_sb,
@@ -176,7 +176,7 @@ if GLUON_IMPORT_ERROR is None:
         qr_smem.store(q_rope.to(dt))
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, COL)
-        l_i = gl.zeros([BLOCK_H], gl.float32, COL)
+        l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)  # the softmax sums, per row: one reduction at the end
         acc = gl.zeros([LATENT, BLOCK_H], gl.float32, MMA)  # o^T
         s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
         tok = gl.arange(0, BLOCK_N, ROW)
@@ -214,7 +214,7 @@ if GLUON_IMPORT_ERROR is None:
             m_new = gl.maximum(m_i, gl.max(s_t, 0))
             alpha = gl.exp2(m_i - m_new)
             p_t = gl.exp2(s_t - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(p_t, 0)
+            l_rows = l_rows * alpha[None, :] + p_t
             p_smem.store(p_t.to(dt))
             fence_async_shared()
             gl.thread_barrier()
@@ -222,6 +222,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             m_i = m_new
         async_copy.wait_group(0)  # the ring's prefetches past the split, before the program ends
+        l_i = gl.sum(l_rows, 0)
 
         has = l_i > 0.0
         o = acc / gl.where(has, l_i, 1.0)[None, :]
