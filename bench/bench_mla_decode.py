@@ -230,6 +230,65 @@ def probes(kernel, replays: int) -> dict[str, float]:
     return result
 
 
+def _warm_task(task: tuple) -> str:
+    """One compile (a worker process of `warm`): the kernel `task` names, launched once on tiny inputs."""
+    t0 = time.perf_counter()
+    try:
+        from k3fuse.kernels.lib.triton import mla_decode as kernel
+
+        kind, *spec = task
+        if kind == "split":
+            variant, cache_name, page, splits = spec
+            cache_dtype = CACHE_DTYPES[cache_name]
+            kv_scale = torch.ones(1, device="cuda") if cache_dtype == FP8 else None
+            cache = torch.zeros(8, page, 576, device="cuda").to(cache_dtype)
+            table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+            lens = torch.tensor([4 * page, 3], dtype=torch.int32, device="cuda")
+            q = torch.zeros(2, 6, 576, dtype=torch.bfloat16, device="cuda")
+            kernel.run(q, cache, table, lens, SCALE, kv_scale, config=kernel.config_for(cache_dtype, variant),
+                       splits=splits)
+        elif kind == "combine":
+            S, wide, pdl = spec
+            kernel.combine(torch.zeros(1, 6, S, 512, device="cuda"), torch.zeros(1, 6, S, device="cuda"),
+                           out_dtype=torch.bfloat16, wide=wide, pdl=pdl)
+        elif kind == "vllm":
+            cache_name, heads, ctx = spec
+            q, cache, table, lens, kv_scale = make_inputs(1, heads, ctx, CACHE_DTYPES[cache_name], copies=1)[0]
+            out = torch.empty(1, heads, 512, dtype=q.dtype, device="cuda")
+            vllm_arm(load_vllm_peer(), q, cache, table, lens, kv_scale, out)()
+        elif kind == "flashinfer":
+            q, cache, table, lens, kv_scale = make_inputs(1, 6, 128, CACHE_DTYPES[spec[0]], copies=1)[0]
+            out = torch.empty(1, 6, 512, dtype=q.dtype, device="cuda")
+            flashinfer_arm(flashinfer_import(), q, cache, table, lens, kv_scale, out)()
+        torch.cuda.synchronize()
+        return f"{task}: {time.perf_counter() - t0:.1f} s"
+    except Exception as exc:  # a failed compile shows here and again, with its arm, in the timed run
+        return f"{task}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def warm(jobs: int, with_peers: bool) -> None:
+    """Compile, `jobs` processes at once, what the tests and the timed arms launch (every variant on both
+    caches, pages of 16 and 64, one split and several; the combines of 2-512 splits, plain and behind
+    PDL, wide and narrow; vLLM's kernels at every split count its rule picks for heads 6; FlashInfer's two
+    MLA modules) into Triton's and FlashInfer's on-disk caches: one process compiles one kernel at a time."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from k3fuse.kernels.lib.triton import mla_decode as kernel
+
+    tasks = [("flashinfer", c) for c in CACHE_DTYPES] if with_peers else []
+    tasks += [("split", v, c, page, splits) for v in kernel.VARIANTS for c in CACHE_DTYPES for page in (64, 16)
+              for splits in (3, 1)]
+    tasks += [("combine", 1 << k, wide, pdl) for k in range(1, 10) for wide in (True, False) for pdl in (True, False)]
+    if with_peers:
+        tasks += [("vllm", c, 6, 512 * (1 << k)) for c in CACHE_DTYPES for k in range(9)]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        for line in pool.map(_warm_task, tasks):
+            print("warm", line, flush=True)
+    print(f"warm: {len(tasks)} launches in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", default="1,8,64")
@@ -239,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="k3fuse,vllm,flashinfer", help="k3fuse, compiled, vllm, flashinfer")
     ap.add_argument("--variants-bf16", default=None, help="kernel variants timed on a bf16 cache (default: those "
                     "made for it, kernels/lib/triton/mla_decode.py CACHE_VARIANTS)")
-    ap.add_argument("--variants-fp8", default=None, help="kernel variants timed on an fp8 cache (default: those made for it)")
+    ap.add_argument("--variants-fp8", default=None,
+                    help="kernel variants timed on an fp8 cache (default: those made for it)")
     ap.add_argument("--splits", default="", help="each variant also at these split counts: N or xF (F x its model's)")
     ap.add_argument("--sweep-batch", default="1,8", help="the batches --splits applies to")
     ap.add_argument("--compiled-heads", default="6", help="heads the compiled arm runs at (its compiles are slow)")
@@ -247,12 +307,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--prepare-peer", action="store_true", help="only compile FlashInfer's MLA modules")
+    ap.add_argument("--warm", type=int, default=0, metavar="JOBS",
+                    help="only compile every kernel the tests and arms launch, JOBS processes at once")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.prepare_peer:
         prepare_flashinfer()
+        return 0
+    if args.warm:
+        import k3fuse  # noqa: F401
+
+        warm(args.warm, with_peers="vllm" in args.arms or "flashinfer" in args.arms)
         return 0
 
     import k3fuse  # noqa: F401  (registers torch.ops.k3fuse)
@@ -282,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_probe:
         doc["probes_us"] = probes(kernel, args.replays)
-        print("latency probes (µs a call, in a graph): " + ", ".join(f"{k} {v:.2f}" for k, v in doc["probes_us"].items()),
-              flush=True)
+        probe_line = ", ".join(f"{k} {v:.2f}" for k, v in doc["probes_us"].items())
+        print(f"latency probes (µs a call, in a graph): {probe_line}", flush=True)
         save()
 
     arms = [a for a in args.arms.split(",") if a]
@@ -409,7 +476,8 @@ def print_row(row: dict, flush=True) -> None:
         cells.append(f"{label} {v:.1f}" if isinstance(v, float) else f"{label} {v}")
     stats = ""
     if "best" in row:
-        stats = (f" | best {row['best']} {row['best_us']:.1f}µs: {row['pct_copy']:.0f}% copy, {row['pct_read']:.0f}% read"
+        stats = (f" | best {row['best']} {row['best_us']:.1f}µs: {row['pct_copy']:.0f}% copy, "
+                 f"{row['pct_read']:.0f}% read"
                  + (f", {row['pct_nominal']:.0f}% nominal ({row['best_us'] / row['floor_us']:.2f}x floor)"
                     if row.get("pct_nominal") else ""))
         for peer in PEERS:
@@ -420,14 +488,16 @@ def print_row(row: dict, flush=True) -> None:
 
 def print_summary(rows: list[dict]) -> None:
     """The table the issue's targets read off: per point the floor, the default arm, the best arm, the peers."""
-    print("\ncache heads B  ctx    | floor µs | k3fuse µs | best arm            µs   %copy x floor | flashinfer  vllm   | best vs FI")
+    print("\ncache heads B  ctx    | floor µs | k3fuse µs | best arm            µs   %copy x floor |"
+          " flashinfer  vllm   | best vs FI")
     for r in rows:
         if "skipped" in r or "best" not in r:
             continue
         fi, vl, k3 = r.get("flashinfer"), r.get("vllm"), r.get("k3fuse")
         f = (lambda v: f"{v:9.1f}" if isinstance(v, float) else f"{'-':>9}")
         print(f"{r['cache']:>5} {r['heads']:>5} {r['batch']:<2} {r['context']:<6} | {r['floor_us'] or 0:8.1f} |"
-              f"{f(k3)} | {r['best']:<18}{r['best_us']:7.1f} {r['pct_copy']:6.0f}% {r['best_us'] / (r['floor_us'] or 1):6.2f} |"
+              f"{f(k3)} | {r['best']:<18}{r['best_us']:7.1f} {r['pct_copy']:6.0f}% "
+              f"{r['best_us'] / (r['floor_us'] or 1):6.2f} |"
               f"{f(fi)} {f(vl)} | " + (f"{fi / r['best_us']:.2f}x" if isinstance(fi, float) else "-"))
 
 

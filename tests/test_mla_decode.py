@@ -266,7 +266,7 @@ def test_split_count_fills_the_gpu_and_spends_no_split_it_does_not_need():
                         s = K.split_count(B, heads, ctx, sms, **kw)
                         where = (name, cache_dtype, heads, B, ctx, s)
                         assert 1 <= s <= min(K.MAX_SPLITS, -(-ctx // cfg.block_n)), where
-                        if ctx >= 32768:  # enough programs stream to fill the GPU (the model's bandwidth), at batch 1 too
+                        if ctx >= 32768:  # enough programs stream to fill the GPU (its modelled bandwidth), at B1 too
                             programs = B * K.head_blocks(heads) * s
                             assert (min(programs, slots) >= 0.9 * slots
                                     or min(programs, slots) * cfg.program_rate >= 0.95 * K.MODEL_BANDWIDTH), where

@@ -115,9 +115,9 @@ VARIANTS: dict[str, LaunchConfig] = {
     # 108 registers at 8 warps, 91 KB: two programs an SM; ~12.5 GB/s a program (B1 128K at S=132)
     "r1_bf16": LaunchConfig(block_n=32, num_warps=8, num_stages=3, page_tiles=False, pdl=False,
                             wide_combine=False, programs_per_sm=2, program_rate=12.5e9),
-    # the same with one table lookup a tile: 99 registers, 91 KB, 17% fewer instructions a tile
+    # the same with one table lookup a tile: 95 registers, 91 KB, 17% fewer instructions a tile
     "page32": LaunchConfig(block_n=32, num_warps=8, num_stages=3, programs_per_sm=2, program_rate=14e9),
-    # wgmma over 64-entry tiles (both dots read the tile from shared memory), two buffers: 151 registers,
+    # wgmma over 64-entry tiles (both dots read the tile from shared memory), two buffers: 157 registers,
     # 164 KB: one program an SM
     "wgmma64": LaunchConfig(block_n=64, num_warps=8, num_stages=2, tokens_m=True, programs_per_sm=1,
                             program_rate=28e9),
@@ -128,14 +128,14 @@ VARIANTS: dict[str, LaunchConfig] = {
     # the same widened to fp16, one lookup a tile: 20% fewer instructions a tile
     "fp16pf": LaunchConfig(block_n=64, num_warps=8, num_stages=1, prefetch=True, fp16_dots=True,
                            programs_per_sm=1, program_rate=9e9),
-    # fp8 through cp.async (twin loads), 32-entry tiles, three buffers, fp16 dots: 171 registers, 87 KB
+    # fp8 through cp.async (twin loads), 32-entry tiles, three buffers, fp16 dots: 146 registers, 87 KB
     "twin32": LaunchConfig(block_n=32, num_warps=8, num_stages=3, fp16_dots=True, twin_loads=True,
                            programs_per_sm=1, program_rate=9e9),
-    # Gluon, bf16: 64-entry tiles, a ring of two (one in flight while one is scored), 215 registers at 4 warps,
-    # 164 KB: one program an SM; ~0.043 warp instructions a byte against Triton's 0.10
+    # Gluon, bf16: 64-entry tiles, a ring of two (one in flight while one is scored), 255 registers at 4 warps
+    # (no spill), 164 KB: one program an SM; 0.042 warp instructions a byte of cache against Triton's 0.10-0.12
     "gluon64": LaunchConfig(block_n=64, num_warps=4, num_stages=2, gluon=True, programs_per_sm=1, program_rate=25e9),
-    # Gluon, fp8: a ring of three fp8 tiles (two in flight) and one fp16 staging tile, 255 registers, 200 KB:
-    # ~0.097 warp instructions a byte against Triton's 0.19-0.28
+    # Gluon, fp8: a ring of three fp8 tiles (two in flight) and one fp16 staging tile, 228 registers, 200 KB:
+    # 0.090 warp instructions a byte of cache against Triton's 0.19-0.38
     "gluon64_fp8": LaunchConfig(block_n=64, num_warps=4, num_stages=3, gluon=True, fp16_dots=True,
                                 programs_per_sm=1, program_rate=25e9),
 }
@@ -212,6 +212,12 @@ def sm_count(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(index: int) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def combine_blocks(S: int, D: int = LATENT, wide: bool = True) -> tuple[int, int]:
@@ -455,7 +461,8 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
     scale_arg = kv_scale if is_fp8 else seq_lens  # any pointer: not read without fp8
     qk_scale = float(softmax_scale) * LOG2E
     grid = (B, head_blocks(H), S)
-    pdl = cfg.pdl and not INTERPRET and S > 1
+    pdl = (cfg.pdl and not INTERPRET and S > 1
+           and _has_pdl(q.device.index if q.device.index is not None else torch.cuda.current_device()))
     common = dict(PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, LATENT=LATENT, ROPE=ROPE, IS_FP8=is_fp8,
                   PREFETCH=cfg.prefetch, TOKENS_M=cfg.tokens_m, PAGE_TILES=page_tiles(cfg, page),
                   FP16_DOTS=cfg.fp16_dots and is_fp8, TWIN=cfg.twin_loads and is_fp8 and not cfg.prefetch,

@@ -138,9 +138,12 @@ if GLUON_IMPORT_ERROR is None:
         else:  # the ring is what the wgmma read
             ring = gl.allocate_shared_memory(kv_dt, [NBUF, BLOCK_N, LATENT], lat_sl)
             rope_ring = gl.allocate_shared_memory(kv_dt, [NBUF, BLOCK_N, ROPE], rope_sl)
-        q_smem = gl.allocate_shared_memory(dt, [BLOCK_H, LATENT], gl.NVMMASharedLayout.get_default_for([BLOCK_H, LATENT], dt))
-        qr_smem = gl.allocate_shared_memory(dt, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dt))
-        p_smem = gl.allocate_shared_memory(dt, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dt))
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, LATENT], dt)
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dt)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dt)
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_H, LATENT], q_sl)
+        qr_smem = gl.allocate_shared_memory(dt, [BLOCK_H, ROPE], qr_sl)
+        p_smem = gl.allocate_shared_memory(dt, [BLOCK_N, BLOCK_H], p_sl)
 
         # --- the first NBUF - 1 tiles in flight before q is even read ----------------------------------
         for j in gl.static_range(NBUF - 1):
