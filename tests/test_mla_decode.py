@@ -7,16 +7,20 @@ and the Triton kernels through Triton's interpreter.
   partials against the unsplit float64 attention, empty parts (NaN behind a -inf lse) skipped;
 * the op in strict mode counts the reference on CPU, the kill switch runs the plain spelling; the fake
   impl names bad shapes; the Spec names each misfit of a call and `accepts` each limit;
-* split_count: fills the GPU at batch 1, takes fewer splits as the batch grows, one split when the
-  batch fills the GPU over a short context, never more splits than tiles; decode_bytes' arithmetic;
+* split_count, for every variant on the cache it is made for: fills the GPU at batch 1, takes fewer
+  splits as the batch grows, never more splits than tiles; decode_bytes' arithmetic;
 * the Triton kernels run on CPU through TRITON_INTERPRET=1 in a subprocess: batch 1 to 64, contexts
   1 to 4099 tokens (several splits and pages each), mixed lengths (0 included) in one batch, pages
-  of 16 and 64, heads 3 / 6 / 12 / 20, bf16 and fp8 caches, both loop forms (cp.async-pipelined and
-  register-prefetched), one split and many, into NaN-poisoned outputs and partials over caches whose
-  unowned rows hold NaN; the combine alone against a float64 merge; within the bf16 roundings of p
-  and of the output of the float64 result;
-* the split kernel compiles for sm_90 as designed: bf16 tiles by cp.async, two buffers in flight,
-  no spills; fp8 tiles by 16-byte loads widened in registers; tensor-core dots.
+  of 16 and 64, heads 3 / 6 / 12 / 20, bf16 and fp8 caches, every Triton variant (kernels/lib/triton/
+  mla_decode.py VARIANTS), one split and many, fp16 dots with q far outside fp16's range, into
+  NaN-poisoned outputs and partials over caches whose unowned rows hold NaN; the combine alone (one
+  step, two, round 1's) against a float64 merge; within the bf16 roundings of p and of the output of
+  the float64 result; a Gluon variant resolves to the default under the interpreter (it cannot run
+  Gluon: the GPU tests run it);
+* every variant's split kernel (the Gluon ones too) compiles for sm_90 as its config claims: cp.async
+  buffers or 16-byte register prefetch, wgmma or mma.sync in bf16 or fp16, one table lookup a tile,
+  the PDL signal, registers and shared memory for its programs an SM, no spills but a few words;
+  the combine waits on its PDL primary.
 """
 from __future__ import annotations
 
