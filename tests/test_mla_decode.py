@@ -7,16 +7,20 @@ and the Triton kernels through Triton's interpreter.
   partials against the unsplit float64 attention, empty parts (NaN behind a -inf lse) skipped;
 * the op in strict mode counts the reference on CPU, the kill switch runs the plain spelling; the fake
   impl names bad shapes; the Spec names each misfit of a call and `accepts` each limit;
-* split_count: fills the GPU at batch 1, takes fewer splits as the batch grows, one split when the
-  batch fills the GPU over a short context, never more splits than tiles; decode_bytes' arithmetic;
+* split_count, for every variant on the cache it is made for: fills the GPU at batch 1, takes fewer
+  splits as the batch grows, never more splits than tiles; decode_bytes' arithmetic;
 * the Triton kernels run on CPU through TRITON_INTERPRET=1 in a subprocess: batch 1 to 64, contexts
   1 to 4099 tokens (several splits and pages each), mixed lengths (0 included) in one batch, pages
-  of 16 and 64, heads 3 / 6 / 12 / 20, bf16 and fp8 caches, both loop forms (cp.async-pipelined and
-  register-prefetched), one split and many, into NaN-poisoned outputs and partials over caches whose
-  unowned rows hold NaN; the combine alone against a float64 merge; within the bf16 roundings of p
-  and of the output of the float64 result;
-* the split kernel compiles for sm_90 as designed: bf16 tiles by cp.async, two buffers in flight,
-  no spills; fp8 tiles by 16-byte loads widened in registers; tensor-core dots.
+  of 16 and 64, heads 3 / 6 / 12 / 20, bf16 and fp8 caches, every Triton variant (kernels/lib/triton/
+  mla_decode.py VARIANTS), one split and many, fp16 dots with q far outside fp16's range, into
+  NaN-poisoned outputs and partials over caches whose unowned rows hold NaN; the combine alone (one
+  step, two, round 1's) against a float64 merge; within the bf16 roundings of p and of the output of
+  the float64 result; a Gluon variant resolves to the default under the interpreter (it cannot run
+  Gluon: the GPU tests run it);
+* every variant's split kernel (the Gluon ones too) compiles for sm_90 as its config claims: cp.async
+  buffers or 16-byte register prefetch, wgmma or mma.sync in bf16 or fp16, one table lookup a tile,
+  the PDL signal, registers and shared memory for its programs an SM, no spills but a few words;
+  the combine waits on its PDL primary.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch
 
 import k3fuse
 from k3fuse import runtime
+from k3fuse.kernels.lib.triton import HAVE_TRITON
 from k3fuse.kernels.lib.reference import mla_decode as reference
 from k3fuse.kernels.ops import mla_decode as op
 from triton_interpreter import run_in_interpreter
@@ -255,24 +260,32 @@ def test_split_count_fills_the_gpu_and_spends_no_split_it_does_not_need():
 
     sms = 132
     for cache_dtype in (torch.bfloat16, FP8):
-        cfg = K.config_for(cache_dtype)
-        kw = dict(block_n=cfg.block_n, entry_bytes=576 * cache_dtype.itemsize, programs_per_sm=cfg.programs_per_sm)
-        for heads in (3, 6, 12):
-            for B in (1, 2, 3, 8, 17, 64):
-                for ctx in (1, 31, 32, 33, 500, 1024, 4096, 8192, 32768, 131072):
-                    s = K.split_count(B, heads, ctx, sms, **kw)
-                    where = (cache_dtype, heads, B, ctx, s)
-                    assert 1 <= s <= min(K.MAX_SPLITS, -(-ctx // cfg.block_n)), where
-                    if ctx >= 32768:  # (almost) every SM streams, at batch 1 too: whole tiles per split
-                        assert B * s >= 0.95 * sms, where
-                    if ctx >= 32768 and s > 1:  # the partials (written, read) stay a small part of the cache bytes
-                        share = (B * heads * s * 512 * 4 * 2) / (B * ctx * 576 * cache_dtype.itemsize)
-                        assert share <= 0.4, (where, share)
-                    if B == 64 and ctx <= 32768:  # 64 sequences fill the GPU with a few splits each (at 128K,
-                        assert s <= 4, where      # more, shorter splits can square the last wave)
-        assert K.split_count(1, 6, cfg.block_n, sms, **kw) == 1  # one tile: nothing to split
+        for name in K.CACHE_VARIANTS[cache_dtype.itemsize]:
+            cfg = K.VARIANTS[name]
+            kw = dict(config=cfg, entry_bytes=576 * cache_dtype.itemsize)
+            slots = sms * cfg.programs_per_sm
+            for heads in (3, 6, 12):
+                for B in (1, 2, 3, 8, 17, 64):
+                    for ctx in (1, 31, 32, 33, 500, 1024, 4096, 8192, 32768, 131072):
+                        s = K.split_count(B, heads, ctx, sms, **kw)
+                        where = (name, cache_dtype, heads, B, ctx, s)
+                        assert 1 <= s <= min(K.MAX_SPLITS, -(-ctx // cfg.block_n)), where
+                        if ctx >= 32768:  # enough programs stream to fill the GPU (its modelled bandwidth), at B1 too
+                            programs = B * K.head_blocks(heads) * s
+                            assert (min(programs, slots) >= 0.9 * slots
+                                    or min(programs, slots) * cfg.program_rate >= 0.95 * K.MODEL_BANDWIDTH), where
+                        if ctx >= 32768 and s > 1:  # the partials (written, read) stay a small part of the cache
+                            share = (B * heads * s * 512 * 4 * 2) / (B * ctx * 576 * cache_dtype.itemsize)
+                            assert share <= 0.4, (where, share)
+                        if B == 64 and ctx <= 32768:  # 64 sequences fill the GPU with a few splits each
+                            assert s <= 4, where
+            assert K.split_count(1, 6, cfg.block_n, sms, **kw) == 1  # one tile: nothing to split
+    assert K.splits_for(8, 6, 32768, sms, torch.bfloat16) == K.split_count(
+        8, 6, 32768, sms, K.config_for(torch.bfloat16), entry_bytes=1152)
     with pytest.raises(ValueError, match="must be positive"):
-        K.split_count(0, 6, 1024, sms)
+        K.split_count(0, 6, 1024, sms, K.config_for(torch.bfloat16))
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        K.config_for(torch.bfloat16, "nope")
 
 
 def test_decode_bytes_counts_the_cache_entries_q_and_out():
@@ -304,17 +317,19 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     K.sm_count = lambda device: 132  # an H100's, for split_count
     FP8 = torch.float8_e4m3fn
 
-    def case(name, lengths, heads, page, cache_dtype, config=None, splits=None, seed=0):
+    def case(name, lengths, heads, page, cache_dtype, config=None, splits=None, seed=0, q_scale=None):
         q, cache, table, lens, kv_scale = T.make_case(lengths, heads, page, cache_dtype, seed=seed)
+        if q_scale is not None:
+            q = (q.float() * q_scale).bfloat16()
         B = len(lengths)
         cfg = config or K.config_for(cache_dtype)
-        S = splits or K.split_count(B, heads, table.shape[1] * page, 132, block_n=cfg.block_n,
-                                    entry_bytes=576 * cache.element_size(), programs_per_sm=cfg.programs_per_sm)
+        S = splits or K.split_count(B, heads, table.shape[1] * page, 132, cfg, entry_bytes=576 * cache.element_size())
         out = torch.full((B, heads, 512), float("nan"), dtype=torch.bfloat16)
         partials = (torch.full((B, heads, S, 512), float("nan")), torch.full((B, heads, S), float("nan")))
         K.run(q, cache, table, lens, T.SCALE, kv_scale, out=out, config=config, splits=S, partials=partials)
         ref, lse, mag = T.f64_attention(q, cache, table, lens, T.SCALE, kv_scale)
         return {"case": name, "B": B, "heads": heads, "page": page, "cache": str(cache_dtype), "splits": S,
+                "page_tiles": K.page_tiles(cfg, page),
                 "max_len": max(lengths), "written": not bool(torch.isnan(out).any()),
                 "excess": T.within(out, ref, mag, 2 ** -7),  # the interpreter's casts truncate: 2^-7
                 "zeros_for_empty": bool(all(not out[b].any() for b, n in enumerate(lengths) if n == 0))}
@@ -336,29 +351,46 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         case("prefetch_bf16", [1000, 31], 12, 16, torch.bfloat16, config=prefetch),
         case("pipelined_fp8", [1000, 31], 6, 64, FP8, config=pipelined),
         case("many_splits", [333], 6, 16, torch.bfloat16, splits=50),
+        # fp16 dots take q through a power of two: |q| far past fp16's range, and far below its normal range
+        case("fp16_dots_large_q", [300, 7], 6, 64, FP8, config=K.VARIANTS["fp16pf"], q_scale=3e5),
+        case("fp16_dots_tiny_q", [300, 7], 6, 64, FP8, config=K.VARIANTS["twin32"], q_scale=1e-7),
     ]
+    # every Triton variant: both caches, tiles in one page (64) and across pages (16), one split and three
+    # (the interpreter runs no Gluon: a Gluon variant resolves to the cache's default here, and is the GPU tests')
+    for name, cfg in K.VARIANTS.items():
+        if cfg.gluon:
+            assert K.resolve(cfg, torch.bfloat16, torch.device("cpu"), 64) == K.config_for(torch.bfloat16)
+            continue
+        for cache_dtype, page, lengths, heads, S in ((torch.bfloat16, 64, [200, 1, 0, 130], 6, 3),
+                                                      (FP8, 64, [150, 64, 3], 12, 1),
+                                                      (torch.bfloat16, 16, [100, 33], 3, 1), (FP8, 16, [77, 5], 6, 3)):
+            results.append(case(f"variant_{name}_{cache_dtype}_{page}_S{S}", lengths, heads, page, cache_dtype,
+                                config=cfg, splits=S, seed=len(lengths) + S))
 
-    # the combine alone: random partials, some parts empty (NaN behind -inf), one row with none
-    g = torch.Generator().manual_seed(9)
-    B, H, S = 5, 6, 37
-    pout = torch.randn(B, H, S, 512, generator=g)
-    plse = torch.randn(B, H, S, generator=g) * 4
-    empty = torch.rand(B, H, S, generator=g) < 0.3
-    plse[empty] = float("-inf"); pout[empty] = float("nan")
-    plse[2, 3] = float("-inf"); pout[2, 3] = float("nan")
-    live = plse > float("-inf")
-    lse64 = torch.logsumexp(plse.double(), -1)
-    w = torch.where(live, torch.exp(plse.double() - lse64.nan_to_num(0.0, neginf=0.0)[..., None]), 0.0)
-    ref = (torch.where(live[..., None], pout.double(), 0.0) * w[..., None]).sum(-2)
-    out = torch.full((B, H, 512), float("nan"))
-    lse_out = torch.full((B, H), float("nan"))
-    K.combine(pout, plse, out=out, lse_out=lse_out)
-    out16 = K.combine(pout, plse, out_dtype=torch.bfloat16)
-    results.append({"case": "combine", "written": not bool(torch.isnan(out).any()),
-                    "err": float((out.double() - ref).abs().max()), "row_empty_zero": not bool(out[2, 3].any()),
-                    "lse_err": float((lse_out.double() - lse64).nan_to_num(0.0).abs().max()),
-                    "lse_empty": bool(lse_out[2, 3] == float("-inf")),
-                    "bf16_excess": T.within(out16, ref, ref.abs(), 2 ** -7)})
+    # the combine alone: random partials, some parts empty (NaN behind -inf), one row with none; S of 37
+    # (one step), 300 (two steps of 256, the second part-empty) and round 1's narrow combine
+    for label, S, wide in (("combine", 37, True), ("combine_s300", 300, True), ("combine_r1", 37, False)):
+        g = torch.Generator().manual_seed(9)
+        B, H = 5, 6
+        pout = torch.randn(B, H, S, 512, generator=g)
+        plse = torch.randn(B, H, S, generator=g) * 4
+        empty = torch.rand(B, H, S, generator=g) < 0.3
+        plse[empty] = float("-inf"); pout[empty] = float("nan")
+        plse[2, 3] = float("-inf"); pout[2, 3] = float("nan")
+        live = plse > float("-inf")
+        lse64 = torch.logsumexp(plse.double(), -1)
+        w = torch.where(live, torch.exp(plse.double() - lse64.nan_to_num(0.0, neginf=0.0)[..., None]), 0.0)
+        ref = (torch.where(live[..., None], pout.double(), 0.0) * w[..., None]).sum(-2)
+        out = torch.full((B, H, 512), float("nan"))
+        lse_out = torch.full((B, H), float("nan"))
+        K.combine(pout, plse, out=out, lse_out=lse_out, wide=wide)
+        out16 = K.combine(pout, plse, out_dtype=torch.bfloat16, wide=wide)
+        results.append({"case": label, "blocks": K.combine_blocks(S, 512, wide),
+                        "written": not bool(torch.isnan(out).any()),
+                        "err": float((out.double() - ref).abs().max()), "row_empty_zero": not bool(out[2, 3].any()),
+                        "lse_err": float((lse_out.double() - lse64).nan_to_num(0.0).abs().max()),
+                        "lse_empty": bool(lse_out[2, 3] == float("-inf")),
+                        "bf16_excess": T.within(out16, ref, ref.abs(), 2 ** -7)})
     print("RESULT " + json.dumps(results))
 """)
 
@@ -371,8 +403,10 @@ def interpreter_results() -> list[dict]:
 
 
 def test_interpreter_split_kernel_matches_float64(interpreter_results):
-    cases = [r for name, r in interpreter_results.items() if name != "combine"]
-    assert len(cases) == 12
+    from k3fuse.kernels.lib.triton import mla_decode as K
+
+    cases = [r for name, r in interpreter_results.items() if not name.startswith("combine")]
+    assert len(cases) == 14 + 4 * sum(not cfg.gluon for cfg in K.VARIANTS.values())
     for r in cases:
         assert r["written"], r  # every element of the NaN-poisoned output written
         assert r["excess"] <= 0, r  # within the roundings of p and of the output (NaN partials, NaN rows unread)
@@ -381,10 +415,13 @@ def test_interpreter_split_kernel_matches_float64(interpreter_results):
     assert interpreter_results["long_b1"]["splits"] > 100 and interpreter_results["b64_one_split"]["splits"] == 1
     assert {r["page"] for r in cases} == {16, 64} and {r["heads"] for r in cases} >= {3, 6, 12, 20}
     assert {r["cache"] for r in cases} == {"torch.bfloat16", "torch.float8_e4m3fn"}
+    assert {r["page_tiles"] for r in cases} == {True, False}  # one lookup a tile, and a lookup a token
 
 
-def test_interpreter_combine_matches_a_float64_merge(interpreter_results):
-    r = interpreter_results["combine"]
+@pytest.mark.parametrize("case,blocks", [("combine", [64, 128]), ("combine_s300", [256, 32]), ("combine_r1", [8, 512])])
+def test_interpreter_combine_matches_a_float64_merge(interpreter_results, case, blocks):
+    r = interpreter_results[case]
+    assert r["blocks"] == blocks, r  # (BLOCK_S, BLOCK_D): every split in a step (two at S=300); r1's 8 a step
     assert r["written"] and r["row_empty_zero"] and r["lse_empty"], r
     assert r["err"] < 1e-5 and r["lse_err"] < 1e-5 and r["bf16_excess"] <= 0, r
 
@@ -408,19 +445,22 @@ def _ptxas_report(ptx: str) -> dict:
             "spill": int(re.search(r"(\d+) bytes spill stores", err).group(1))}
 
 
-def _compile_split(cache: str, single: bool):
+def _compile_split(variant: str, cache: str, single: bool):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
     from k3fuse.kernels.lib.triton import mla_decode as K
 
-    cfg = K.config_for(FP8 if cache == "fp8e4nv" else torch.bfloat16)
+    cfg = K.VARIANTS[variant]
+    fp8 = cache == "fp8e4nv"
     names = K._mla_split_kernel.arg_names
-    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=cache == "fp8e4nv",
-                      SINGLE=single, PREFETCH=cfg.prefetch)
+    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, SINGLE=single,
+                      PREFETCH=cfg.prefetch, TOKENS_M=cfg.tokens_m, PAGE_TILES=K.page_tiles(cfg, 64),
+                      FP16_DOTS=cfg.fp16_dots and fp8, TWIN=cfg.twin_loads and fp8 and not cfg.prefetch,
+                      PDL=cfg.pdl and not single)  # as run() launches it
     part = "*bf16" if single else "*fp32"
     types = {"q_ptr": "*bf16", "kv_ptr": f"*{cache}", "bt_ptr": "*i32", "lens_ptr": "*i32",
-             "kv_scale_ptr": "*fp32" if cache == "fp8e4nv" else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
+             "kv_scale_ptr": "*fp32" if fp8 else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
              "plse_ptr": part, "qk_scale": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     # what a launch specialises: 16-byte aligned pointers, the 16-divisible strides
@@ -432,20 +472,101 @@ def _compile_split(cache: str, single: bool):
                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
-@pytest.mark.parametrize("single", [False, True])
-def test_split_kernel_compiles_for_sm90_as_designed(single):
-    cfg, bf16 = _compile_split("bf16", single)
-    ptx = bf16.asm["ptx"]
-    tile = cfg.block_n * 576 * 2
-    assert "cp.async.cg.shared.global" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-    assert bf16.metadata.shared >= 2 * tile  # two tiles buffered: one in flight while the other is scored
-    assert bf16.metadata.shared * cfg.programs_per_sm <= 227 * 1024
-    report = _ptxas_report(ptx)
-    assert report["spill"] == 0 and report["registers"] * cfg.num_warps * 32 * cfg.programs_per_sm <= 65536, report
+def _compile_gluon(variant: str, cache: str, single: bool):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
 
-    cfg, fp8 = _compile_split("fp8e4nv", single)
-    ptx = fp8.asm["ptx"]
-    assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx and "mma.sync" in ptx  # widened in registers
-    assert fp8.metadata.shared * cfg.programs_per_sm <= 227 * 1024
+    from k3fuse.kernels.lib.triton import mla_decode as K
+    from k3fuse.kernels.lib.triton import mla_decode_gluon as G
+
+    if G.GLUON_IMPORT_ERROR is not None:
+        pytest.skip(G.GLUON_IMPORT_ERROR)
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = K.VARIANTS[variant]
+    fp8 = cache == "fp8e4nv"
+    names = G._mla_split_gluon.arg_names
+    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, SINGLE=single,
+                      NBUF=min(cfg.num_stages, G.MAX_RING[1 if fp8 else 2]), PDL=cfg.pdl and not single,
+                      num_warps=G.NUM_WARPS)
+    part = "*bf16" if single else "*fp32"
+    types = {"q_ptr": "*bf16", "kv_ptr": f"*{cache}", "bt_ptr": "*i32", "lens_ptr": "*i32",
+             "kv_scale_ptr": "*fp32" if fp8 else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
+             "plse_ptr": part, "qk_scale": "fp32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    divisible = [n for n in names if n.endswith("_ptr")] + ["q_sb", "q_sh", "kv_sblk", "kv_stok", "o_sb", "o_sh",
+                                                            "po_sb", "po_sh", "po_ss"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = GluonASTSource(fn=G._mla_split_gluon, signature=sig, attrs=attrs, constexprs=constexprs)
+    return cfg, triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": G.NUM_WARPS})
+
+
+def _variants_by_cache():
+    from k3fuse.kernels.lib.triton import mla_decode as K
+
+    return [(v, "bf16" if size == 2 else "fp8e4nv") for size, names in K.CACHE_VARIANTS.items() for v in names]
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["split", "single"])
+@pytest.mark.parametrize("variant,cache", _variants_by_cache() if HAVE_TRITON else [])
+def test_split_kernel_compiles_for_sm90_as_designed(variant, cache, single):
+    """Each variant's claims (kernels/lib/triton/mla_decode.py VARIANTS) hold in its sm_90 compile: how
+    tiles travel (cp.async buffers, or 16-byte loads into registers), which dots score them (wgmma,
+    mma.sync in bf16 or fp16), one table lookup a tile, the PDL signal, and that programs_per_sm of
+    its programs fit an SM's registers and shared memory without spilling."""
+    cfg = _variant(variant)
+    cfg, kernel = (_compile_gluon if cfg.gluon else _compile_split)(variant, cache, single)
+    ptx = kernel.asm["ptx"]
+    tile = cfg.block_n * 576 * (1 if cache == "fp8e4nv" else 2)
+    if cfg.gluon:  # both dots wgmma from shared memory, the ring by cp.async, fp8 widened once (one cvt a pair)
+        assert "wgmma.mma_async.sync.aligned.m64n16k16.f32" in ptx and "mma.sync" not in ptx
+        assert "cp.async.cg.shared.global" in ptx and "fence.proxy.async.shared::cta" in ptx
+        if cache == "fp8e4nv":
+            assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16" in ptx
+            assert ptx.count("cvt.rn.f16x2.e4m3x2") == 64 * 576 // 2 // (32 * cfg.num_warps)  # 144 a thread a tile
+    elif cfg.prefetch:
+        assert "ld.global.v4.b32" in ptx and "cp.async" not in ptx  # tiles into registers, 16 bytes a load
+    else:
+        assert "cp.async.cg.shared.global" in ptx
+        assert kernel.metadata.shared >= min(cfg.num_stages - 1, 2) * tile  # buffers in flight beside the scored one
+    if cfg.gluon:
+        pass
+    elif cfg.tokens_m:
+        assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx and "mma.sync" not in ptx
+    elif cache == "fp8e4nv":
+        dots = "f16.f16" if cfg.fp16_dots else "bf16.bf16"
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dots}.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+    else:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    # 4-byte loads: the length, the scale, and the block table: a few with a lookup a tile (those before the
+    # loop, one an iteration), many with one a token (r1: 20-28)
+    words = ptx.count("ld.global.b32")
+    assert words <= 8 if cfg.page_tiles else words >= 16, words
+    assert ("griddepcontrol.launch_dependents" in ptx) == (cfg.pdl and not single)
+    assert kernel.metadata.shared * cfg.programs_per_sm <= 227 * 1024
     report = _ptxas_report(ptx)
-    assert report["spill"] <= 64, report  # 255 registers at 8 warps: a few words on the stack (L1)
+    assert report["registers"] * cfg.num_warps * 32 * cfg.programs_per_sm <= 65536, report
+    # 255 registers at 8 warps (prefetch) or 4 (Gluon fp8): a few words on the stack (L1)
+    assert report["spill"] <= (64 if cfg.prefetch or (cfg.gluon and cache == "fp8e4nv") else 0), report
+
+
+def _variant(name):
+    from k3fuse.kernels.lib.triton import mla_decode as K
+
+    return K.VARIANTS[name]
+
+
+def test_combine_compiles_for_sm90_with_its_pdl_wait():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from k3fuse.kernels.lib.triton import mla_decode as K
+
+    names = K._mla_combine_kernel.arg_names
+    for pdl in (False, True):
+        constexprs = dict(BLOCK_D=128, BLOCK_S=64, WRITE_LSE=False, PDL=pdl)
+        types = {"pout_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_out_ptr": "*fp32"}
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+        src = triton.compiler.ASTSource(fn=K._mla_combine_kernel, signature=sig, constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl

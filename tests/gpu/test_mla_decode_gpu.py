@@ -2,14 +2,17 @@
 
 * batch 1 at 128K tokens, batch 8 mixed up to 32K, batch 64 mixed up to 4K (lengths 0 and 1
   included), heads 3 / 6 / 12, pages 16 and 64, bf16 and fp8 (e4m3 + scale) caches, into
-  NaN-poisoned outputs over caches whose rows no sequence owns hold NaN: within the roundings of p
-  and of the output of the float64 attention; every split count from 1 to the chosen one's double
-  gives that too; deterministic;
-* the combine alone against a float64 merge (empty parts: NaN behind a -inf lse);
+  NaN-poisoned outputs over caches whose rows no sequence owns hold NaN, every kernel variant made
+  for the cache (kernels/lib/triton/mla_decode.py CACHE_VARIANTS): within the roundings of p and of
+  the output of the float64 attention; every split count from 1 to the chosen one's double, and
+  every variant on either cache, gives that too; deterministic;
+* the combine alone against a float64 merge (empty parts: NaN behind a -inf lse), one step and two,
+  wide and round 1's narrow, plain and behind PDL;
 * the op through the dispatcher in strict mode: k3fuse.stats() shows the Triton kernel; the kill
   switch runs the plain spelling; a call no kernel takes (fp32 q) falls back to it, strict raises;
-* one CUDA graph replayed 1000 times over changing lengths (and queries): each replay against the
-  plain spelling, every 100th against float64.
+* one CUDA graph replayed 1000 times over changing lengths (and queries), the default variant (its
+  combine behind PDL), 200 times for every other variant: each replay against the plain spelling,
+  every 100th against float64.
 
     python -m pytest -m gpu tests/gpu/test_mla_decode_gpu.py -q
 """
@@ -116,31 +119,39 @@ def test_against_float64_up_to_128k(lengths, heads, page, cache_dtype):
     spec = mla_op.MLADecodeSpec.from_call(*case[:4], SCALE, case[4])
     assert mla_op.accepts(spec) is None
     ref, mag = f64_attention(*case[:4], case[4])
-    out = poisoned(*case)
-    check(out, ref, mag, (len(lengths), max(lengths), heads, page, cache_dtype))
-    assert torch.equal(out, poisoned(*case))  # deterministic: a fixed order, no atomics
-    for b, n in enumerate(lengths):
-        if n == 0:
-            assert not out[b].any()
+    for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]:
+        cfg = kernel.VARIANTS[variant]
+        # a Gluon variant runs as itself on an H100 wherever a page holds whole tiles (else the default)
+        assert kernel.resolve(cfg, cache_dtype, case[0].device, page).gluon == (cfg.gluon and page % cfg.block_n == 0)
+        out = poisoned(*case, config=cfg)
+        check(out, ref, mag, (variant, len(lengths), max(lengths), heads, page, cache_dtype))
+        assert torch.equal(out, poisoned(*case, config=cfg))  # deterministic: a fixed order, no atomics
+        for b, n in enumerate(lengths):
+            if n == 0:
+                assert not out[b].any()
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_every_split_count_and_both_loop_forms(cache_dtype):
-    case = make_case([3000, 1, 1500], 6, 16, cache_dtype, seed=3)
+def test_every_split_count_and_every_variant(cache_dtype):
+    for page in (16, 64):  # tiles across pages (a lookup a token), tiles in one page (a lookup a tile)
+        case = make_case([3000, 1, 1500], 6, page, cache_dtype, seed=3)
+        ref, mag = f64_attention(*case[:4], case[4])
+        chosen = kernel.splits_for(3, 6, case[2].shape[1] * page, kernel.sm_count(torch.device(DEV)), cache_dtype)
+        for splits in sorted({1, 2, 3, 7, chosen, 2 * chosen}):
+            check(poisoned(*case, splits=splits), ref, mag, ("splits", splits, page))
+    # every variant on either cache (the model's S, and 5) over pages of 64, where each runs as itself
+    case = make_case([3000, 1, 1500], 6, 64, cache_dtype, seed=4)
     ref, mag = f64_attention(*case[:4], case[4])
-    chosen = kernel.split_count(3, 6, case[2].shape[1] * 16, kernel.sm_count(torch.device(DEV)),
-                                block_n=kernel.config_for(cache_dtype).block_n, entry_bytes=576 * cache_dtype.itemsize,
-                                programs_per_sm=kernel.config_for(cache_dtype).programs_per_sm)
-    for splits in sorted({1, 2, 3, 7, chosen, 2 * chosen}):
-        check(poisoned(*case, splits=splits), ref, mag, ("splits", splits))
-    for cfg in (kernel.LaunchConfig(32, 8, 3, programs_per_sm=2), kernel.LaunchConfig(64, 8, 1, prefetch=True),
-                kernel.LaunchConfig(32, 4, 1, prefetch=True), kernel.LaunchConfig(64, 8, 3)):
-        check(poisoned(*case, config=cfg), ref, mag, cfg)
+    for name, cfg in kernel.VARIANTS.items():
+        assert kernel.resolve(cfg, cache_dtype, case[0].device, 64) is cfg
+        check(poisoned(*case, config=cfg), ref, mag, name)
+        check(poisoned(*case, config=cfg, splits=5), ref, mag, (name, 5))
 
 
-def test_combine_alone_against_a_float64_merge():
+@pytest.mark.parametrize("S", [150, 300])
+def test_combine_alone_against_a_float64_merge(S):
     g = torch.Generator(device=DEV).manual_seed(9)
-    B, H, S = 7, 12, 150
+    B, H = 7, 12
     pout = torch.randn(B, H, S, 512, generator=g, device=DEV)
     plse = torch.randn(B, H, S, generator=g, device=DEV) * 4
     empty = torch.rand(B, H, S, generator=g, device=DEV) < 0.3
@@ -153,6 +164,10 @@ def test_combine_alone_against_a_float64_merge():
     assert not torch.isnan(out).any() and not out[2, 3].any() and lse_out[2, 3] == float("-inf")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_out.double(), lse64, rtol=1e-6, atol=1e-5)
+    for wide, pdl in ((False, False), (True, True)):  # round 1's narrow combine; the wide one behind PDL
+        out.fill_(float("nan"))
+        kernel.combine(pout, plse, out=out, wide=wide, pdl=pdl)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_op_strict_counts_the_kernel_disable_and_fallback_run_the_plain_spelling():
@@ -178,19 +193,33 @@ def test_op_strict_counts_the_kernel_disable_and_fallback_run_the_plain_spelling
         torch.ops.k3fuse.mla_decode(qf, cache.float(), table, lens, SCALE)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_cuda_graph_1000_replays_over_changing_lengths(cache_dtype):
+def _graph_cases():
+    return [(cache_dtype, variant) for cache_dtype in (torch.bfloat16, FP8)
+            for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]]
+
+
+@pytest.mark.parametrize("cache_dtype,variant", _graph_cases())
+def test_cuda_graph_1000_replays_over_changing_lengths(cache_dtype, variant):
     B, heads, page, capacity = 8, 6, 64, 8192
     width = capacity // page
     q, cache, table, lens, kv_scale = make_case([capacity] * B, heads, page, cache_dtype, seed=5, width=width)
+    default = variant == kernel.CACHE_VARIANTS[cache_dtype.itemsize][0]
     mla_op.warmup([{"B": B, "heads": heads, "block_size": page, "max_context": capacity, "cache_dtype": cache_dtype}])
     static_q, static_lens = q.clone(), lens.clone()
+    cfg = kernel.VARIANTS[variant]
+    assert kernel.resolve(cfg, cache_dtype, q.device, page) is cfg  # pages of 64: every variant runs as itself
+    splits = kernel.splits_for(B, heads, capacity, kernel.sm_count(torch.device(DEV)), cache_dtype, variant)
+    static_out = torch.empty(B, heads, 512, dtype=q.dtype, device=DEV)
+    kernel.run(static_q, cache, table, static_lens, SCALE, kv_scale, out=static_out, config=cfg, splits=splits)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = torch.ops.k3fuse.mla_decode(static_q, cache, table, static_lens, SCALE, kv_scale)
+        if default:  # the op, through the dispatcher
+            static_out = torch.ops.k3fuse.mla_decode(static_q, cache, table, static_lens, SCALE, kv_scale)
+        else:
+            kernel.run(static_q, cache, table, static_lens, SCALE, kv_scale, out=static_out, config=cfg, splits=splits)
     g = torch.Generator(device=DEV).manual_seed(6)
     k3fuse.reset_stats()
-    for step in range(1000):
+    for step in range(1000 if default else 200):
         static_lens.copy_(torch.randint(0, capacity + 1, (B,), generator=g, device=DEV, dtype=torch.int32))
         if step % 7 == 0:
             static_lens[step % B] = 1 if step % 2 else 0
