@@ -172,7 +172,8 @@ def _no_interrupt() -> Iterator[None]:
     """Hold Ctrl-C (SIGINT) for the duration of the block and deliver it afterwards, so that an
     output's rename and the record that it happened are one step. Python runs signal handlers in
     the main thread only, so only there is the handler swapped (elsewhere no SIGINT can land)."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
         yield
         return
     held: list[Any] = []

@@ -270,8 +270,10 @@ def unknown_names(env: Mapping[str, str] | None = None) -> list[tuple[str, str |
     out = []
     for name in sorted(env):
         if name.startswith("K3FUSE_") and name not in _BY_ENV and not name.startswith(NOT_SETTINGS_PREFIX):
-            close = difflib.get_close_matches(name, list(_BY_ENV), n=1, cutoff=0.6)
-            out.append((name, close[0] if close else None))
+            # compared without the shared prefix, which would make every name look close
+            close = difflib.get_close_matches(name[len("K3FUSE_"):], [n[len("K3FUSE_"):] for n in _BY_ENV], n=1,
+                                              cutoff=0.6)
+            out.append((name, "K3FUSE_" + close[0] if close else None))
     return out
 
 

@@ -372,7 +372,9 @@ class _Interrupt:
         import signal
         import threading
 
-        if threading.current_thread() is threading.main_thread():
+        # a process started with SIGINT ignored (nohup, a background job of a script) keeps ignoring it
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self.previous = signal.signal(signal.SIGINT, self.handle)
 
     def handle(self, signum: int, frame: Any) -> None:
@@ -410,9 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .. import settings
 
     interrupt = _Interrupt()
-    interrupt.install()
+    as_command = argv is None  # the console script: this process ends when main returns
     verb = "run"
     try:
+        interrupt.install()
         argv = list(sys.argv[1:] if argv is None else argv)
         # torch.export.load's own deprecation (torch internals, nothing the user can act on) would be a
         # second line under every one-line error
@@ -433,7 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(interrupted_message(verb), file=sys.stderr, flush=True)
         return 130
     finally:
-        interrupt.restore()
+        if as_command and interrupt.previous is not None:
+            # the run is over, its files written and its lines printed: a Ctrl-C during the
+            # interpreter's teardown would only turn a finished run into a silently killed one
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            interrupt.restore()
 
 
 def _run(args: argparse.Namespace, debug: bool, interrupt: _Interrupt) -> int:
