@@ -7,9 +7,11 @@ torch.export.save/load (the k3fuse ops are registered by `import k3fuse`) and ca
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -331,15 +333,12 @@ def apply(
     if not isinstance(exported_program, ExportedProgram):
         raise ProgramTypeError(exported_program)
     ctx = DecodeContext.coerce(ctx)
-    if decompose:  # a fresh graph module; weights are shared, never written
-        with warnings.catch_warnings():
-            # torch's run_decompositions deep-copies its own pytree specs, which trips torch's own
-            # deprecation of LeafSpec (torch internals: nothing the caller can act on)
-            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                                    category=FutureWarning)
+    with _quiet_torch_internals():
+        if decompose:  # a fresh graph module; weights are shared, never written
             ep = exported_program.run_decompositions(decomposition_table())
-    else:
-        ep = exported_program._update(copy.deepcopy(exported_program.graph_module), exported_program.graph_signature)
+        else:
+            ep = exported_program._update(copy.deepcopy(exported_program.graph_module),
+                                          exported_program.graph_signature)
     gm = ep.graph_module
     mark_static_placeholders(gm.graph, static_placeholder_names(ep))
     install_plugins()
@@ -349,7 +348,19 @@ def apply(
     _fill_missing_vals(gm)
     sig = type(ep.graph_signature)(input_specs=list(ep.graph_signature.input_specs),
                                    output_specs=_rebuild_output_specs(ep, gm))
-    return ep._update(gm, sig), rlog
+    with _quiet_torch_internals():
+        return ep._update(gm, sig), rlog
+
+
+@contextlib.contextmanager
+def _quiet_torch_internals() -> Iterator[None]:
+    """torch's ExportedProgram deep-copies its own pytree specs (run_decompositions, _update), which
+    trips torch's own deprecation of LeafSpec: a warning about torch's internals, nothing the caller
+    can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 __all__ = ["apply", "ProgramTypeError", "load_program", "save_program", "collective_group_sizes", "record_group_sizes",
