@@ -62,8 +62,11 @@ _EXPR_KEYWORDS = {"positive", "negative", "nonnegative", "nonpositive", "integer
                   "zero", "nonzero", "even", "odd", "rational", "precision", "evaluate", "commutative"}
 _SYMBOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,4})?|[-+]?(inf|nan)")
-#: operator targets a program may name (torch's verifier then admits only ops and allowed builtins)
-_TARGET = re.compile(r"(torch\.ops|_operator|math|builtins|torch\.sym_\w+|torch\._sym_\w+)(\.\w+)*")
+#: operator targets a program may name: registered ops and the symbolic-size builtins torch's verifier
+#: allows (which then admits only OpOverloads, higher-order ops and those builtins)
+_TARGET = re.compile(r"torch\.ops(\.\w+)+|torch\._?sym_\w+|math\.(ceil|floor|trunc)"
+                     r"|_operator\.(getitem|add|mul|sub|truediv|ge|le|gt|lt|eq|ne|floordiv|mod|and_|or_|not_|pow|neg"
+                     r"|abs|lshift|rshift)")
 
 
 class ProgramRefused(ValueError):

@@ -67,7 +67,8 @@ def evil_sample_inputs(src: Path, dst: Path, marker: Path) -> Path:
 def evil_pickled_weight(src: Path, dst: Path, marker: Path) -> Path:
     """The first weight marked use_pickle, its bytes a pickle that returns the same tensor."""
     with zipfile.ZipFile(src) as z:
-        config = json.loads(next(z.read(n) for n in z.namelist() if n.endswith("data/weights/model_weights_config.json")))
+        config = json.loads(next(z.read(n) for n in z.namelist()
+                                 if n.endswith("data/weights/model_weights_config.json")))
     fqn, meta = next(iter(config["config"].items()))
     shape = [s["as_int"] for s in meta["tensor_meta"]["sizes"]]
     payload = pickled(marker, f"__import__('torch').nn.Parameter(__import__('torch').zeros({shape}))")
@@ -108,7 +109,8 @@ def evil_opaque_constant(src: Path, dst: Path, marker: Path) -> Path:
     old_name = meta["path_name"]
     config["config"][fqn]["path_name"] = "opaque_obj_0"
     config["config"][fqn]["use_pickle"] = True  # as torch.export.save writes an opaque object
-    payload = pickle.dumps(Payload(marker, f"__import__('torch').zeros({[s['as_int'] for s in meta['tensor_meta']['sizes']]})"))
+    shape = [s["as_int"] for s in meta["tensor_meta"]["sizes"]]
+    payload = pickle.dumps(Payload(marker, f"__import__('torch').zeros({shape})"))
 
     def edit(name: str, data: bytes) -> bytes | None:
         if name == "data/constants/model_constants_config.json":

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
-from cli_helpers import k3fuse, one_line_error
+from cli_helpers import BIN, k3fuse, one_line_error
 
 from k3fuse.tools.cli import main
 from k3fuse.log import RewriteEvent, fold_reasons, read_jsonl, split_runs
@@ -162,7 +164,9 @@ def test_tables_print_whole_values_when_not_on_a_terminal(tmp_path):
                 values={"tokens": 70, "detail": "x" * 150}) for r in range(8)]
     path = tmp_path / "rw.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    res = k3fuse("log", str(path), env={"COLUMNS": "80"})
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # a pipe has no width
+    res = subprocess.run([str(BIN / "k3fuse"), "log", str(path)], capture_output=True, text=True, env=env,
+                         timeout=120)
     assert res.returncode == 0, res.stderr
     row = next(line for line in res.stdout.splitlines() if "some_rule_with_a_long_name" in line and reason in line)
     cells = [c.strip() for c in row.strip("│ ").split("│")]

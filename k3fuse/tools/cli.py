@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .. import settings
 from ..usage_error import UsageError
 from .console import print_reasons, print_rewrite_summary, print_runs
 from .flags import (add_moved_batch_flag, add_rules_flag, check_moved_batch, non_negative_int, parse_tokens,
@@ -396,7 +398,7 @@ def interrupted_message(verb: str) -> str:
     written = [str(p) for p in written_files()]
     logs = [str(p) for p in appended_files()]
     if written:
-        said = f"interrupted after writing {', '.join(written)} (complete: written whole, then renamed into place)"
+        said = f"interrupted after writing {', '.join(written)} (complete)"
     else:
         said = "interrupted; no output file was changed"
     if logs:
@@ -408,8 +410,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb; a user mistake becomes one line on stderr and exit status 2, Ctrl-C one line
     and status 130."""
     import signal
-
-    from .. import settings
 
     interrupt = _Interrupt()
     as_command = argv is None  # the console script: this process ends when main returns
@@ -446,19 +446,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, debug: bool, interrupt: _Interrupt) -> int:
     try:
-        with settings_restored():  # --rules sets K3FUSE_RULES for this run only
+        with settings.restored("K3FUSE_RULES"):  # --rules sets K3FUSE_RULES for this run only
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
         raise
+    except BrokenPipeError:  # the reader of stdout left (`k3fuse log rw.jsonl | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as exc:
         if interrupt.seen:  # Ctrl-C that torch turned into another error
             if debug:
                 traceback.print_exc()
             raise KeyboardInterrupt from exc
-        from .. import settings
-
         if isinstance(exc, (UsageError, settings.SettingsError)):
             if debug:
                 raise
@@ -469,12 +470,6 @@ def _run(args: argparse.Namespace, debug: bool, interrupt: _Interrupt) -> int:
             raise
         print(f"k3fuse {args.command}: error: {_printable(line)} (--debug shows the traceback)", file=sys.stderr)
         return 2
-
-
-def settings_restored() -> Any:
-    from .. import settings
-
-    return settings.restored("K3FUSE_RULES")
 
 
 def _printable(text: str) -> str:

@@ -13,8 +13,8 @@ import json
 import unicodedata
 from typing import Any
 
-#: width of the console when the output is not a terminal: wide enough that no value is ever cut
-#: or folded (a pipe or a file has no width; rich would otherwise assume 80 columns)
+#: width of the console when the output is not a terminal and COLUMNS is not exported: wide enough
+#: that no value is ever cut or folded (a pipe or a file has no width; rich would assume 80 columns)
 UNBOUNDED_WIDTH = 1 << 16
 
 #: longest text shown in one cell of a table built from a log (a line of the log can be megabytes)
@@ -22,12 +22,18 @@ MAX_CELL = 2000
 
 
 def wide_console(stderr: bool = False) -> Any:
-    """A rich Console: the terminal's width on a terminal; elsewhere (pipes, files) unbounded, so
-    tables print whole values, and without colour."""
+    """A rich Console: the terminal's width on a terminal; elsewhere (pipes, files) the width an
+    exported COLUMNS asks for, else unbounded, so tables print whole values; no colour there."""
+    import os
+
     from rich.console import Console
 
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=UNBOUNDED_WIDTH, soft_wrap=True)
+    if console.is_terminal:
+        return console
+    if os.environ.get("COLUMNS", "").strip().isdigit():
+        return Console(stderr=stderr, width=max(console.width, 40))
+    return Console(stderr=stderr, width=UNBOUNDED_WIDTH, soft_wrap=True)
 
 
 def _escape_char(ch: str) -> str:

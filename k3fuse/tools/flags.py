@@ -175,7 +175,7 @@ def use_rules(spec: str | None) -> None:
     settings.export("K3FUSE_RULES", spec)
 
 
-__all__ = ["parse_tokens", "finite_float", "positive_int", "non_negative_int", "non_negative_float", "positive_float", "batch",
-           "batches", "add_rules_flag", "rule_selection", "use_rules", "add_moved_tokens_flag", "add_moved_batch_flag",
-           "check_moved_batch",
-           "check_moved_tokens", "decode_tokens", "RULES_HELP", "BATCH_HELP"]
+__all__ = ["parse_tokens", "finite_float", "positive_int", "non_negative_int", "non_negative_float", "positive_float",
+           "batch", "batches", "add_rules_flag", "rule_selection", "use_rules", "add_moved_tokens_flag",
+           "add_moved_batch_flag", "check_moved_batch", "check_moved_tokens", "decode_tokens", "RULES_HELP",
+           "BATCH_HELP"]
