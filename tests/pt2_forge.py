@@ -64,38 +64,32 @@ def evil_sample_inputs(src: Path, dst: Path, marker: Path) -> Path:
     return rewrite(src, dst, lambda n, d: payload if n == "data/sample_inputs/model.pt" else d)
 
 
-def evil_pickled_weight(src: Path, dst: Path, marker: Path) -> Path:
-    """The first weight marked use_pickle, its bytes a pickle that returns the same tensor."""
+def _pickled_entry(src: Path, dst: Path, marker: Path, kind: str, make: str) -> Path:
+    """The first entry of the weights or constants config marked use_pickle, its bytes a pickle that
+    returns `make` (a tensor expression, `{shape}` filled in)."""
+    config_name = f"data/{kind}/model_{kind}_config.json"
     with zipfile.ZipFile(src) as z:
-        config = json.loads(next(z.read(n) for n in z.namelist()
-                                 if n.endswith("data/weights/model_weights_config.json")))
+        config = json.loads(next(z.read(n) for n in z.namelist() if n.endswith(config_name)))
     fqn, meta = next(iter(config["config"].items()))
-    shape = [s["as_int"] for s in meta["tensor_meta"]["sizes"]]
-    payload = pickled(marker, f"__import__('torch').nn.Parameter(__import__('torch').zeros({shape}))")
+    payload = pickled(marker, make.format(shape=[s["as_int"] for s in meta["tensor_meta"]["sizes"]]))
+    config["config"][fqn]["use_pickle"] = True
 
     def edit(name: str, data: bytes) -> bytes:
-        if name == "data/weights/model_weights_config.json":
-            config["config"][fqn]["use_pickle"] = True
+        if name == config_name:
             return json.dumps(config).encode()
-        return payload if name == f"data/weights/{meta['path_name']}" else data
+        return payload if name == f"data/{kind}/{meta['path_name']}" else data
     return rewrite(src, dst, edit)
+
+
+def evil_pickled_weight(src: Path, dst: Path, marker: Path) -> Path:
+    """The first weight marked use_pickle, its bytes a pickle that returns a parameter of its shape."""
+    return _pickled_entry(src, dst, marker, "weights",
+                          "__import__('torch').nn.Parameter(__import__('torch').zeros({shape}))")
 
 
 def evil_pickled_constant(src: Path, dst: Path, marker: Path) -> Path:
     """The first tensor constant marked use_pickle, its bytes a pickle that returns a tensor."""
-    with zipfile.ZipFile(src) as z:
-        config = json.loads(next(z.read(n) for n in z.namelist()
-                                 if n.endswith("data/constants/model_constants_config.json")))
-    fqn, meta = next(iter(config["config"].items()))
-    shape = [s["as_int"] for s in meta["tensor_meta"]["sizes"]]
-    payload = pickled(marker, f"__import__('torch').zeros({shape})")
-
-    def edit(name: str, data: bytes) -> bytes:
-        if name == "data/constants/model_constants_config.json":
-            config["config"][fqn]["use_pickle"] = True
-            return json.dumps(config).encode()
-        return payload if name == f"data/constants/{meta['path_name']}" else data
-    return rewrite(src, dst, edit)
+    return _pickled_entry(src, dst, marker, "constants", "__import__('torch').zeros({shape})")
 
 
 def evil_opaque_constant(src: Path, dst: Path, marker: Path) -> Path:
