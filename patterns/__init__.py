@@ -30,7 +30,7 @@ when 2 is off).
 """
 from __future__ import annotations
 
-from k3fuse.rule import Rule
+from k3fuse.rule_api import Rule
 
 from .decode_gemm import DecodeGemm
 from .fused_routing import FusedRouting

@@ -40,12 +40,9 @@ import torch
 import torch.fx as fx
 from torch._ops import OpOverload
 
-from k3fuse import compat
-from k3fuse.context import DecodeContext
-from k3fuse.guards import GuardFailure, failures, is_static, static_weight, token_count
-from k3fuse.graph_facts import node_order, node_value, op_qualname
-from k3fuse.normalize import CAST_OPS, VIEW_LIKE, canonical, cast_dtype, is_metadata_check, skip_transparent
-from k3fuse.rule import Match, Rule
+from k3fuse.rule_api import (ALL_REDUCE, CAST_OPS, TRANSPOSE_LAST2, VIEW_LIKE, WAIT_TENSOR, DecodeContext,
+                             GuardFailure, Match, Rule, cast_dtype, failures, is_metadata_check, is_static, node_order,
+                             node_value, op_key, op_qualname, skip_transparent, static_weight, token_count)
 
 from ._pattern_tools import erase_dead, trunk_dtype
 
@@ -112,7 +109,7 @@ def _static_transposed(wt: Any) -> tuple[fx.Node, list[fx.Node]] | None:
     if not isinstance(wt, fx.Node) or wt.op != "call_function":
         return None
     src, views = skip_transparent(wt)
-    if not isinstance(src, fx.Node) or src.op != "call_function" or canonical(src)[0] != ("transpose_last2",):
+    if not isinstance(src, fx.Node) or src.op != "call_function" or op_key(src) != TRANSPOSE_LAST2:
         return None
     w, wviews = skip_transparent(src.args[0])
     if not is_static(w) or not isinstance(node_value(w), torch.Tensor) or node_value(w).dim() != 2:
@@ -300,9 +297,9 @@ def _through_reduction(side: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     if isinstance(v, fx.Node) and v.target is aten.copy.default and len(v.args) >= 2:
         chain.append(v)
         v = v.args[1]
-    if isinstance(v, fx.Node) and v.target is compat.WAIT_TENSOR:
+    if isinstance(v, fx.Node) and v.target is WAIT_TENSOR:
         ar = v.args[0]
-        if isinstance(ar, fx.Node) and ar.target is compat.ALL_REDUCE and isinstance(ar.args[0], fx.Node):
+        if isinstance(ar, fx.Node) and ar.target is ALL_REDUCE and isinstance(ar.args[0], fx.Node):
             return ar.args[0], ar, [ar, v, *chain]
     return side, side, []
 
