@@ -2,10 +2,11 @@
 
 Qualified op names, what a collective, its handle and a synchronisation point are, the marker the
 doors put on static placeholders, node order and node values (traced, or computed on fake tensors
-for a new node), whether a node was erased, and the recipe that rebuilds an erased one. Ops declare their own traits (`OpTraits`: a
-synchronisation point, an anchor that only orders itself inside a collective's window, argument
-positions taken only for ordering) with `declare_op_traits`; k3fuse's fused ops do so where they
-are declared (kernels/ops/), so the verifier and the rules know no op by name.
+for a new node), whether a node was erased, and the recipe that rebuilds an erased one. Ops
+declare their own traits (`OpTraits`: a synchronisation point, an op that only orders itself
+inside a collective's window, argument positions taken only for ordering, a side-stream bracket)
+with `declare_op_traits`; k3fuse's fused ops do so where they are declared (kernels/ops/), so the
+verifier and the rules know no op by name.
 
 A leaf over torch.fx: imports nothing from k3fuse.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -35,11 +36,16 @@ class OpTraits:
     sync: data written elsewhere is valid after the call (a wait, a fused collective, a join).
     collective_window: takes a collective handle only to sit inside the collective's window (never reads it).
     ordering_args: argument positions taken only to be ordered after them, never read.
+    side_stream: the op brackets a region of nodes that runs on a side stream: "fork" opens it (the
+    region reads the main stream's values only through the fork's output), "end" closes it (its
+    argument 0 is the region's output), "join" orders the main stream after it (argument 0 the same
+    output). A marker's last argument is its region's site number. `verify.check_side_streams`.
     """
 
     sync: bool = False
     collective_window: bool = False
     ordering_args: frozenset[int] = frozenset()
+    side_stream: Literal["fork", "end", "join"] | None = None
 
 
 _TRAITS: dict[str, OpTraits] = {WAIT_TENSOR: OpTraits(sync=True)}

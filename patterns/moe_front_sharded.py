@@ -39,8 +39,8 @@ from k3fuse.rule_api import (CompiledPattern, DecodeContext, GuardFailure, Match
                              node_order, op_name, shape_of, site_tokens, skip_transparent, static_weight, token_count,
                              tp_at_least, value_root)
 
+from ._mlp_branch import shared_mlp_linears
 from ._pattern_tools import TRUNK_DTYPES, cast_free, collective_weight, dtype_of, linear, per_dtype, randn, trunk_dtype
-from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
 
