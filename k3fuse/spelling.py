@@ -75,7 +75,7 @@ def short_conv(conv_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
     conv_state [T, C, K-1] (oldest first) in the trunk dtype, q/k/v [T, C/3], conv_weight fp32
     [C, K]. Returns (silu of the K-tap conv, fp32 [T, C]; the new state [T, C, K-1], contiguous).
-    The rule `kda_short_conv` traces this very function (patterns/kda_conv_rule.py).
+    The rule `kda_short_conv` traces this very function (patterns/kda_short_conv.py).
     """
     u = torch.cat([q, k, v], dim=-1)  # [T, C]
     window = torch.cat([conv_state, u.unsqueeze(-1)], dim=-1)  # [T, C, K], newest last

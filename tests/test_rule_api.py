@@ -151,7 +151,7 @@ def test_every_k3_variant_carries_the_parameters_its_rewrite_reads():
     from k3fuse.patterns import DecodeGemm, OProjAllReduceResidual, RoutedExperts
     from k3fuse.patterns.decode_gemm import Form as LinearForm
     from k3fuse.patterns.oproj_allreduce_residual import Form as OProjForm
-    from k3fuse.patterns.routed_experts_rule import Form as ExpertsForm
+    from k3fuse.patterns.routed_experts import Form as ExpertsForm
 
     for rule, kind in ((OProjAllReduceResidual(), OProjForm), (DecodeGemm(), LinearForm),
                        (RoutedExperts(), ExpertsForm)):

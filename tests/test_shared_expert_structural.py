@@ -241,7 +241,7 @@ def _check(res: dict, door: str) -> None:
     assert sorted(res["variants"]) == sorted(expected), (door, res["variants"])
     assert res["err"] < TOL, (door, res["err"])
     assert res["fallbacks"] == {}, (door, res["fallbacks"])
-    if door in NODE_BY_NODE:
+    if door.split()[0] in NODE_BY_NODE:  # (door may carry the rank: "export rank 1")
         assert res["stats"]["shared_expert_fork"] == {"reference": 3 * STEPS}, (door, res["stats"])
         assert res["stats"]["shared_expert_join"] == {"reference": 3 * STEPS}, (door, res["stats"])
     else:  # Inductor compiled the brackets' nodes with the rest, on one stream

@@ -144,8 +144,9 @@ def _slow_side(monkeypatch) -> None:
 
 
 # --- node by node: the region on the side stream ---------------------------------------------------------
-def test_node_by_node_the_region_runs_on_the_side_stream():
-    fn, rlog = _compiled("eager")
+def _steps_match_the_model(fn) -> list[dict]:
+    """Strict steps at 1, 8 and 33 tokens against the model; the runtime counters of each step."""
+    stats = []
     with torch.no_grad():
         for T in (1, 8, 33):
             x = torch.randn(T, H, device=DEV).to(BF16)
@@ -153,9 +154,18 @@ def test_node_by_node_the_region_runs_on_the_side_stream():
             with runtime.strict():
                 y = fn(x)
             torch.cuda.synchronize()
+            assert not torch.isnan(y).any(), T
             assert _rel(y, _hf_moe()(x)) < 2e-2, T
-            assert runtime.stats()["shared_expert_fork"] == {"torch.side_stream": 1}
-            assert runtime.stats()["shared_expert_join"] == {"torch.side_stream": 1}
+            stats.append(runtime.stats())
+    return stats
+
+
+def test_node_by_node_the_region_runs_on_the_side_stream():
+    fn, rlog = _compiled("eager")
+    for stats in _steps_match_the_model(fn):
+        assert stats["shared_expert_fork"] == {"torch.side_stream": 1}
+        assert stats["shared_expert_join"] == {"torch.side_stream": 1}
+    with torch.no_grad():
         x = torch.randn(8, H, device=DEV).to(BF16)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -327,15 +337,7 @@ def _timeline_summary(kernels) -> str:
 # --- Inductor: the markers compiled away ------------------------------------------------------------------
 def test_inductor_compiles_the_bracket_on_the_main_stream():
     fn, rlog = _compiled("inductor")
-    with torch.no_grad():
-        for T in (1, 8, 33):
-            x = torch.randn(T, H, device=DEV).to(BF16)
-            runtime.reset_stats()
-            with runtime.strict():
-                y = fn(x)
-            torch.cuda.synchronize()
-            assert not torch.isnan(y).any()
-            assert _rel(y, _hf_moe()(x)) < 2e-2, T
-            assert not {"shared_expert_fork", "shared_expert_join"} & set(runtime.stats()), runtime.stats()
+    for stats in _steps_match_the_model(fn):
+        assert not {"shared_expert_fork", "shared_expert_join"} & set(stats), stats
     graphs = {e.graph_id for e in rlog.events}  # 1 token compiles a static graph, 8 a dynamic one
     assert rlog.applied("shared_expert_stream") == len(graphs) >= 1
