@@ -2,8 +2,7 @@
 
 The reference model (k3fuse/model/layers.py) computes with these functions, the rules trace them
 (patterns/_pattern_tools.py re-exports them; kda_delta_rule traces `delta_rule`, kda_short_conv traces
-`short_conv`, fused_routing traces `route`), the stock sequences run them (kernels/lib/reference/stock.py)
-and the shared-expert reference evaluates SiTU with them (kernels/lib/reference/shared_expert.py). One
+`short_conv`, fused_routing traces `route`) and the stock sequences run them (kernels/lib/reference/stock.py). One
 definition, so the model, the patterns and the fallbacks cannot drift apart: changing a function here
 changes what every rule matches, so change the rules with it.
 
