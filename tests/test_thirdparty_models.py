@@ -56,8 +56,11 @@ def expected_per_layer(kind: str, tp: int) -> dict[str, int]:
     if kind == "softmax":  # no shared expert: the MoE output is the reduced routed sum (no oproj site)
         return {"oproj_allreduce_residual": 1, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 0,
                 "decode_gemm": 1, "weight_prefetch": 1}
+    # weight_prefetch (opted in here): DeepSeek's routed all-reduce is read next by the shared expert's
+    # join, a sync with no static weight before it (the shared weights were read on the side stream
+    # already), so that site is refused (no_static_weights); Nemotron's feeds fc2_latent_proj's weight
     return {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 1,
-            "decode_gemm": {"deepseek": 3, "nemotron": 3}[kind], "weight_prefetch": 1}
+            "decode_gemm": {"deepseek": 3, "nemotron": 3}[kind], "weight_prefetch": {"deepseek": 0, "nemotron": 1}[kind]}
 
 
 FRONT_VARIANT = {"deepseek": "router", "softmax": "router", "nemotron": "router+latent"}

@@ -121,8 +121,9 @@ def _join_fake(y: torch.Tensor, anchor: torch.Tensor, keep_alive: list[torch.Ten
 DECLS = (
     OpDecl(FORK, "(Tensor x, int site) -> Tensor", _fork_fake, _inline_fork(STOCK), _inline_fork(dispatch.REFERENCE),
            traits=OpTraits(side_stream="fork")),
-    OpDecl(END, "(Tensor y, int site) -> ()", _end_fake, None, None, traits=OpTraits(side_stream="end"),
-           side_effect=True, eager=_end),
+    # `y` (argument 0) only orders the end after the region: the end records an event, it reads nothing
+    OpDecl(END, "(Tensor y, int site) -> ()", _end_fake, None, None,
+           traits=OpTraits(side_stream="end", ordering_args=frozenset({0})), side_effect=True, eager=_end),
     # `anchor` (argument 1) orders the join after the routed experts; `keep_alive` (argument 2) is not read
     OpDecl(JOIN, "(Tensor y, Tensor anchor, Tensor[] keep_alive, int site) -> Tensor", _join_fake, None, None,
            traits=OpTraits(sync=True, ordering_args=frozenset({1, 2}), side_stream="join"), eager=_join),
