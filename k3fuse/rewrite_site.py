@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_arg
 
 from .guards import GuardFailure
 from .graph_facts import fake_call, is_erased, node_order

@@ -13,7 +13,7 @@ synchronisation point than it did before. Terms, precisely:
 * *reader* of a value: a node that takes it as a direct input; "before" means earlier in graph
   order (the order the code runs in).
 
-A rule's result is rejected with `ReorderingError` (naming the node) when either holds:
+A rule's result is rejected with `ReorderingError` (naming the node) when any of these holds:
 
 1. *Handle discipline*: a collective handle is read by anything but its ``wait_tensor`` or an
    *collective-window op* (``OpTraits(collective_window=True)``: ops that take the handle only to be ordered inside the

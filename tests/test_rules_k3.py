@@ -375,8 +375,8 @@ def test_rules_fire_as_expected_and_keep_the_numbers(request, tp_name, door, res
         calls = {op: sum(impls.values()) for op, impls in res["stats"].items()}
         markers = res.get("compiler") != "inductor"
         assert calls == {op: n * STEPS for op, n in _expected_op_calls(tp, residual, N_LAYERS, markers).items()}
-        if door == "export":
-            assert dict(res["ops"]) == _expected_op_calls(tp, residual, N_LAYERS)
+        if door == "export":  # the graph holds the side-stream end markers too (they count nothing)
+            assert dict(res["ops"]) == {**_expected_op_calls(tp, residual, N_LAYERS), "shared_expert_end": N_LAYERS}
 
 
 @pytest.mark.slow
@@ -447,7 +447,7 @@ def test_bf16_trunk_cast_spellings(tp2):
                             "moe_front_sharded": {"router+latent[bfloat16]": 1},
                             "shared_expert_stream": {"gate_up[bfloat16]": 1},
                             "kda_short_conv": {"window[bfloat16]": 1}, "kda_delta_rule": {"tokens": 1},
-                            "decode_gemm": {"linear": 8}, "weight_prefetch": {"all_reduce": 1},
+                            "decode_gemm": {"linear": 10}, "weight_prefetch": {"all_reduce": 1},
                             "fused_routing": {"sigmoid": 1}, "routed_experts": {"gathered[bfloat16]": 1},
                             "moe_combine": {"combine[bfloat16]": 1}}
         assert max(res["err"]) < 0.05, res["err"]  # bf16: the fused ops round once where the model rounds often
