@@ -1,22 +1,10 @@
 """What a rule is: patterns traced from plain torch functions, guards, and a rewrite.
 
-A rule author imports what a rule may use from `k3fuse.rule_api` and writes::
-
-    class LinearResidual(Rule):
-        name = "linear_residual"
-        description = "residual + x @ w.T -> one fused op"
-
-        def patterns(self):
-            def plain(x, w, residual):
-                return residual + F.linear(x, w)
-            return [PatternSpec("plain", plain, lambda: (torch.randn(4, 8), torch.randn(16, 8), torch.randn(4, 16)))]
-
-        def check_site(self, match, ctx):
-            return failures(static_weight(match["w"]))
-
-        def rewrite(self, match, ctx):
-            return match.replace_with(torch.ops.mylib.linear_residual.default,
-                                      x=match["x"], weight=match["w"], residual=match["residual"])
+A rule author imports what a rule may use from `k3fuse.rule_api`, subclasses `Rule` and fills in
+`patterns()` (plain torch functions: `residual + F.linear(x, w)` and its example inputs),
+`check_site()` (`failures(static_weight(match["w"]))`) and `rewrite()` (usually one
+`match.replace_with(op, x=match["x"], ...)`, the op's arguments by its schema's names); a complete
+small rule is `LinearResidualRule` in tests/engine_helpers.py, the K3 rules are in patterns/.
 
 The engine traces each PatternSpec to ATen with the doors' decomposition table, matches it in
 every spelling (see vocabulary.py) and hands each match to the guards and then to `rewrite`.

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from thirdparty_models import HFRMSNorm
+
 import k3fuse
 from k3fuse.dist import launch
 
@@ -46,18 +48,9 @@ class ReLUSquaredActivation(nn.Module):
         return squared
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+def RMSNorm(hidden_size: int) -> nn.Module:
+    """HF's RMSNorm (its weight drawn again by `_init`)."""
+    return HFRMSNorm(hidden_size, torch.Generator().manual_seed(0))
 
 
 class GatedMLP(nn.Module):
