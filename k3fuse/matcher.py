@@ -37,8 +37,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .guards import GuardFailure
 from .graph_facts import node_order
 from .rewrite_site import Match, PatternSpec
-from .vocabulary import (canonical, forward_users, is_commutative, is_layout_only, is_metadata_check, op_key, op_name,
-                         skip_transparent, split_addmm, strip_transparent, value_root)
+from .vocabulary import (absorbed, canonical, forward_users, is_commutative, is_layout_only, is_metadata_check, op_key,
+                         op_name, op_names_apart, skip_transparent, split_addmm, strip_transparent, value_root)
 
 
 class HasPatterns(Protocol):
@@ -236,6 +236,7 @@ class _Matcher:
         st.nodes[pn] = gn
         st.claimed[gn] = pn
         st.passed.extend(passed)
+        st.passed.extend(absorbed(gn))  # the inner node of a spelling the vocabulary read as one op
         orders = [pargs]
         if is_commutative(pn):
             orders.append((pargs[1], pargs[0], *pargs[2:]))
@@ -460,10 +461,11 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
                 nxt = [u for u in forward_users(g) if op_key(u) == m.keys[pn]]
                 if not nxt:
                     found = forward_users(g)
+                    expected, names = op_names_apart(pn, found)
                     miss = (f"{pattern.variant}: {op_name(g)} ({g.name}) feeds "
-                            f"{', '.join(f'{op_name(u)} ({u.name})' for u in found) or 'nothing'}, not {op_name(pn)}",
-                            {"candidate": ga.name, "diverged_at": g.name, "expected": op_name(pn),
-                             "found": [op_name(u) for u in found]})
+                            f"{', '.join(f'{n} ({u.name})' for n, u in zip(names, found)) or 'nothing'}, "
+                            f"not {expected}",
+                            {"candidate": ga.name, "diverged_at": g.name, "expected": expected, "found": names})
                     break
                 g, depth = nxt[0], depth + 1
             if miss is None:
@@ -480,10 +482,11 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
                 depth += got
                 reader = next((u for u in pn.users if u.op == "call_function"), None)
                 where = f"the {op_name(reader)} input" if reader is not None else "the output"
-                found = f"{op_name(gn)} ({gn.name})" if isinstance(gn, fx.Node) else repr(gn)
-                miss = (f"{pattern.variant}: {where} is {found}, not {op_name(pn)}",
+                expected, (found_name,) = op_names_apart(pn, [gn])
+                found = f"{found_name} ({gn.name})" if isinstance(gn, fx.Node) else repr(gn)
+                miss = (f"{pattern.variant}: {where} is {found}, not {expected}",
                         {"candidate": ga.name, "diverged_at": gn.name if isinstance(gn, fx.Node) else repr(gn),
-                         "expected": op_name(pn), "found": op_name(gn), "output": g.name})
+                         "expected": expected, "found": found_name, "output": g.name})
             if best is None or depth > best[0]:
                 best = (depth, *miss)
     if best is None:
