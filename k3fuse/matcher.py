@@ -220,7 +220,10 @@ class _Matcher:
             return
         gn, passed = skip_transparent(gn)
         if pn in st.nodes:
-            if st.nodes[pn] is gn:
+            if st.nodes[pn] is gn:  # reached again, maybe through views of its own: they join the match
+                if passed:
+                    st = st.copy()
+                    st.passed.extend(passed)
                 yield st
             return
         if gn.op != "call_function" or gn in st.claimed:

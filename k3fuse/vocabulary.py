@@ -16,7 +16,10 @@ these tables and functions:
     pair is `absorbed` by the match of the outer one;
   - `squeeze.dim(x, d)` and `squeeze.dims(x, [d])` (torch.export's core decomposition) are one squeeze;
   - `topk(..., sorted=False)` is `topk(..., sorted=True)`: an unsorted top-k promises the set, in
-    any order, so the sorted one is one of its answers (a rewrite may return it).
+    any order, so the sorted one is one of its answers (a rewrite may return it);
+  - the two decompositions of silu, Inductor's `x / (1 + exp(-x))` and torch.export's core
+    `x * sigmoid(x)`, and `silu` itself, are one silu (the inner nodes `absorbed`);
+  - `split(x, n, d)` (chunk) is `split_with_sizes(x, [n, ...], d)` (torch.export's core decomposition).
   Sizes never enter a canonical form (a slice's `-n` stays `-n`): patterns are traced at example
   sizes, so a form that depends on them would match one model and miss the next.
 * *transparent* nodes the matcher walks through: `VIEW_LIKE` ops and casts that keep the dtype.
@@ -75,6 +78,8 @@ Canonical = tuple[tuple[Any, ...], tuple[Any, ...]]
 TRANSPOSE_LAST2 = ("transpose_last2",)
 CAST = ("cast",)
 SQUEEZE = ("squeeze",)
+SILU = ("silu",)
+SPLIT = ("split_with_sizes",)
 UNSQUEEZED = "unsqueezed"  # ("unsqueezed", f, d): f(x) with a unit dim inserted at d, either order
 
 
@@ -237,20 +242,65 @@ def _as_topk(node: fx.Node) -> Canonical | None:
     return (node.target,), args if largest is True else (*args, largest)
 
 
+def _is_call(node: Any, target: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target and not node.kwargs
+
+
+def _silu_parts(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(x, inner nodes) when `node` computes silu(x): `silu(x)`, `x * sigmoid(x)` (either order) or
+    `x / (exp(-x) + 1)` (either order of the add)."""
+    if _is_call(node, aten.silu.default) and len(node.args) == 1:
+        return node.args[0], []
+    if _is_call(node, aten.mul.Tensor) and len(node.args) == 2:
+        for x, sig in (node.args, node.args[::-1]):
+            if _is_call(sig, aten.sigmoid.default) and sig.args[0] is x:
+                return x, [sig]
+    if _is_call(node, aten.div.Tensor) and len(node.args) == 2:
+        x, add = node.args
+        if _is_call(add, aten.add.Tensor) and len(add.args) == 2:
+            for exp, one in (add.args, add.args[::-1]):
+                if one == 1 and _is_call(exp, aten.exp.default) and _is_call(exp.args[0], aten.neg.default) \
+                        and exp.args[0].args[0] is x:
+                    return x, [add, exp, exp.args[0]]
+    return None
+
+
+def _as_silu(node: fx.Node) -> Canonical | None:
+    found = _silu_parts(node)
+    return (SILU, (found[0],)) if found is not None else None
+
+
+def _as_split(node: fx.Node) -> Canonical | None:
+    """split(x, n, d) as split_with_sizes(x, [n] * (size / n), d) where the size is known and a multiple."""
+    if node.target is aten.split_with_sizes.default and len(node.args) >= 2:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        return SPLIT, (node.args[0], list(node.args[1]), _from_end(dim, _rank(node.args[0])))
+    if node.target is not aten.split.Tensor or len(node.args) < 2 or not isinstance(node.args[1], int):
+        return None
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    val = node_value(node.args[0])
+    size = val.shape[dim] if isinstance(val, torch.Tensor) and isinstance(dim, int) else None
+    if not isinstance(size, int) or node.args[1] < 1 or size % node.args[1]:
+        return None
+    return SPLIT, (node.args[0], [node.args[1]] * (size // node.args[1]), _from_end(dim, val.dim()))
+
+
 #: recognisers of equivalent spellings, tried in order: each names what a node computes or passes
 EQUIVALENCES: tuple[Callable[[fx.Node], Canonical | None], ...] = (_as_transpose, _as_cast, _as_unsqueezed,
-                                                                   _as_squeeze, _as_topk)
+                                                                   _as_squeeze, _as_topk, _as_silu, _as_split)
 
 
 def absorbed(node: fx.Node) -> list[fx.Node]:
     """The nodes a recogniser folded into `node`'s canonical form that belong to its match: the inner
-    node of an unsqueeze / unary pair when `node` is its only reader (one shared with other readers
-    stays theirs)."""
-    found = _unsqueezed_pair(node) if node.op == "call_function" else None
-    if found is None:
+    node of an unsqueeze / unary pair, the sigmoid or exp chain of a silu, each while only the folded
+    form reads it (one shared with other readers stays theirs)."""
+    if node.op != "call_function":
         return []
-    inner = found[2]
-    return [inner] if [u for u in inner.users if not is_metadata_check(u)] == [node] else []
+    pair = _unsqueezed_pair(node)
+    silu = _silu_parts(node) if pair is None else None
+    inner = [pair[2]] if pair is not None else silu[1] if silu is not None else []
+    own = {node, *inner}
+    return [n for n in inner if all(u in own or is_metadata_check(u) for u in n.users)]
 
 
 _POSITIONAL_DEFAULTS: dict[Any, tuple[tuple[bool, Any], ...]] = {}
@@ -442,7 +492,8 @@ def _fake_mm(x: Any, w: Any) -> torch.Tensor | None:
 
 
 __all__ = ["VIEW_LIKE", "COPY_OPS", "CAST_OPS", "TRANSPOSES", "COMMUTATIVE", "DEFAULT_KWARGS", "METADATA_CHECKS",
-           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "TRANSPOSE_LAST2", "CAST", "SQUEEZE", "UNSQUEEZED",
+           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "TRANSPOSE_LAST2", "CAST", "SQUEEZE", "UNSQUEEZED", "SILU",
+           "SPLIT",
            "Canonical", "canonical", "absorbed", "op_key", "cast_dtype", "copied_value", "is_commutative",
            "is_transparent", "is_layout_only", "is_metadata_check", "skip_transparent", "value_root",
            "forward_users", "op_name", "op_names_apart", "split_addmm", "restore_addmm", "strip_transparent"]

@@ -86,15 +86,24 @@ def _score_kind(node: fx.Node) -> str:
     return op_name(node)
 
 
+def _bias(match: Match) -> fx.Node:
+    """The correction bias [E]: older HF routers add `e_score_correction_bias.unsqueeze(0)` [1, E]."""
+    b = match["b_corr"]
+    if b.op == "call_function" and b.target is aten.unsqueeze.default and b.args[1] == 0 \
+            and shape_of(b.args[0]) is not None and len(shape_of(b.args[0])) == 1:
+        return b.args[0]
+    return b
+
+
 def _operand_failure(match: Match) -> GuardFailure | None:
     """logits fp32 [T, E], b_corr fp32 [E], 1 <= top_k <= E, numeric routed_scaling and eps."""
-    logits, b_corr = shape_of(match["logits"]), shape_of(match["b_corr"])
+    logits, b_corr = shape_of(match["logits"]), shape_of(_bias(match))
     top_k = match.scalars.get("top_k")
     values = {"logits": [str(d) for d in logits] if logits is not None else None,
               "b_corr": [str(d) for d in b_corr] if b_corr is not None else None,
-              "logits_dtype": str(dtype_of(match["logits"])), "b_corr_dtype": str(dtype_of(match["b_corr"])),
+              "logits_dtype": str(dtype_of(match["logits"])), "b_corr_dtype": str(dtype_of(_bias(match))),
               "top_k": top_k}
-    if dtype_of(match["logits"]) != torch.float32 or dtype_of(match["b_corr"]) != torch.float32:
+    if dtype_of(match["logits"]) != torch.float32 or dtype_of(_bias(match)) != torch.float32:
         return GuardFailure("site", "dtype", "routing is fused for fp32 logits and correction bias only", values)
     if logits is None or len(logits) != 2 or b_corr is None or len(b_corr) != 1 or b_corr[0] != logits[1]:
         return GuardFailure("site", "shape", "router logits are not [T, E] with a correction bias [E]", values)
@@ -143,23 +152,30 @@ class FusedRouting(Rule):
                             (("per_group", GROUP_SIZE), ("tokens", GROUP_TOKENS)))]
 
     def explain_miss(self, graph: fx.Graph, ctx: DecodeContext) -> tuple[str, dict[str, Any]] | None:
-        """A top-k over a score that is not sigmoid(logits) (+ bias) names that score; else the
-        matcher's near-miss search from the top-k."""
+        """A router whose top-ks never select from sigmoid(logits) (+ bias) names its score; else (a
+        sigmoid router, maybe with HF's group block and its top-ks over group scores) the matcher's
+        near-miss search from the top-k."""
+        other = None
         for node in graph.nodes:
             if node.target is not aten.topk.default:
                 continue
             score, _ = skip_transparent(node.args[0])
             if isinstance(score, fx.Node) and score.target in (aten.add.Tensor, aten.sub.Tensor):
                 score, _ = skip_transparent(score.args[0])
-            if isinstance(score, fx.Node) and score.target is not aten.sigmoid.default:
-                kind = _score_kind(score)
-                return (f"sigmoid: the top-k {node.name} selects from {kind} ({score.name}), not sigmoid(logits) + "
-                        "bias: only the sigmoid router is fused",
-                        {"topk": node.name, "score": score.name, "op": op_name(score), "kind": kind})
+            if isinstance(score, fx.Node) and score.target is aten.sigmoid.default:
+                return near_miss(graph, compiled_patterns(self), site_op=self.site_op)
+            if isinstance(score, fx.Node) and other is None:
+                other = (node, score)
+        if other is not None:
+            node, score = other
+            kind = _score_kind(score)
+            return (f"sigmoid: the top-k {node.name} selects from {kind} ({score.name}), not sigmoid(logits) + "
+                    "bias: only the sigmoid router is fused",
+                    {"topk": node.name, "score": score.name, "op": op_name(score), "kind": kind})
         return near_miss(graph, compiled_patterns(self), site_op=self.site_op)
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
-        found = failures(_operand_failure(match), static_weight(match["b_corr"], "b_corr"))
+        found = failures(_operand_failure(match), static_weight(_bias(match), "b_corr"))
         if found:
             return found
         if match.params(Form).grouped:
@@ -173,7 +189,7 @@ class FusedRouting(Rule):
         return failures(kernel_covers(ctx, spec, site_tokens(match["logits"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        new = match.replace_with(torch.ops.k3fuse.route_topk.default, logits=match["logits"], b_corr=match["b_corr"],
+        new = match.replace_with(torch.ops.k3fuse.route_topk.default, logits=match["logits"], b_corr=_bias(match),
                                  top_k=match["top_k"], routed_scaling=float(match["routed_scaling"]),
                                  eps=float(match["eps"]), strict=ctx.strict)
         match.note(top_k=match["top_k"], routed_scaling=match["routed_scaling"])

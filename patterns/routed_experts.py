@@ -117,7 +117,7 @@ def _spec(form: str, fn: Any, dtype: torch.dtype, free_sizes: tuple[tuple[str, i
 
 # --- HF's batched_mm experts: one traced function per activation -----------------------------------
 #: the activations HF's experts compute, by name: what the log says of a refused site
-ACTIVATIONS = {"situ": "SiTU-GLU (K3)", "silu": "SiLU-GLU silu(g) * u", "relu2": "ungated relu(u)^2"}
+ACTIVATIONS = {"situ": "SiTU-GLU", "silu": "SiLU-GLU, silu(g) * u", "relu2": "ungated relu^2, relu(u)^2"}
 
 
 def _batched_situ(a, experts, gate_up, w2, top_k, beta, linear_beta):
@@ -157,8 +157,8 @@ def _activation_failure(match: Match, form: Form) -> GuardFailure | None:
     """A form traced with another activation than K3's: what the op computes is not what the site does."""
     if form.activation == "situ":
         return None
-    return GuardFailure("site", "activation", f"{ACTIVATIONS[form.activation]} experts: k3fuse.routed_experts "
-                        f"computes {ACTIVATIONS['situ']} (another function of the same projections)",
+    return GuardFailure("site", "activation", f"the experts compute {ACTIVATIONS[form.activation]}; "
+                        "k3fuse.routed_experts computes K3's SiTU-GLU, another function of the same projections",
                         {"activation": form.activation, "spelling": form.spelling})
 
 
