@@ -375,6 +375,7 @@ def paged_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch
 __all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
            "situ_glu", "delta_rule", "short_conv", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
            "routed_experts_gathered", "delta_rule_hf", "short_conv_hf", "routed_experts_batched_hf",
-           "routed_experts_batched_ungated_hf", "route_grouped_hf", "slot_count", "expert_slots", "dequantize_experts", "routed_experts_quantized",
+           "routed_experts_batched_ungated_hf", "route_grouped_hf", "slot_count", "expert_slots", "dequantize_experts",
+           "routed_experts_quantized",
            "routed_experts_quantized_grouped", "routed_experts_quantized_gathered", "moe_combine", "kv_cache_slots",
            "kv_cache_append", "paged_mla_attention"]

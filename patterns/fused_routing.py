@@ -41,8 +41,8 @@ import torch.fx as fx
 
 from k3fuse.kernels.ops.route_topk import RouteTopkSpec
 from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, Variant, compiled_patterns,
-                             failures, int_sentinel, kernel_covers, near_miss, op_name, shape_of, site_tokens, skip_transparent,
-                             static_weight, token_count)
+                             failures, int_sentinel, kernel_covers, near_miss, op_name, shape_of, site_tokens,
+                             skip_transparent, static_weight, token_count)
 from k3fuse.spelling import route, route_grouped_hf
 
 from ._pattern_tools import dtype_of, numeric_literals

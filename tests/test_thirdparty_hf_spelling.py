@@ -15,10 +15,13 @@ the semantic difference:
   (fp32, bf16, and torch.export's core decomposition: `squeeze.dims`, `split_with_sizes`, silu as
   `x * sigmoid(x)`); SiLU and relu^2 experts refused as `activation`; the packed form refused on a GPU
   context (`kernel_layout`); flat [T*k] routing weights -> moe_combine;
-* a near miss between two overloads of one op names the overloads.
+* a near miss between two overloads of one op names the overloads;
+* the vocabulary reads each pair of spellings as one op (canonical form), node by node.
 The whole models, every door, TP 1 and TP 2, are tests/test_thirdparty_hf_models.py.
 """
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -27,10 +30,11 @@ import torch.utils._pytree as pytree
 from thirdparty_models import (HFDeltaAttention, HFExperts, HFTopkRouter, Shard, TopkRouter, hf_causal_conv1d_update,
                                hf_recurrent_kda)
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3fuse
-from k3fuse import runtime
-from k3fuse.matcher import decomposition_table
+from k3fuse import runtime, vocabulary
+from k3fuse.matcher import decomposition_table, trace_aten
 from k3fuse.spelling import delta_rule
 
 T, H, HEADS, D = 3, 32, 2, 8
@@ -310,3 +314,62 @@ def test_near_miss_between_two_overloads_names_them():
     (e,) = _events(log, "routed_experts", "not_matched")
     assert "aten.squeeze.default" in e.reason and "not aten.squeeze.dim" in e.reason, e.reason
     assert e.values["expected"] == "aten.squeeze.dim"
+
+
+# --- the vocabulary, one pair of spellings at a time ------------------------------------------------------
+aten = torch.ops.aten
+
+
+def _form(fn, *examples: torch.Tensor, decompose: bool = True) -> tuple:
+    """The canonical form of `fn`'s first output node (the node under a getitem), tensors named by the
+    placeholder they are, and the nodes the recogniser folded in."""
+    gm = trace_aten(fn, list(examples)) if decompose else make_fx(fn, tracing_mode="fake")(*examples)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    node = out[0] if isinstance(out, (list, tuple)) else out
+    while node.target is operator.getitem:
+        node = node.args[0]
+    key, args = vocabulary.canonical(node)
+    named = tuple(a.name if isinstance(a, torch.fx.Node) else a for a in args)
+    return key, named, sorted(n.name for n in vocabulary.absorbed(node))
+
+
+X, I2 = torch.randn(3, 4), torch.randint(0, 4, (3, 2))
+PAIRS = {
+    "exp_then_unsqueeze": (lambda g: g.exp().unsqueeze(-1), lambda g: g[..., None].exp(), (X,)),
+    "squeeze_dim_dims": (lambda x: x.unsqueeze(-1).squeeze(-1), lambda x: aten.squeeze.dims(x.unsqueeze(-1), [-1]),
+                         (X,)),
+    "topk_unsorted": (lambda x: torch.topk(x, 2), lambda x: torch.topk(x, 2, dim=-1, largest=True, sorted=False),
+                      (X,)),
+    "gather_dim": (lambda x, i: x.gather(-1, i), lambda x, i: x.gather(1, i), (X, I2)),
+    "chunk_split": (lambda x: x.chunk(2, dim=-1), lambda x: aten.split_with_sizes.default(x, [2, 2], -1), (X,)),
+    "silu_decomposed_sigmoid": (lambda x: F.silu(x), lambda x: x * torch.sigmoid(x), (X,)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_vocabulary_reads_both_spellings_as_one_op(name):
+    first, second, examples = PAIRS[name]
+    a, b = _form(first, *examples), _form(second, *examples)
+    assert a[:2] == b[:2], (a, b)
+
+
+def test_unsqueeze_pair_and_silu_chain_are_absorbed_into_the_outer_node():
+    assert _form(lambda g: g.exp().unsqueeze(-1), X)[2] == ["exp"]
+    assert _form(lambda g: g[..., None].exp(), X)[2] == ["unsqueeze"]
+    assert _form(lambda x: F.silu(x), X)[2] == ["add", "exp", "neg"]  # Inductor's x / (exp(-x) + 1)
+    assert _form(lambda x: x * torch.sigmoid(x), X)[2] == ["sigmoid"]
+    assert _form(lambda x: F.silu(x), X, decompose=False)[:2] == _form(lambda x: x * torch.sigmoid(x), X)[:2]
+
+    def shared(g):
+        e = g.exp()
+        return e.unsqueeze(-1), e * 2
+
+    assert _form(shared, X)[2] == []  # exp read elsewhere too: it stays its readers'
+
+
+def test_sizes_and_semantics_stay_apart():
+    """What the vocabulary must not equate: another dim, another k, largest=False, x * sigmoid(y)."""
+    assert _form(lambda g: g.exp().unsqueeze(-1), X)[:2] != _form(lambda g: g.exp().unsqueeze(0), X)[:2]
+    assert _form(lambda x: torch.topk(x, 2), X)[:2] != _form(lambda x: torch.topk(x, 3), X)[:2]
+    assert _form(lambda x: torch.topk(x, 2), X)[:2] != _form(lambda x: torch.topk(x, 2, largest=False), X)[:2]
+    assert _form(lambda x, y: x * torch.sigmoid(y), X, X.clone())[0] != vocabulary.SILU
