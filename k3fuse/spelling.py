@@ -251,7 +251,46 @@ def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling
     return weights * routed_scaling, idx
 
 
+def kv_cache_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each sequence's slot for its newest token in a paged cache: int64 [B], `block_table[b, pos // block_size]
+    * block_size + pos % block_size` with pos = seq_lens[b] - 1 (seq_lens counts the tokens after this step's
+    append; block_table int32 [B, max_blocks_per_seq])."""
+    pos = seq_lens.long() - 1
+    block = block_table.long().gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+    return block * block_size + pos % block_size
+
+
+def kv_cache_append(kv_cache: torch.Tensor, entry: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor) -> None:
+    """Write each sequence's new cache entry [B, E] into its slot of `kv_cache` [num_blocks, block_size, E], in
+    place: `index_put_` on the cache's flat view, which Inductor keeps in place (a graph input written where it
+    lies: no copy of the cache) and torch.export records as a mutation of that input."""
+    slots = kv_cache_slots(block_table, seq_lens, kv_cache.shape[1])
+    kv_cache.view(-1, kv_cache.shape[-1]).index_put_((slots,), entry.to(kv_cache.dtype))
+
+
+def paged_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, kv_lora: int) -> torch.Tensor:
+    """Absorbed MLA decode attention over a paged latent cache, one query token per sequence.
+
+    q [B, heads, E] = [q_lat (kv_lora) | q_sh] per head; kv_cache [num_blocks, block_size, E] holding
+    [c_kv | k_sh] per token (bf16, or float8_e4m3fn times the fp32 `kv_scale`); block_table int32 [B, max_blocks];
+    seq_lens int32 [B] the tokens each sequence has in the cache (lengths may differ). Scores over all E values
+    times `scale`, softmax in fp32 over each sequence's first seq_lens[b] tokens, and the weighted sum of the
+    first kv_lora values (c_kv): [B, heads, kv_lora] in q's dtype. The plain spelling gathers every sequence's
+    blocks (max_blocks * block_size tokens) and masks the tail; a fused kernel reads only the live tokens.
+    """
+    B, E = q.shape[0], q.shape[-1]
+    kv = kv_cache[block_table.long()].view(B, -1, E).float() * kv_scale  # [B, S, E]
+    scores = torch.matmul(q.float(), kv.transpose(1, 2)) * scale  # [B, heads, S]
+    position = torch.arange(kv.shape[1], device=q.device)
+    scores = scores.masked_fill(position.view(1, 1, -1) >= seq_lens.view(-1, 1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, kv[..., :kv_lora]).to(q.dtype)
+
+
 __all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
            "situ_glu", "delta_rule", "short_conv", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
            "routed_experts_gathered", "slot_count", "expert_slots", "dequantize_experts", "routed_experts_quantized",
-           "routed_experts_quantized_grouped", "routed_experts_quantized_gathered", "moe_combine"]
+           "routed_experts_quantized_grouped", "routed_experts_quantized_gathered", "moe_combine", "kv_cache_slots",
+           "kv_cache_append", "paged_mla_attention"]

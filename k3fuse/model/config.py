@@ -3,7 +3,10 @@
 One frozen dataclass, a few presets and the divisibility checks tensor parallelism needs. The
 `k3` preset carries the published dimensions (for shape and byte arithmetic, or `device="meta"`);
 `tiny` and `small` keep the same structure at sizes a CPU test can run, with every sharded width
-divisible by TP 2, 4 and 8. `expert_format` is how the routed experts are stored: `bf16` (the model
+divisible by TP 2, 4 and 8, and every layer type of the whole model present (`layer_kinds`).
+K3's layer pattern: layer 1 (1-based) is KDA with the dense SiTU MLP, MLA replaces KDA at every
+`mla_every`-th layer and at the last one (K3: 4, 8, ..., 92 and 93), every other layer is KDA, and
+every layer past the dense ones has the LatentMoE; any `n_layers` keeps that pattern. `expert_format` is how the routed experts are stored: `bf16` (the model
 dtype), or packed as the checkpoint ships them (`mxfp4`, K3's format and the `k3` preset's; `int4`,
 K2.x's); `expert_layout` how packed experts are held: the checkpoint's `rows`, or repacked where they load
 in `blocks` for the fused kernel's contiguous copies (the `k3` preset's); see k3fuse/quant.py.
@@ -29,11 +32,24 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
-class K3Config:
-    """Every layer is the reference layer: KDA + LatentMoE (with shared experts).
+class LayerKind:
+    """What one decoder layer holds: its attention ("kda" or "mla") and its MLP ("dense" or "moe")."""
 
-    K3's MLA layers and its dense first layer are not modelled: the fusion rules target the
-    KDA + LatentMoE layer, which is 68 of K3's 93 layers.
+    attn: str
+    mlp: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.attn}+{self.mlp}"
+
+
+@dataclass(frozen=True)
+class K3Config:
+    """The dimensions of K3's decoder (HF config.json names in the comments).
+
+    `K3DecodeStack` (stack.py) builds every layer as the reference layer, KDA + LatentMoE (68 of K3's
+    93 layers); `K3Model` (model.py) builds the whole model in K3's layer pattern (`layer_kinds`), with
+    the embedding, the dense first layer, the gated NoPE-MLA layers, the LM head and sampling.
     """
 
     hidden: int
@@ -58,15 +74,31 @@ class K3Config:
     dtype: str = "float32"  # model (trunk) dtype name; KDA state, router and SiTU are fp32 anyway
     expert_format: str = "bf16"  # routed experts: "bf16" (the trunk dtype), "mxfp4" or "int4" (packed)
     expert_layout: str = "rows"  # packed experts held as the checkpoint's rows, or repacked in "blocks" (quant.py)
+    # the whole model (K3Model): vocabulary, the dense first layer(s), the gated NoPE-MLA layers
+    vocab_size: int = 256  # vocab_size (K3 163840)
+    dense_inter: int = 256  # intermediate_size of the dense SiTU MLP (K3 33792)
+    dense_layers: int = 1  # first_k_dense_replace: the first layers have the dense MLP instead of the MoE
+    mla_heads: int = 8  # num_attention_heads (K3 96)
+    q_lora: int = 64  # q_lora_rank (K3 1536)
+    kv_lora: int = 32  # kv_lora_rank (K3 512): the cached latent c_kv
+    qk_nope: int = 16  # qk_nope_head_dim (K3 128)
+    qk_shared: int = 8  # qk_rope_head_dim (K3 64): the shared key k_sh, cached; NoPE, so no rotary on it
+    v_head: int = 16  # v_head_dim (K3 128)
+    mla_every: int = 4  # full_attn_layers: every mla_every-th layer (1-based) and the last
     name: str = "custom"
 
     def __post_init__(self) -> None:
         for field in ("hidden", "n_layers", "kda_heads", "head_dim", "gate_rank", "n_experts",
                       "top_k", "moe_inter", "latent", "shared_inter", "conv_kernel",
-                      "attn_res_block"):
+                      "attn_res_block", "vocab_size", "dense_inter", "mla_heads",
+                      "q_lora", "kv_lora", "qk_nope", "qk_shared", "v_head", "mla_every"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"K3Config.{field} must be a positive int, got {value!r}")
+        if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) or \
+                not 0 <= self.dense_layers <= self.n_layers:
+            raise ValueError(f"K3Config.dense_layers must be an int in 0..n_layers={self.n_layers}, "
+                             f"got {self.dense_layers!r}")
         if self.conv_kernel < 2:
             raise ValueError(f"K3Config.conv_kernel must be >= 2 (the conv state keeps "
                              f"conv_kernel - 1 inputs), got {self.conv_kernel}")
@@ -106,6 +138,27 @@ class K3Config:
         return self.kda_heads * self.head_dim
 
     @property
+    def kv_entry(self) -> int:
+        """Values cached per token in an MLA layer: [c_kv (kv_lora) | k_sh (qk_shared)], 576 in K3."""
+        return self.kv_lora + self.qk_shared
+
+    @property
+    def mla_scale(self) -> float:
+        """MLA's softmax scale, (qk_nope + qk_shared) ** -0.5: 192 ** -0.5 in K3."""
+        return (self.qk_nope + self.qk_shared) ** -0.5
+
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's attention and MLP in K3's pattern (0-based list; MLA at 1-based multiples of mla_every
+        and at the last layer, the dense MLP in the first dense_layers)."""
+        return tuple(LayerKind("mla" if (i + 1) % self.mla_every == 0 or i == self.n_layers - 1 else "kda",
+                               "dense" if i < self.dense_layers else "moe") for i in range(self.n_layers))
+
+    @property
+    def attn_res_blocks(self) -> int:
+        """AttnRes bank entries a step writes: one at each block's first layer."""
+        return -(-self.n_layers // self.attn_res_block)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
@@ -115,14 +168,17 @@ class K3Config:
         return self.expert_format != "bf16"
 
     def sharded_dims(self) -> dict[str, int]:
-        """The widths tensor parallelism splits (heads, expert/shared intermediate) or that the
-        sharded-front rule splits (experts = router rows, latent = W_down rows)."""
+        """The widths tensor parallelism splits (heads, expert/shared/dense intermediate, the vocabulary) or
+        that the sharded-front rule splits (experts = router rows, latent = W_down rows)."""
         return {
             "kda_heads": self.kda_heads,
             "n_experts": self.n_experts,
             "latent": self.latent,
             "moe_inter": self.moe_inter,
             "shared_inter": self.shared_inter,
+            "mla_heads": self.mla_heads,
+            "dense_inter": self.dense_inter,
+            "vocab_size": self.vocab_size,
         }
 
     def check_expert_layout(self, tp: int) -> None:
@@ -151,14 +207,17 @@ PRESETS: dict[str, K3Config] = {
     "k3": K3Config(hidden=7168, n_layers=93, kda_heads=96, head_dim=128, gate_rank=128,
                    n_experts=896, top_k=16, moe_inter=3072, latent=3584, shared_inter=6144,
                    residual="attnres", attn_res_block=12, dtype="bfloat16", expert_format="mxfp4",
-                   expert_layout="blocks", name="k3"),
+                   expert_layout="blocks", vocab_size=163840, dense_inter=33792, dense_layers=1, mla_heads=96,
+                   q_lora=1536, kv_lora=512, qk_nope=128, qk_shared=64, v_head=128, mla_every=4, name="k3"),
     # CPU test sizes: same structure, every sharded width divisible by 2, 4 and 8.
     "tiny": K3Config(hidden=128, n_layers=2, kda_heads=8, head_dim=16, gate_rank=16,
                      n_experts=16, top_k=4, moe_inter=32, latent=64, shared_inter=64,
-                     attn_res_block=2, dtype="float32", name="tiny"),
+                     attn_res_block=2, dtype="float32", vocab_size=256, dense_inter=256, mla_heads=8, q_lora=64,
+                     kv_lora=32, qk_nope=16, qk_shared=8, v_head=16, name="tiny"),
     "small": K3Config(hidden=256, n_layers=4, kda_heads=16, head_dim=32, gate_rank=32,
                       n_experts=32, top_k=4, moe_inter=64, latent=128, shared_inter=128,
-                      attn_res_block=2, dtype="float32", name="small"),
+                      attn_res_block=2, dtype="float32", vocab_size=512, dense_inter=512, mla_heads=16,
+                      q_lora=128, kv_lora=64, qk_nope=32, qk_shared=16, v_head=32, name="small"),
 }
 
 

@@ -14,150 +14,78 @@ and dequantized by the step's spelling.
 """
 from __future__ import annotations
 
-import math
-import zlib
-
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 # the K3 math, written once (rms_norm, situ_glu, delta_rule are this module's names too: the rules
 # and the tests import them from here)
 from .. import quant
-from ..spelling import (all_reduce_sum, delta_rule, moe_combine, rms_norm, route, routed_experts,
-                        routed_experts_quantized, short_conv, situ_glu)
+from ..spelling import (all_reduce_sum, delta_rule, kv_cache_append, moe_combine, paged_mla_attention, rms_norm, route,
+                        routed_experts, routed_experts_quantized, short_conv, situ_glu)
+from . import params
 from .config import K3Config
-
-#: the spread of the drawn E8M0 exponents around their centre (-1, 0, +1) and of int4 scales (x0.5 to x1.5)
-_EXPONENT_SPREAD = 1
-_INT4_SCALE_SPREAD = 0.5
-#: RMS of a uniformly drawn code: E2M1 (mean square of the 16 values 8.5625) times the exponent spread
-#: (mean square of 2^-1, 1, 2: 1.75); int4 q in [-8, 7] (mean square 21.5) times the scale spread (13/12)
-_MXFP4_CODE_RMS = (8.5625 * 1.75) ** 0.5
-_INT4_CODE_RMS = (21.5 * 13 / 12) ** 0.5
+from .weights import NORM_INIT, ParamSpec, WeightSource, shard  # noqa: F401  (WeightSource, shard: re-exported)
 
 
-# --- weights ------------------------------------------------------------------------------------
-class WeightSource:
-    """Deterministic random weights: each FULL tensor comes from its own generator seeded by
-    (seed, layer, name), then each rank slices its shard. TP=1/2/4 models are the same function.
-
-    `on_device=True` draws on the model's CUDA device instead of the CPU: seconds instead of
-    minutes for K3 widths (benchmarks), but other numbers than the CPU draw for the same seed."""
-
-    def __init__(self, seed: int, dtype: torch.dtype, device: torch.device | str, on_device: bool = False):
-        self.seed = int(seed)
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.draw_device = self.device if on_device and self.device.type == "cuda" else torch.device("cpu")
-
-    def _generator(self, layer: int, name: str) -> torch.Generator:
-        key = zlib.crc32(f"k3fuse/{self.seed}/{layer}/{name}".encode())
-        return torch.Generator(self.draw_device).manual_seed((self.seed * 1_000_003 + key) % (2**63))
-
-    def normal(self, layer: int, name: str, shape: tuple[int, ...], std: float,
-               mean: float = 0.0) -> torch.Tensor:
-        """Full fp32 tensor on the draw device (or an empty meta tensor on the meta device)."""
-        if self.device.type == "meta":
-            return torch.empty(shape, device="meta")
-        t = torch.randn(shape, generator=self._generator(layer, name), dtype=torch.float32,
-                        device=self.draw_device)
-        return t * std + mean
-
-    def uniform(self, layer: int, name: str, shape: tuple[int, ...], low: float,
-                high: float) -> torch.Tensor:
-        if self.device.type == "meta":
-            return torch.empty(shape, device="meta")
-        t = torch.rand(shape, generator=self._generator(layer, name), dtype=torch.float32,
-                       device=self.draw_device)
-        return low + (high - low) * t
-
-    def experts_normal(self, layer: int, name: str, n_experts: int, shape: tuple[int, int], std: float,
-                       shard_dim: int, tp_size: int, rank: int) -> nn.Parameter:
-        """Experts [E, *shape] in the model dtype, sharded along `shard_dim` of each expert's shape.
-
-        Drawn one expert at a time from the tensor's generator (fp32 temporaries of one expert, never
-        of the whole table), so every rank sees the same full experts and keeps its slice.
-        """
-        local = list(shape)
-        local[shard_dim] //= tp_size
-        out = torch.empty((n_experts, *local), dtype=self.dtype, device=self.device)
-        if self.device.type != "meta":
-            g = self._generator(layer, name)
-            for e in range(n_experts):
-                full = torch.randn(shape, generator=g, dtype=torch.float32, device=self.draw_device)
-                out[e].copy_(shard(full * std, shard_dim, tp_size, rank))
-        return nn.Parameter(out, requires_grad=False)
-
-    def experts_quantized(self, layer: int, name: str, fmt: str, n_experts: int, shape: tuple[int, int],
-                          std: float, shard_dim: int, tp_size: int, rank: int, layout: str = "rows"
-                          ) -> tuple[nn.Parameter, nn.Parameter]:
-        """(weight_packed, weight_scale) of E experts of `shape` [out, in] in `fmt`, the layout of
-        k3fuse/quant.py, each sharded along `shard_dim` (0: rows; 1: the input width, in whole groups),
-        then held in `layout` (quant.to_layout: the same draws, repacked in block order for "blocks").
-
-        Drawn directly in the packed layout, one expert at a time: uniform codes (random bytes or
-        int32 words) and scales around the power of two (MXFP4) or the value (int4) that gives the
-        dequantized weights an RMS near `std`. No float temporary of the weights is ever built.
-        """
-        rows, cols = shape
-        p_shape, s_shape = quant.packed_shape(fmt, rows, cols), quant.scale_shape(fmt, rows, cols)
-        p_dtype, s_dtype = quant.packed_dtype(fmt), quant.scale_dtype(fmt)
-
-        def local(full: tuple[int, int]) -> tuple[int, ...]:
-            dims = list(full)
-            dims[shard_dim] //= tp_size
-            return (n_experts, *dims)
-
-        packed = torch.empty(local(p_shape), dtype=p_dtype, device=self.device)
-        scale = torch.empty(local(s_shape), dtype=s_dtype, device=self.device)
-        if self.device.type != "meta":
-            g_packed = self._generator(layer, f"{name}.weight_packed")
-            g_scale = self._generator(layer, f"{name}.weight_scale")
-            draw = {"dtype": p_dtype, "device": self.draw_device, "generator": g_packed}
-            for e in range(n_experts):
-                if fmt == "mxfp4":
-                    codes = torch.randint(0, 256, p_shape, **draw)
-                    centre = quant.E8M0_BIAS + round(math.log2(std / _MXFP4_CODE_RMS))
-                    s = torch.randint(centre - _EXPONENT_SPREAD, centre + _EXPONENT_SPREAD + 1, s_shape,
-                                      generator=g_scale, dtype=torch.int32, device=self.draw_device).to(s_dtype)
-                else:
-                    codes = torch.randint(-2 ** 31, 2 ** 31, p_shape, **draw)
-                    u = torch.rand(s_shape, generator=g_scale, dtype=torch.float32, device=self.draw_device)
-                    s = (std / _INT4_CODE_RMS * (1 + _INT4_SCALE_SPREAD * (2 * u - 1))).to(s_dtype)
-                held = quant.to_layout(shard(codes, shard_dim, tp_size, rank)[None],
-                                       shard(s, shard_dim, tp_size, rank)[None], layout)
-                packed[e].copy_(held[0][0])
-                scale[e].copy_(held[1][0])
-        return nn.Parameter(packed, requires_grad=False), nn.Parameter(scale, requires_grad=False)
-
-    def param(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> nn.Parameter:
-        """A frozen parameter in `dtype` (the model dtype unless told, e.g. fp32 vectors)."""
-        # clone: a shard must not keep the full tensor's storage alive
-        t = t.to(device=self.device, dtype=dtype or self.dtype).clone(memory_format=torch.contiguous_format)
-        return nn.Parameter(t, requires_grad=False)
-
-
-def shard(t: torch.Tensor, dim: int, tp_size: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s contiguous 1/tp_size slice of `t` along `dim`."""
-    size = t.shape[dim] // tp_size
-    return t.narrow(dim, rank * size, size)
+def build(module: nn.Module, specs: list[ParamSpec], cfg: K3Config, src: WeightSource, layer: int,
+          tp: "TensorParallel") -> None:
+    """Give `module` the parameters of `specs` (params.py), each rank's slice drawn by `src`; a dotted name
+    ("latent_norm.weight") is the weight of an RMSNorm submodule. Routed experts (dtype "expert") are LatentMoE's."""
+    for spec in specs:
+        if spec.dtype == "expert":
+            continue
+        p = src.build(spec, layer, tp.tp_size, tp.rank)
+        if "." in spec.name:
+            sub, _, leaf = spec.name.partition(".")
+            if leaf != "weight":
+                raise ValueError(f"parameter spec {spec.name!r}: only an RMSNorm's weight may be nested")
+            setattr(module, sub, RMSNorm(p, cfg.rms_eps))
+        else:
+            setattr(module, spec.name, p)
 
 
 # --- shared pieces ------------------------------------------------------------------------------
-class TensorParallel:
-    """Who this module is in the TP group; `all_reduce` is the identity at tp=1."""
+#: the functional all-gather along a dim (torch 2.13 renamed all_gather_tensor, which still works but warns)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
-    def __init__(self, tp_size: int, rank: int, group: dist.ProcessGroup | None):
+
+class TensorParallel:
+    """Who this module is in the TP group, and its collectives: identity at tp=1.
+
+    `standin` (one rank of a TP N deployment run alone, `--as-rank R --of N`): the rank's slice of every
+    sharded width, but no process group; each collective is a local stand-in of the same shape (an
+    all-reduce returns its input, a gather tiles this rank's slice), so the step is one rank's compute."""
+
+    def __init__(self, tp_size: int, rank: int, group: dist.ProcessGroup | None, standin: bool = False):
+        if standin and group is not None:
+            raise ValueError("a stand-in TP rank runs without a process group")
         self.tp_size = tp_size
         self.rank = rank
         self.group = group
+        self.standin = standin
+
+    @property
+    def collectives(self) -> bool:
+        """The step really runs collectives (TP > 1 with a group)."""
+        return self.tp_size > 1 and not self.standin
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if not self.collectives:
             return t
         return all_reduce_sum(t, self.group)
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, n] per rank -> [T, n * tp], the ranks' slices in rank order (the vocab-parallel logits)."""
+        if self.tp_size == 1:
+            return t
+        if self.standin:
+            return t.repeat(1, self.tp_size)
+        gathered = _all_gather(t.contiguous(), 0, self.group)  # [tp * T, n]
+        T, n = t.shape
+        return gathered.view(self.tp_size, T, n).permute(1, 0, 2).reshape(T, self.tp_size * n)
 
 
 class RMSNorm(nn.Module):
@@ -171,8 +99,9 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(cfg: K3Config, src: WeightSource, layer: int, name: str, width: int) -> RMSNorm:
-    """RMSNorm with weight 1 + small noise, so a wrong weight shows up in tests."""
-    return RMSNorm(src.param(src.normal(layer, name, (width,), std=0.1, mean=1.0)), cfg.rms_eps)
+    """RMSNorm with weight 1 + small noise, so a wrong weight shows up in tests (replicated: TP-free)."""
+    spec = ParamSpec("weight", "", (width,), "replicated", NORM_INIT, name)
+    return RMSNorm(src.build(spec, layer, 1, 0), cfg.rms_eps)
 
 
 # --- KDA ----------------------------------------------------------------------------------------
@@ -188,30 +117,8 @@ class KDADecode(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        H, P, R, h, d, K = (cfg.hidden, cfg.kda_dim, cfg.gate_rank, cfg.kda_heads, cfg.head_dim,
-                            cfg.conv_kernel)
-        n, r = tp.tp_size, tp.rank
-        self.local_heads = h // n
-
-        def col(name: str, rows: int, cols: int) -> nn.Parameter:
-            """Column-parallel weight: this rank's rows of the full [rows, cols] matrix."""
-            return src.param(shard(src.normal(layer, name, (rows, cols), cols ** -0.5), 0, n, r))
-
-        self.w_q = col("kda.w_q", P, H)
-        self.w_k = col("kda.w_k", P, H)
-        self.w_v = col("kda.w_v", P, H)
-        self.w_g = col("kda.w_g", P, H)
-        self.w_fa = src.param(src.normal(layer, "kda.w_fa", (R, H), H ** -0.5))  # replicated
-        self.w_fb = col("kda.w_fb", P, R)
-        self.w_b = col("kda.w_b", h, H)
-        # fp32 vectors
-        self.dt_bias = src.param(shard(src.normal(layer, "kda.dt_bias", (P,), 0.5), 0, n, r), torch.float32)
-        self.A_log = src.param(shard(src.uniform(layer, "kda.A_log", (h,), math.log(0.5), math.log(2.0)), 0, n, r),
-                               torch.float32)
-        conv = [shard(src.normal(layer, f"kda.conv_{c}", (P, K), 0.5), 0, n, r) for c in "qkv"]
-        self.conv_weight = src.param(torch.cat(conv, 0), torch.float32)  # [3P/tp, K], local [q;k;v]
-        self.w_onorm = src.param(src.normal(layer, "kda.w_onorm", (d,), 0.1, 1.0), torch.float32)
-        self.w_o = src.param(shard(src.normal(layer, "kda.w_o", (H, P), P ** -0.5), 1, n, r))  # row-parallel
+        self.local_heads = cfg.kda_heads // tp.tp_size
+        build(self, params.kda_params(cfg), cfg, src, layer, tp)
 
     def forward(self, x: torch.Tensor, recurrent: torch.Tensor, conv_state: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,8 +162,7 @@ class Router(nn.Module):
     def __init__(self, cfg: K3Config, layer: int, src: WeightSource):
         super().__init__()
         self.cfg = cfg
-        self.w_r = src.param(src.normal(layer, "moe.w_r", (cfg.n_experts, cfg.hidden), cfg.hidden ** -0.5))
-        self.b_corr = src.param(src.normal(layer, "moe.b_corr", (cfg.n_experts,), 0.05), torch.float32)
+        build(self, params.router_params(cfg), cfg, src, layer, TensorParallel(1, 0, None))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.w_r.float())
@@ -282,17 +188,16 @@ class LatentMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        E, H, L, I = cfg.n_experts, cfg.hidden, cfg.latent, cfg.moe_inter
-        n, r = tp.tp_size, tp.rank
+        E, n, r = cfg.n_experts, tp.tp_size, tp.rank
         self.router = Router(cfg, layer, src)
-        self.w_down = src.param(src.normal(layer, "moe.w_down", (L, H), H ** -0.5))  # replicated
+        build(self, params.latent_params(cfg), cfg, src, layer, tp)
         self.expert_format = cfg.expert_format
         self.expert_layout = cfg.expert_layout
         # w1/w3 [E, I, L] split by rows (I), w2 [E, L, I] by its input width (I)
-        experts = {"w1": ((I, L), L ** -0.5, 0), "w3": ((I, L), L ** -0.5, 0), "w2": ((L, I), I ** -0.5, 1)}
+        experts = [(spec.name, spec.shape[1:], spec.init.b, spec.shard_dim - 1) for spec in params.expert_params(cfg)]
         if cfg.quantized_experts:
             cfg.check_expert_layout(n)
-            for proj, (shape, std, dim) in experts.items():
+            for proj, shape, std, dim in experts:
                 packed, scale = src.experts_quantized(layer, f"moe.{proj}", cfg.expert_format, E, shape, std,
                                                       dim, n, r, cfg.expert_layout)
                 setattr(self, f"{proj}_packed", packed)
@@ -301,10 +206,8 @@ class LatentMoE(nn.Module):
             table = quant.e2m1_table(src.device) if cfg.expert_format == "mxfp4" else None
             self.register_buffer("e2m1_table", table, persistent=False)
         else:
-            for proj, (shape, std, dim) in experts.items():
+            for proj, shape, std, dim in experts:
                 setattr(self, proj, src.experts_normal(layer, f"moe.{proj}", E, shape, std, dim, n, r))
-        self.latent_norm = make_norm(cfg, src, layer, "moe.latent_norm", L)
-        self.w_up = src.param(src.normal(layer, "moe.w_up", (H, L), L ** -0.5))  # replicated
 
     def quantized_weight(self, proj: str) -> quant.QuantizedWeight:
         """Expert projection `proj` ("w1", "w3", "w2") in the checkpoint's layout, [E, out, ...] packed with its
@@ -358,11 +261,7 @@ class SharedExperts(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        H, S = cfg.hidden, cfg.shared_inter
-        n, r = tp.tp_size, tp.rank
-        self.w_gate = src.param(shard(src.normal(layer, "shared.w_gate", (S, H), H ** -0.5), 0, n, r))
-        self.w_up = src.param(shard(src.normal(layer, "shared.w_up", (S, H), H ** -0.5), 0, n, r))
-        self.w_down = src.param(shard(src.normal(layer, "shared.w_down", (H, S), S ** -0.5), 1, n, r))
+        build(self, params.shared_params(cfg), cfg, src, layer, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = F.linear(x, self.w_gate)
@@ -386,6 +285,101 @@ class MoEBlock(nn.Module):
         return y_routed + y_sh
 
 
+# --- gated NoPE MLA -------------------------------------------------------------------------------
+class MLADecode(nn.Module):
+    """K3's gated NoPE multi-head latent attention, one decode token per sequence, absorbed form over a paged
+    latent cache (shared/docs/reference/k3-model.md 2.4).
+
+    c_q = RMSNorm(W_qa x); per head [q_nope | q_sh] = W_qb c_q; [c_kv | k_sh] = W_kva x, c_kv = RMSNorm(c_kv);
+    the cache entry [c_kv | k_sh] is appended in place; q_lat = W_UK^T q_nope (W_UK, W_UV: views of W_kvb);
+    o_lat = attention of [q_lat | q_sh] over the cache (spelling.paged_mla_attention); o = W_UV o_lat, gated by
+    sigmoid(W_g x); y = all_reduce(W_o o). Heads are split by TP (W_qb, W_kvb, W_g column, W_o row); W_qa, W_kva
+    and the cache are replicated. No RoPE anywhere (mla_use_nope): the 64-wide shared key is cached as is.
+    """
+
+    def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.local_heads = cfg.mla_heads // tp.tp_size
+        build(self, params.mla_params(cfg), cfg, src, layer, tp)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [h, qk_nope, kv_lora], W_UV [h, v_head, kv_lora]): this rank's heads of W_kvb, as views."""
+        cfg = self.cfg
+        w = self.w_kv_b.view(self.local_heads, cfg.qk_nope + cfg.v_head, cfg.kv_lora)
+        return w[:, :cfg.qk_nope], w[:, cfg.qk_nope:]
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        T, h = x.shape[0], self.local_heads
+        c_q = self.q_a_norm(F.linear(x, self.w_q_a))
+        q = F.linear(c_q, self.w_q_b).view(T, h, cfg.qk_nope + cfg.qk_shared)
+        q_nope, q_sh = q.split([cfg.qk_nope, cfg.qk_shared], dim=-1)
+        c_kv, k_sh = F.linear(x, self.w_kv_a).split([cfg.kv_lora, cfg.qk_shared], dim=-1)
+        entry = torch.cat([self.kv_a_norm(c_kv), k_sh], dim=-1)  # [T, kv_lora + qk_shared]
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            entry = entry.float() / kv_scale
+        kv_cache_append(kv_cache, entry, block_table, seq_lens)
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, kv_lora]
+        o_lat = paged_mla_attention(torch.cat([q_lat, q_sh], dim=-1), kv_cache, kv_scale, block_table, seq_lens,
+                                    cfg.mla_scale, cfg.kv_lora)
+        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, h, v_head]
+        gate = F.linear(x, self.w_g).view(T, h, cfg.v_head)
+        o = (o.float() * torch.sigmoid(gate.float())).reshape(T, h * cfg.v_head).to(x.dtype)
+        return self.tp.all_reduce(F.linear(o, self.w_o))
+
+
+# --- layer 1's dense MLP, the embedding and the head ---------------------------------------------
+class DenseMLP(nn.Module):
+    """The dense SiTU-GLU MLP of the first layer(s): gate/up column-parallel, down row-parallel, all_reduce."""
+
+    def __init__(self, cfg: K3Config, layer: int, src: WeightSource, tp: TensorParallel):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        build(self, params.dense_mlp_params(cfg), cfg, src, layer, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = situ_glu(F.linear(x, self.w_gate), F.linear(x, self.w_up), self.cfg.situ_beta, self.cfg.situ_linear_beta)
+        return self.tp.all_reduce(F.linear(h, self.w_down))
+
+
+class VocabEmbedding(nn.Module):
+    """Vocab-parallel embedding: rank r holds rows [r V/tp, (r+1) V/tp); ids outside are zero rows, summed by an
+    all_reduce. A stand-in rank (no group) looks every id up in its own rows (id mod V/tp): one rank's work."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
+        super().__init__()
+        self.weight = weight
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        if self.tp.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        if self.tp.standin:
+            return F.embedding(ids % rows, self.weight)
+        local = ids - self.tp.rank * rows
+        inside = (local >= 0) & (local < rows)
+        emb = F.embedding(torch.where(inside, local, 0), self.weight)
+        return self.tp.all_reduce(torch.where(inside.unsqueeze(-1), emb, 0.0).to(emb.dtype))
+
+
+class LMHead(nn.Module):
+    """Vocab-parallel LM head: this rank's logits [T, V/tp] in the trunk dtype, gathered to [T, V], in fp32."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
+        super().__init__()
+        self.weight = weight
+        self.tp = tp
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(F.linear(h, self.weight)).float()
+
+
 # --- Block Attention Residuals --------------------------------------------------------------------
 def attn_res_mix(bank: list[torch.Tensor], partial: torch.Tensor, query: torch.Tensor,
                  eps: float) -> torch.Tensor:
@@ -398,3 +392,17 @@ def attn_res_mix(bank: list[torch.Tensor], partial: torch.Tensor, query: torch.T
     scores = (keys * query.float()).sum(-1)  # [n, T]
     alpha = torch.softmax(scores, dim=0)
     return (alpha.unsqueeze(-1) * V).sum(0).to(partial.dtype)
+
+
+def attn_res_mix_bank(bank: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, mask: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """`attn_res_mix` over a fixed bank: bank [n, T, H] (entry i valid where mask[i] == 0, -inf where not yet
+    written this step), partial [T, H]. The same depth softmax (fp32), with the unwritten entries' weights
+    exactly 0, so one compiled layer step serves every layer whatever its place in its AttnRes block."""
+    def score(v: torch.Tensor) -> torch.Tensor:
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * query.float()).sum(-1)
+
+    vb, vp = bank.float(), partial.float()
+    scores = torch.cat([score(vb) + mask.unsqueeze(-1), score(vp).unsqueeze(0)], dim=0)  # [n + 1, T]
+    alpha = torch.softmax(scores, dim=0).unsqueeze(-1)
+    return ((alpha[:-1] * vb).sum(0) + alpha[-1] * vp).to(partial.dtype)
