@@ -4,8 +4,8 @@ SGLang's releases pin CUDA torch builds, so SGLang is not installed: its wheel's
 sys.path (scripts/install_engines.sh unpacks 0.5.21 into .engines/; K3FUSE_SGLANG_SRC overrides).
 What runs is SGLang's code: `sglang.srt.plugins.load_plugins()` discovers k3fuse's entry point and
 installs the pass; `init_model_parallel_group` builds SGLang's TP group on gloo; the model calls
-`torch.ops.sglang.outplace_all_reduce` / `inplace_all_reduce` / `flashinfer_allreduce`, whose kernels are CUDA-only: on CPU
-the compiled model can only run if k3fuse replaced them (the fused op reduces over the same
+`torch.ops.sglang.outplace_all_reduce` / `inplace_all_reduce` / `flashinfer_allreduce`, whose kernels are
+CUDA-only: on CPU the compiled model can only run if k3fuse replaced them (the fused op reduces over the same
 group). SGLang's RMSNorm module cannot be imported without SGLang's dependencies (torchvision,
 ...), so its `forward_native` is compiled from the wheel's layernorm.py on its own and bound to a
 module with RMSNorm's attributes: the fp32-residual norm is SGLang's code.
@@ -99,7 +99,7 @@ def _sglang_worker(rank: int, world: int, src: str, spelling: str, log_path: str
             y = torch.nn.functional.linear(x, self.w)
             if spelling == "inplace":
                 torch.ops.sglang.inplace_all_reduce(y, group_name=tp.unique_name)
-            elif spelling == "flashinfer":  # what SGLang emits under torch.compile where FlashInfer's all-reduce applies
+            elif spelling == "flashinfer":  # SGLang's op under torch.compile where FlashInfer's all-reduce applies
                 y = torch.ops.sglang.flashinfer_allreduce(y, tp.unique_name)
             else:
                 y = torch.ops.sglang.outplace_all_reduce(y, tp.unique_name, "auto")

@@ -29,10 +29,10 @@ pytestmark = [pytest.mark.engines, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[11, 200, 3, 45, 5], [7, 9]]
 MAX_TOKENS = 24
-#: every K3 rule that has a site in the tiny model's decode graph (moe_tail_allreduce_norm and weight_prefetch are off
-#: by default); the collective ones need TP >= 2
-RULES_TP1 = {"fused_routing", "routed_experts", "moe_combine", "shared_expert_stream", "kda_short_conv", "kda_delta_rule",
-             "decode_gemm"}
+#: every K3 rule with a site in the tiny model's decode graph (moe_tail_allreduce_norm and weight_prefetch are off by
+#: default); the collective ones need TP >= 2
+RULES_TP1 = {"fused_routing", "routed_experts", "moe_combine", "shared_expert_stream", "kda_short_conv",
+             "kda_delta_rule", "decode_gemm"}
 RULES_TP2 = RULES_TP1 | {"oproj_allreduce_residual", "moe_front_sharded"}
 
 

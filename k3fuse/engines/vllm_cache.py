@@ -253,9 +253,9 @@ def kda_states(x: torch.Tensor, layer: str) -> tuple[torch.Tensor, torch.Tensor]
                 torch.zeros((T, *conv_shape), dtype=conv_dtype, device=x.device))
     recurrent, conv = _kv(module)
     slots = metadata.state_indices_tensor[plan.requests.to(x.device)].long()
-    keep = (~plan.fresh).to(x.device)
-    rec = recurrent[slots] * keep.view(-1, 1, 1, 1).to(recurrent.dtype)
-    cv = conv[slots] * keep.view(-1, 1, 1).to(conv.dtype)
+    fresh = plan.fresh.to(x.device)  # a request's first token starts from zero states, whatever its slot holds
+    rec = torch.where(fresh.view(-1, 1, 1, 1), 0.0, recurrent[slots])
+    cv = torch.where(fresh.view(-1, 1, 1), 0.0, conv[slots])
     return rec.to(rec_dtype), cv.to(conv_dtype)
 
 

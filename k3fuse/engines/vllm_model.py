@@ -36,8 +36,7 @@ from ..model import params
 from ..model.checkpoint_layout import Stored, param_layouts
 from ..model.config import K3Config, LayerKind
 from ..model.hf_config import k3_config
-from ..model.layers import (DenseMLP, KDADecode, MLADecode, MoEBlock, TensorParallel, VocabEmbedding, WeightSource,
-                            attn_res_mix_bank)
+from ..model.layers import KDADecode, MLADecode, TensorParallel, VocabEmbedding, WeightSource, attn_res_mix_bank
 from ..model.model import DecoderLayer, Head
 from ..model.sampling import SamplingConfig
 from . import vllm_cache
