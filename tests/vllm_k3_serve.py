@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", help="vLLM's model dtype (an MXFP4 checkpoint needs bfloat16)")
     parser.add_argument("--repeat", type=int, default=2, help="generate this many times (state slots are reused)")
     args = parser.parse_args()
 
@@ -33,7 +34,7 @@ def main() -> None:
     import k3fuse
 
     start = time.monotonic()
-    llm = LLM(args.checkpoint, skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=args.tp,
+    llm = LLM(args.checkpoint, skip_tokenizer_init=True, dtype=args.dtype, tensor_parallel_size=args.tp,
               max_model_len=64, max_num_seqs=4, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
               compilation_config={"mode": 3, "compile_ranges_endpoints": [64],
                                   "inductor_compile_config": {"post_grad_custom_post_pass": k3fuse.VllmK3FusePass()},

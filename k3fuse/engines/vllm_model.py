@@ -19,6 +19,7 @@ Prompts run as consecutive decode sub-steps (vllm_cache.StepPlan), so the compil
 """
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -51,7 +52,14 @@ _ops = torch.ops.k3fuse_vllm
 def k3_config_for(vllm_config: VllmConfig) -> K3Config:
     """The K3Config of the checkpoint vLLM serves, read from its config.json as vLLM parsed it."""
     hf = vllm_config.model_config.hf_config
-    raw = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    raw = copy.deepcopy(hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)))
+    # vLLM's K3 config hook renames the experts' compressed-tensors MXFP4 to its own "mxfp4" method in place
+    # (model_executor/models/config.py, KimiK3ForConditionalGenerationConfig): read the checkpoint's own name
+    for holder in (raw, raw.get("text_config") or {}):
+        quant = holder.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4" and \
+                quant.get("format") == "mxfp4-pack-quantized":
+            quant["quant_method"] = "compressed-tensors"
     try:
         return k3_config(raw, name="vllm")
     except ValueError as exc:
@@ -129,7 +137,7 @@ class K3FuseDecoder(nn.Module):
         group = get_tp_group().device_group if tp_size > 1 else None
         tp = TensorParallel(tp_size, rank, group)
         # the parameters are drawn here and replaced by load_weights (the draws only give them their shapes)
-        src = WeightSource(0, dtype, "cpu")
+        src = WeightSource(0, dtype, vllm_config.device_config.device or torch.device("cpu"))
         (embed_spec,) = params.embed_params(cfg)
         self.embed = VocabEmbedding(src.build(embed_spec, -1, tp_size, rank), tp)
         self.caches: list[nn.Module] = []  # vLLM's cache layers (not submodules: vLLM finds them by name)
