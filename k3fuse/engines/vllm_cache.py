@@ -208,7 +208,7 @@ class K3MLABackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "K3FUSE_MLA"
+        return "K3_PAGED_LATENT"
 
     @staticmethod
     def get_impl_cls() -> type:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 
+from .. import settings
+
 logger = logging.getLogger("vllm.k3fuse")  # under vLLM's logger: its handler prints it
 
 #: this plugin's entry-point name (what VLLM_PLUGINS lists)
@@ -30,17 +32,10 @@ BREAKABLE_CUDAGRAPH = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 def enabled() -> bool:
     """The user asked for k3fuse's model: K3FUSE_VLLM_MODEL=1, or VLLM_PLUGINS names this plugin (K3FUSE_VLLM_MODEL=0
     wins over VLLM_PLUGINS)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value:
-        from .base import EngineError
-
-        raise EngineError(f"{ENV}={os.environ[ENV]!r} is not a switch", f"set {ENV}=1 (on) or {ENV}=0 (off)")
-    named = {p.strip() for p in os.environ.get("VLLM_PLUGINS", "").split(",")}
-    return PLUGIN in named
+    switch = settings.get(ENV)
+    if switch is not None:
+        return switch
+    return PLUGIN in {p.strip() for p in os.environ.get("VLLM_PLUGINS", "").split(",")}
 
 
 def register() -> bool:
@@ -57,7 +52,7 @@ def register() -> bool:
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, MODEL_CLASS)
     logger.info("k3fuse: vLLM serves %s with %s (%s)", ", ".join(ARCHITECTURES), MODEL_CLASS,
-                f"{ENV}={os.environ.get(ENV)}" if os.environ.get(ENV) else f"VLLM_PLUGINS names {PLUGIN}")
+                f"{ENV}=1" if settings.get(ENV) else f"VLLM_PLUGINS names {PLUGIN}")
     return True
 
 
