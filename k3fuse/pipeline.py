@@ -7,7 +7,8 @@
 Rules come from the installed provider (k3fuse.plugins installs the K3 rules of k3fuse.patterns)
 unless the caller passes its own. Each can be switched by the context (enabled_rules / disabled_rules) and by the environment variable
 K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a, "+a" adds a rule that is off by
-default (Rule.default_on False); the forms can be mixed.
+default (Rule.default_on False); "-a" and "+b" combine, a list of bare names stands alone (k3fuse.settings
+refuses a mix).
 """
 from __future__ import annotations
 

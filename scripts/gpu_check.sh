@@ -16,9 +16,8 @@
 #   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
 #   test-moe: the routed-experts (BF16 and W4A16), route top-k and combine kernels, bench-moe their benchmarks,
-#   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths; with --cute-choices arms
-#   and a {"rule": {}} one, `python -m bench.tune_w4a16 $OUT/bench_routed_experts_w4a16.json` turns its
-#   JSON into the tuned launch table, on any machine), ncu-w4a16 the CuTe
+#   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths; --cute-choices adds CuTe
+#   arms with imposed launch choices beside the op's own), ncu-w4a16 the CuTe
 #   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --formats / --inter / --tokens /
 #   --choices)
 #   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from
@@ -160,7 +159,7 @@ for s in "${STEPS[@]}"; do
     bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" -m bench.bench_fused_ar --json "$OUT/bench_fused_ar.json" ;;
     ncu-w4a16) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
                step ncu_w4a16 "${BENCH_TIMEOUT:-500}" "$NCU" --profile-from-start off --clock-control none \
-                 -k regex:'W4A16(RowsDot|OneLaunch)' --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                 -k regex:W4A16RowsDot --section SpeedOfLight --section MemoryWorkloadAnalysis \
                  --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
                  "$PY" -m bench.ncu_w4a16 ${NCU_ARGS:-} ;;
     versions)  ;;

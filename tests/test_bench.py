@@ -214,13 +214,13 @@ def test_bench_cli_mxfp4_experts_with_zipf_routing(tmp_path):
            "--set", "expert_format=mxfp4", "--routing", "zipf:1.1", "--compiler", "eager", "--batch", "1,8",
            "--steps", "2", "--replays", "2", "--arms", "stock,k3fuse", "--no-profile", "--json", str(out)]
     # a kernel choice set in the environment is recorded with the figures (on CPU it changes nothing)
-    env = {**os.environ, "K3FUSE_W4A16_ONE_LAUNCH": "1"}
+    env = {**os.environ, "K3FUSE_W4A16_CUTE_INT4": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mxfp4 experts, zipf:1.1 routing" in proc.stdout and "distinct experts/step" in proc.stdout
     result = json.loads(out.read_text())
     assert result["model"]["expert_format"] == "mxfp4" and result["conditions"]["routing"] == "zipf:1.1"
-    assert result["conditions"]["settings"]["K3FUSE_W4A16_ONE_LAUNCH"] == "1"
+    assert result["conditions"]["settings"]["K3FUSE_W4A16_CUTE_INT4"] == "0"
     assert result["distinct_experts"]["1"]["mean"] == 4  # one token: its top_k
     assert 4 <= result["distinct_experts"]["8"]["min"] <= result["distinct_experts"]["8"]["max"] <= 16
     assert result["weight_read_floor"]["8"]["experts_touched"] == result["distinct_experts"]["8"]["mean"]
@@ -270,25 +270,24 @@ def test_tables_print_when_every_arm_failed(capsys):
     assert "mxfp4 experts" in out and "k3fuse (error)" in out
 
 
-def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys, monkeypatch):
-    """The K3 preset's 4-bit experts at TP 2 (I = 1536 a rank): per token count, the tuned table's entry the
-    op takes (its own cute_config), printed under the latency table; bf16 experts have none."""
+def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys):
+    """The K3 preset's 4-bit experts at TP 2 (I = 1536 a rank): per token count, the CuTe launch the op takes
+    (W4A16Launch.for_call over the model's block-ordered tables), printed under the latency table; bf16
+    experts have none."""
+    import dataclasses
+
     pytest.importorskip("triton")
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16_tuned as tuned
-    from k3fuse.kernels.ops.routed_experts_w4a16 import LAUNCH_FORM_SETTINGS, cute_config
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
     from k3fuse.model import get_config
     from k3fuse.tools.bench.report import print_tables
     from k3fuse.tools.bench.runner import w4a16_launches
 
-    for name in ("K3FUSE_W4A16_TUNED", *LAUNCH_FORM_SETTINGS):
-        monkeypatch.delenv(name, raising=False)
     cfg = get_config("k3")
-    monkeypatch.setattr(tuned, "TUNED", {("mxfp4", cfg.n_experts, cfg.moe_inter // 2, cfg.latent, cfg.top_k, 1):
-                                         {"split": 1}, ("mxfp4", cfg.n_experts, 1536, cfg.latent, cfg.top_k, 8): {}})
     launches = w4a16_launches(cfg, 2, (1, 8, 64))
-    assert [launches[T]["tuned"] for T in (1, 8, 64)] == [{"split": 1}, {}, {}]  # 64: the nearest grouped entry
     assert launches[1]["layout"] == "blocks"  # the k3 preset's experts are held in block order
-    assert launches[1]["config"] == cute_config(1, cfg.n_experts, 1536, cfg.latent, cfg.top_k, split=1, blocked=True)
+    assert launches[1]["config"] == dataclasses.asdict(
+        W4A16Launch.for_call(cfg.expert_format, 1, cfg.n_experts, 1536, cfg.latent, cfg.top_k, "blocks"))
+    assert launches[1]["config"]["split"] == 1 and launches[1]["config"]["blocked"]  # measured faster unsplit
     assert w4a16_launches(get_config("k3_moe_inter128"), 1, (1,)) is None  # bf16 experts
     result = {"conditions": {"preset": "k3", "overrides": {}, "layers": 1, "residual": "plain", "tp": 2,
                              "device": "cuda", "steps_per_graph": 10, "replays": 20, "routing": "uniform"},
@@ -296,7 +295,8 @@ def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys, mon
               "w4a16_launch": launches}
     print_tables(result)
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
-    assert "launch over blocks tables" in out and "T=1 tuned {'split': 1}; T=8 the rule; T=64 the rule" in out
+    assert "launch over blocks tables" in out and ("T=1 pairwise, split 1, 1 row tiles a down CTA; T=8 grouped, "
+                                                   "split 1, 4 row tiles a down CTA; T=64 grouped, split 1, 8") in out
 
 
 def test_the_gemm_sweep_keeps_the_tuned_entries_of_sites_it_did_not_sweep():

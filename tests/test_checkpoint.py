@@ -204,6 +204,35 @@ def test_older_layer_prefix_reads_as_the_released_one(tmp_path):
     assert_same(params(K3Model(cfg, seed=1)), params(model))
 
 
+def test_other_stored_forms_the_engines_read(tmp_path):
+    """A_log as the older [1, 1, h, 1], a conv weight as [P, K] (vLLM's loaders take both), a BF16 copy of an F32
+    vector: read as the model holds them."""
+    cfg = tiny("bf16")
+    write_checkpoint(tmp_path / "c", cfg, seed=1)
+    path = tmp_path / "c"
+    a_log, conv = LAYER.format(1) + "self_attn.A_log", LAYER.format(2) + "self_attn.v_conv1d.weight"
+    bias = LAYER.format(1) + "block_sparse_moe.gate.e_score_correction_bias"
+    for shard in path.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        if a_log in tensors:
+            tensors[a_log] = tensors[a_log].view(1, 1, -1, 1)
+        if conv in tensors:
+            tensors[conv] = tensors[conv].squeeze(1)
+        if bias in tensors:
+            tensors[bias] = tensors[bias].bfloat16()
+        save_file(tensors, str(shard))
+    source = params(K3Model(cfg, seed=1))
+    for rank in range(2):  # the 4-D A_log is split along its heads
+        _, state, _ = load_state_dict(path, rank=rank, tp_size=2)
+        heads = source["layers.1.attn.A_log"].chunk(2)[rank]
+        assert torch.equal(state["layers.1.attn.A_log"], heads)
+    _, model, _ = load_checkpoint(path)
+    got = params(model)
+    assert torch.equal(got["layers.2.attn.conv_weight"], source["layers.2.attn.conv_weight"])
+    bias_name = "layers.1.mlp.routed.router.b_corr"
+    assert got[bias_name].dtype == torch.float32 and torch.equal(got[bias_name], source[bias_name].bfloat16().float())
+
+
 def test_tensors_outside_the_language_model_are_skipped(tmp_path):
     cfg = tiny("bf16")
     write_checkpoint(tmp_path / "c", cfg, seed=1)
@@ -351,16 +380,27 @@ def test_gloo_ranks_load_their_slices_and_decode_like_the_tp1_model(tmp_path):
     assert results[0]["bytes"] == results[1]["bytes"]
 
 
-def _tp_rank_fails(rank: int, world: int, path: str) -> str:
+def _tp_rank_fails(rank: int, world: int, path: str) -> tuple[str, str, bool]:
+    group = torch.distributed.group.WORLD
+    messages = []
     try:
-        load_checkpoint(path, rank=rank, tp_size=world, group=torch.distributed.group.WORLD)
+        load_checkpoint(path, rank=rank, tp_size=world, group=group)
     except CheckpointError as exc:
-        return str(exc)
-    return "loaded"
+        messages.append(str(exc))
+    model = K3Model(read_config(path), seed=9, tp_size=world, rank=rank, group=group)
+    before = params(model)
+    try:
+        load_into(model, path)
+    except CheckpointError as exc:
+        messages.append(str(exc))
+    after = params(model)
+    return messages[0], messages[1], all(torch.equal(before[n], after[n]) for n in before)
 
 
 @pytest.mark.slow
 def test_one_ranks_bad_slice_is_an_error_on_every_rank_not_a_hang(tmp_path):
+    """Rank 1's slice holds a NaN scale: both ranks raise (rank 0 naming rank 1), loading a new model or into an
+    existing one, and rank 0 does not commit its clean slice."""
     write_checkpoint(tmp_path / "c", get_config("small", expert_format="mxfp4"), seed=6)
     path = tmp_path / "c"
     name = LAYER.format(1) + "block_sparse_moe.experts.0.w1.weight_scale"
@@ -368,10 +408,13 @@ def test_one_ranks_bad_slice_is_an_error_on_every_rank_not_a_hang(tmp_path):
     tensors = load_file(str(shard))
     tensors[name][40, 1] = 255  # w1's rows 32..63 are rank 1's
     save_file(tensors, str(shard))
-    messages = launch(_tp_rank_fails, 2, backend="gloo", args=(str(path),), timeout_s=120)
-    assert "E8M0 scale byte 255 (NaN in OCP MX) at [40, 1]" in messages[1]
-    assert messages[0].startswith("rank 1 failed to load the checkpoint (CheckpointError: tensor ")
-    assert all("\n" not in m for m in messages)
+    results = launch(_tp_rank_fails, 2, backend="gloo", args=(str(path),), timeout_s=180)
+    for loaded, filled in ((results[0][0], results[0][1]), (results[1][0], results[1][1])):
+        assert loaded == filled  # load_checkpoint and load_into say the same
+    assert "E8M0 scale byte 255 (NaN in OCP MX) at [40, 1]" in results[1][0]
+    assert results[0][0].startswith("rank 1 failed to load the checkpoint (CheckpointError: tensor ")
+    assert all("\n" not in m for r in results for m in r[:2])
+    assert results[0][2] and results[1][2]  # neither rank's model took a value: rank 0's slice was clean
 
 
 # --- writing ---------------------------------------------------------------------------------------------

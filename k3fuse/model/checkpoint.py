@@ -18,6 +18,7 @@ The API (for `k3fuse generate --checkpoint / --write-checkpoint` and the tests):
     cfg, state, report = load_state_dict(path, rank=r, tp_size=n)     # the same slices as CPU tensors
     report = load_into(model, path, layers=[0, 1, 2, 3])              # into an existing K3Model
     files = write_checkpoint(path, "small", seed=0)                   # a preset, a K3Config or a TP 1 K3Model
+    cfg = read_config(path)                                            # config.json alone
 
 Each rank reads only its slice of every tensor (``safe_open(...).get_slice``; `LoadReport.bytes_read` counts
 them). ``layers[i]`` is the checkpoint layer that model layer i reads (default: all, in order); each must be of
@@ -30,7 +31,8 @@ non-finite int4 scales), every tensor's presence, shape and dtype. Each problem 
 UsageError: one line naming the file, the tensor and what was expected). **Never half-loaded**: every name,
 shape and dtype is checked before any value is read; `load_into` reads every value into fresh host tensors and
 copies them into the model only when all passed, so a failed load leaves the model bit for bit as it was;
-`load_checkpoint` fills a model it builds and returns it only when every tensor loaded. Under a process group
+`load_checkpoint` fills a model it builds (drawn first as K3Model draws it, on the device where that is CUDA, then
+overwritten) and returns it only when every tensor loaded. Under a process group
 every rank learns whether any rank failed, so one rank's bad slice is an error on all of them, not a hang.
 
 `write_checkpoint` writes the same layout (sharded by `max_shard_bytes`, with its index) from a TP 1 model or by
@@ -40,7 +42,10 @@ big preset holds one parameter and one shard in memory, never the model. It writ
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import json
 import os
 import re
 import shutil
@@ -54,7 +59,7 @@ import torch.distributed as dist
 
 from .. import quant
 from .checkpoint_error import CheckpointError, shown
-from .checkpoint_files import (INDEX_FILE, MAX_CONFIG_BYTES, CheckpointFiles, read_json)
+from .checkpoint_files import INDEX_FILE, MAX_CONFIG_BYTES, CheckpointFiles, read_json
 from .checkpoint_layout import ParamLayout, Stored, param_layouts
 from .config import DTYPES, K3Config, get_config
 from .hf_config import CONFIG_FILE, differences, hf_config, k3_config
@@ -84,6 +89,9 @@ class LoadReport:
 
 
 class Loaded(NamedTuple):
+    """What a load returns: the model's config (the checkpoint's, n_layers = len(layers)), the model (or state
+    dict) and the report."""
+
     config: K3Config
     model: Any  # K3Model, or the state dict of `load_state_dict`
     report: LoadReport
@@ -96,11 +104,28 @@ def read_config(path: str | Path, *, expert_layout: str = "rows") -> K3Config:
                      expert_layout=expert_layout)
 
 
+@contextlib.contextmanager
+def _bulk():
+    """The cyclic garbage collector paused while K3's hundreds of thousands of (acyclic) tensor records are built:
+    its passes over them took 4 of 5 seconds."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class _Checkpoint:
     """A checkpoint directory checked against its config: every expected tensor present with its shape and dtype,
     nothing unexpected under the language model. Nothing is read but headers."""
 
     def __init__(self, path: str | Path, expert_layout: str):
+        with _bulk():
+            self._open(path, expert_layout)
+
+    def _open(self, path: str | Path, expert_layout: str) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path} is not a directory", "pass a checkpoint directory")
@@ -140,13 +165,13 @@ class _Checkpoint:
         """Refuse a config.json describing more tensors than the shards hold, before listing them (a config of a
         billion layers or experts must not cost a billion names)."""
         cfg, held = self.config, len(self.files.tensors)
-        counts = [cfg.n_layers]
-        if cfg.n_layers <= held:
+        least = cfg.n_layers  # a tensor a layer at least
+        if least <= held:  # then the layer kinds are cheap to list: the routed experts' tensors
             moe_layers = sum(1 for k in cfg.layer_kinds() if k.mlp == "moe")
-            counts.append(moe_layers * cfg.n_experts * 3 * (2 if cfg.quantized_experts else 1))
-        if max(counts) > held:
-            raise CheckpointError(f"{CONFIG_FILE} describes a model of at least {max(counts)} tensors but the shards "
-                                  f"hold {held}", "the config and the shards are of different models")
+            least = max(least, moe_layers * cfg.n_experts * 3 * (2 if cfg.quantized_experts else 1))
+        if least > held:
+            raise CheckpointError(f"{CONFIG_FILE} describes a model of at least {least} tensors but the shards hold "
+                                  f"{held}", "the config and the shards are of different models")
 
     def layers(self, layers: Sequence[int] | None) -> list[int]:
         """`layers` checked against the checkpoint (ints in range, at least one)."""
@@ -182,8 +207,10 @@ class _Checkpoint:
             self.tensors_read += 1
             return files.read(stored, rank, tp, dequant_dtype)
 
+        with _bulk():
+            layouts = param_layouts(model_cfg, layers)
         result: dict[str, torch.Tensor] = {}
-        for layout in param_layouts(model_cfg, layers):
+        for layout in layouts:
             result.update(layout.assemble(read, tp, dtypes, out))
         return result
 
@@ -268,22 +295,27 @@ def load_state_dict(path: str | Path, *, rank: int = 0, tp_size: int = 1, layers
 
 def load_into(model: K3Model, path: str | Path, *, layers: Sequence[int] | None = None) -> LoadReport:
     """Copy checkpoint `path` into `model` (a K3Model, its rank's slice; model layer i from checkpoint layer
-    `layers[i]`), all or nothing: every value is read and checked into host tensors first, then copied."""
+    `layers[i]`), all or nothing: every value is read and checked into host tensors first, then copied (under the
+    model's process group, only once every rank's staging succeeded)."""
     if not isinstance(model, K3Model):
         raise TypeError(f"load_into fills a K3Model, got {type(model).__name__}")
     cfg = model.config
-    ckpt = _Checkpoint(path, cfg.expert_layout)
-    chosen = ckpt.layers(list(range(cfg.n_layers)) if layers is None and cfg.n_layers != ckpt.config.n_layers
-                         else layers)
-    # the model's layers are checked one by one against the checkpoint's below; its dtype is its own
-    differ = differences(ckpt.config, cfg, skip=("n_layers", "dense_layers", "mla_every", "dtype"))
-    if differ:
-        raise CheckpointError(f"the checkpoint's config.json does not describe this model (checkpoint vs model): "
-                              f"{'; '.join(differ)}", "build the model from read_config(path)")
-    ckpt.check_kinds(cfg, chosen)
     params = dict(model.named_parameters())
-    staged = ckpt.read(cfg, chosen, model.rank, model.tp_size, {n: p.dtype for n, p in params.items()}, model.dtype,
-                       None)
+    failure: BaseException | None = None
+    try:
+        ckpt = _Checkpoint(path, cfg.expert_layout)
+        chosen = ckpt.layers(list(range(cfg.n_layers)) if layers is None else layers)
+        # the model's layers are checked one by one against the checkpoint's below; its dtype is its own
+        differ = differences(ckpt.config, cfg, skip=("n_layers", "dense_layers", "mla_every", "dtype"))
+        if differ:
+            raise CheckpointError(f"the checkpoint's config.json does not describe this model (checkpoint vs model): "
+                                  f"{'; '.join(differ)}", "build the model from read_config(path)")
+        ckpt.check_kinds(cfg, chosen)
+        staged = ckpt.read(cfg, chosen, model.rank, model.tp_size, {n: p.dtype for n, p in params.items()},
+                           model.dtype, None)
+    except Exception as exc:
+        failure = exc
+    _agree(model.tp_size > 1 and model.group is not None, model.group, failure)
     assert staged.keys() == params.keys() and all(staged[n].shape == params[n].shape for n in params)
     with torch.no_grad():
         for name, value in staged.items():
@@ -292,12 +324,11 @@ def load_into(model: K3Model, path: str | Path, *, layers: Sequence[int] | None 
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
-def _full_from_model(model: K3Model, layout: ParamLayout) -> dict[str, torch.Tensor]:
-    params = dict(model.named_parameters())
+def _full_from_model(params: dict[str, torch.Tensor], cfg: K3Config, layout: ParamLayout) -> dict[str, torch.Tensor]:
+    """A TP 1 model's parameter(s) of `layout`, the experts in the checkpoint's row-major layout."""
     names = layout.params()
-    if layout.form == "experts" and model.config.quantized_experts:
-        packed, scale = quant.from_layout(params[names[0]].detach(), params[names[1]].detach(),
-                                          model.config.expert_layout)
+    if layout.form == "experts" and cfg.quantized_experts:
+        packed, scale = quant.from_layout(params[names[0]].detach(), params[names[1]].detach(), cfg.expert_layout)
         return {names[0]: packed, names[1]: scale}
     return {n: params[n].detach() for n in names}
 
@@ -377,7 +408,8 @@ def write_checkpoint(path: str | Path, source: K3Model | K3Config | str, *, seed
             raise ValueError(f"write_checkpoint writes full tensors: a TP 1 model, not tp_size={source.tp_size}")
         dtype_name = next(k for k, v in DTYPES.items() if v == source.dtype)
         cfg = dataclasses.replace(source.config, dtype=dtype_name)
-        full = lambda layout: _full_from_model(source, layout)  # noqa: E731
+        held = dict(source.named_parameters())
+        full = lambda layout: _full_from_model(held, cfg, layout)  # noqa: E731
     else:
         cfg = get_config(source) if isinstance(source, str) else source
         if not isinstance(cfg, K3Config):
@@ -399,8 +431,6 @@ def write_checkpoint(path: str | Path, source: K3Model | K3Config | str, *, seed
                 shards.add(stored.name, value)
         files, weight_map = shards.finish()
         index = {"metadata": {"total_size": shards.total}, "weight_map": weight_map}
-        import json
-
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=1))
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=1))
         if path.exists():

@@ -3,8 +3,8 @@ inventory of where each tensor is, and reads of one rank's slice of a tensor wit
 
 What is refused, each as one `CheckpointError` naming the file and the tensor:
 
-* JSON that is not a regular file, is larger than its bound, is not UTF-8, nests past Python's recursion limit,
-  holds NaN / Infinity, repeats a key, or puts a list where an object belongs;
+* JSON that is not a regular file, is larger than its bound, is not UTF-8, nests deeper than MAX_JSON_DEPTH,
+  holds NaN / Infinity or repeats a key; an index whose weight_map is not an object of names to file names;
 * an index `weight_map` naming anything but a plain ``*.safetensors`` file name inside the directory (``../x``,
   ``/abs``, ``a/b`` are refused before anything is opened); a shard that is missing or not a regular file (a
   symlink to one is followed, as Hugging Face's cache links shards into its blob store);
@@ -35,6 +35,7 @@ import torch
 from .. import quant
 from .checkpoint_error import CheckpointError, shown
 from .checkpoint_layout import Stored
+from .hf_config import described
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -120,8 +121,8 @@ class Located:
 
 def _shard_name(value: Any, key: str) -> str:
     if not isinstance(value, str):
-        raise CheckpointError(f"{INDEX_FILE}: weight_map[{shown(key)}] is {type(value).__name__} {shown(value)}, "
-                              "expected a shard file name")
+        raise CheckpointError(f"{INDEX_FILE}: weight_map[{shown(key)}] is {described(value)}, expected a shard "
+                              "file name")
     bad = (not value.endswith(".safetensors") or value in (".", "..") or "\0" in value or "/" in value
            or (os.altsep is not None and os.altsep in value) or os.sep in value or os.path.isabs(value))
     if bad:
@@ -143,7 +144,7 @@ class CheckpointFiles:
         if index_path.exists() or index_path.is_symlink():
             index = read_json(index_path, MAX_INDEX_BYTES)
             if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-                got = type(index.get("weight_map") if isinstance(index, dict) else index).__name__
+                got = described(index.get("weight_map") if isinstance(index, dict) else index)
                 raise CheckpointError(f"{index_path}: weight_map is {got}, expected an object of tensor name -> "
                                       "shard file")
             weight_map = {key: _shard_name(value, key) for key, value in index["weight_map"].items()}
@@ -153,10 +154,11 @@ class CheckpointFiles:
                 raise CheckpointError(f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}",
                                       "point at a Hugging Face checkpoint directory")
             weight_map, shards = None, [SINGLE_FILE]
+        for shard in shards:  # every shard there before any is opened
+            _regular_file(path / shard, f"shard {shard!r} named by {INDEX_FILE}:" if weight_map else "shard")
         self._handles: dict[str, Any] = {}
         self.tensors: dict[str, Located] = {}
         for shard in shards:
-            _regular_file(path / shard, f"shard {shard!r} named by {INDEX_FILE}:" if weight_map else "shard")
             try:
                 handle = safe_open(str(path / shard), framework="pt", device="cpu")
                 names = list(handle.keys())

@@ -18,13 +18,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from .. import quant
 from .config import K3Config
 from .params import HF_LAYER_PREFIX, TableEntry, model_table
+from .weights import ParamSpec
 
 #: safetensors names of the float dtypes a non-expert tensor may be stored in (the loader casts to the model's)
 FLOAT_DTYPES = ("BF16", "F32", "F16")
@@ -35,10 +36,9 @@ ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
 Values = Literal["float", "e8m0", "int4_scale", "bits", "shape"]
 
 
-@dataclass(frozen=True, slots=True)
-class Stored:
+class Stored(NamedTuple):
     """One checkpoint tensor: `forms` are the (shape, TP-split dim) layouts it may have, the first the one the
-    writer stores; `optional` ones may be absent."""
+    writer stores; `optional` ones may be absent. (A NamedTuple: K3 has 740k of them, built on every load.)"""
 
     name: str
     forms: tuple[tuple[tuple[int, ...], int | None], ...]
@@ -57,7 +57,7 @@ Read = Callable[[Stored], "torch.Tensor | None"]
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """The stored tensors of one model parameter (`entry`), as layer `ckpt_layer` of the checkpoint holds them."""
+    """The stored tensors of one model parameter (`entry`), named as the checkpoint layer it reads holds them."""
 
     entry: TableEntry
     form: Literal["one", "stacked", "fold", "experts"]
@@ -143,7 +143,7 @@ def _put(out: dict[str, torch.Tensor] | None, name: str, value: torch.Tensor) ->
     return {name: out[name]}
 
 
-def _expert_local_shapes(cfg: K3Config, spec, tp: int) -> list[tuple[int, ...]]:
+def _expert_local_shapes(cfg: K3Config, spec: ParamSpec, tp: int) -> list[tuple[int, ...]]:
     """One expert's tables at TP `tp` (packed and scale, or the bf16 weight)."""
     rows, cols = spec.shape[1:]
     dim = spec.shard_dim - 1
@@ -165,10 +165,6 @@ def _expand(pattern: str) -> list[str]:
     return [pattern[:m.start()] + alt + pattern[m.end():] for alt in m.group(1).split(",")]
 
 
-def _float_dtypes(spec_dtype: str) -> tuple[str, ...]:
-    return FLOAT_DTYPES if spec_dtype != "float32" else ("F32", "BF16", "F16")
-
-
 def param_layout(cfg: K3Config, entry: TableEntry, ckpt_layer: int | None = None) -> ParamLayout:
     """The stored tensors of `entry` as checkpoint layer `ckpt_layer` (default: the entry's own) holds them."""
     spec = entry.spec
@@ -181,7 +177,7 @@ def param_layout(cfg: K3Config, entry: TableEntry, ckpt_layer: int | None = None
     names = _expand(hf)
     if spec.parts:  # stacked: each [P, 1, K] (or [P, K]) split by rows
         P, K = spec.shape[0] // len(spec.parts), spec.shape[1]
-        stored = tuple(Stored(n, (((P, 1, K), 0), ((P, K), 0)), _float_dtypes(spec.dtype), "float") for n in names)
+        stored = tuple(Stored(n, (((P, 1, K), 0), ((P, K), 0)), FLOAT_DTYPES, "float") for n in names)
         return ParamLayout(entry, "stacked", stored, cfg)
     if len(names) == 2:  # an AttnRes query: [norm weight H | proj weight 1 x H], replicated
         (H,) = spec.shape
@@ -192,7 +188,7 @@ def param_layout(cfg: K3Config, entry: TableEntry, ckpt_layer: int | None = None
     forms: tuple[tuple[tuple[int, ...], int | None], ...] = ((spec.shape, dim),)
     if spec.name == "A_log":  # the older [1, 1, h, 1]
         forms += (((1, 1, spec.shape[0], 1), 2),)
-    return ParamLayout(entry, "one", (Stored(names[0], forms, _float_dtypes(spec.dtype), "float"),), cfg)
+    return ParamLayout(entry, "one", (Stored(names[0], forms, FLOAT_DTYPES, "float"),), cfg)
 
 
 def _expert_stored(cfg: K3Config, entry: TableEntry, hf: str) -> tuple[Stored, ...]:
@@ -210,15 +206,11 @@ def _expert_stored(cfg: K3Config, entry: TableEntry, hf: str) -> tuple[Stored, .
                       ("weight_scale", quant.scale_shape(fmt, rows, cols), scale_dtypes,
                        "e8m0" if fmt == "mxfp4" else "int4_scale", False, ()),
                       ("weight_shape", (2,), ("I32", "I64"), "shape", True, (rows, cols))]
-    base = hf.split("{e}")[0]
-    proj = hf.split("{e}.")[1].split(".")[0]
-    stored = []
-    for e in range(cfg.n_experts):
-        for part, shape, dtypes, values, optional, expect in per_expert:
-            split = None if values == "shape" else dim
-            stored.append(Stored(f"{base}{e}.{proj}.{part}", ((tuple(shape), split),), dtypes, values, optional,
-                                 expect))
-    return tuple(stored)
+    # "<layer>.block_sparse_moe.experts.{e}.w1.<part>": the text around {e}, once (K3 has 740k of these names)
+    head, tail = _expand(hf)[0].rsplit(".", 1)[0].split("{e}")
+    return tuple(Stored(f"{head}{e}{tail}.{part}", ((tuple(shape), None if values == "shape" else dim),), dtypes,
+                        values, optional, expect)
+                 for e in range(cfg.n_experts) for part, shape, dtypes, values, optional, expect in per_expert)
 
 
 def param_layouts(cfg: K3Config, layers: list[int] | None = None) -> list[ParamLayout]:

@@ -53,6 +53,16 @@ def _where(path: str) -> str:
     return f"{CONFIG_FILE}: {path}"
 
 
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}
+
+
+def described(value: Any) -> str:
+    """A JSON value as a message shows it: its type, and the value itself where it is not a container."""
+    kind = _JSON_NAMES.get(type(value), type(value).__name__)
+    return kind if isinstance(value, (dict, list)) else f"{kind} {shown(value)}"
+
+
 def _get(obj: dict[str, Any], key: str, path: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
     """obj[key] of `kind` (bool is not an int here); None where absent and not required."""
     if key not in obj:
@@ -63,19 +73,18 @@ def _get(obj: dict[str, Any], key: str, path: str, kind: type | tuple[type, ...]
     value = obj[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        want = " or ".join(k.__name__ for k in kinds)
-        raise CheckpointError(f"{_where(path + key)} is {type(value).__name__} {shown(value)}, expected {want}")
+        want = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in kinds)
+        raise CheckpointError(f"{_where(path + key)} is {described(value)}, expected {want}")
     return value
 
 
 def _mla_every(full: list[int], n_layers: int, preferred: int) -> int:
-    """The K3Config.mla_every whose pattern (every m-th layer, 1-based, and the last) is `full`."""
+    """The K3Config.mla_every whose pattern (every m-th layer, 1-based, and the last) is `full`: `preferred` where
+    it fits, else the first MLA layer (or the last layer, where it is the only one)."""
     def pattern(m: int) -> list[int]:
         return [i + 1 for i in range(n_layers) if (i + 1) % m == 0 or i == n_layers - 1]
-    if pattern(preferred) == full:
-        return preferred
-    for m in range(1, n_layers + 1):
-        if pattern(m) == full:
+    for m in (preferred, full[0] if full else n_layers, n_layers):
+        if m >= 1 and pattern(m) == full:
             return m
     raise CheckpointError(f"{_where('text_config.linear_attn_config.full_attn_layers')} is {shown(full)}, which "
                           "is not K3's layer pattern", "MLA layers are every m-th layer (1-based) and the last")
@@ -94,7 +103,7 @@ def quantization_format(config: dict[str, Any]) -> str:
         return "bf16"
     where, qc = candidates[0][0] + "quantization_config", candidates[0][1]
     if not isinstance(qc, dict):
-        raise CheckpointError(f"{_where(where)} is {type(qc).__name__}, expected an object")
+        raise CheckpointError(f"{_where(where)} is {described(qc)}, expected an object")
     method = qc.get("quant_method")
     if method != QUANT_METHOD:
         raise CheckpointError(f"{_where(where + '.quant_method')} is {shown(method)}, expected {QUANT_METHOD!r}")
@@ -110,9 +119,9 @@ def quantization_format(config: dict[str, Any]) -> str:
     for gname, group in groups.items():
         path = f"{where}.config_groups.{gname}."
         if not isinstance(group, dict):
-            raise CheckpointError(f"{_where(path[:-1])} is {type(group).__name__}, expected an object")
+            raise CheckpointError(f"{_where(path[:-1])} is {described(group)}, expected an object")
         name = group.get("format", qc.get("format"))
-        if name not in by_name:
+        if not isinstance(name, str) or name not in by_name:
             raise CheckpointError(f"{_where(path + 'format')} is {shown(name)}, expected one of {sorted(by_name)}")
         fmt = by_name[name]
         found.add(fmt)
@@ -141,7 +150,7 @@ def k3_config(config: Any, *, name: str = "checkpoint", expert_layout: str = "ro
     """The K3Config a parsed config.json describes (see the module docstring); CheckpointError where it is not
     K3's or the model cannot build it."""
     if not isinstance(config, dict):
-        raise CheckpointError(f"{CONFIG_FILE} holds {type(config).__name__}, expected an object")
+        raise CheckpointError(f"{CONFIG_FILE} holds {described(config)}, expected an object")
     model_type = config.get("model_type")
     architectures = config.get("architectures", [ARCHITECTURE])
     if model_type != MODEL_TYPE or not isinstance(architectures, list) or ARCHITECTURE not in architectures:
@@ -189,13 +198,13 @@ def k3_config(config: Any, *, name: str = "checkpoint", expert_layout: str = "ro
         if not all(type(i) is int for i in layers):
             raise CheckpointError(f"{_where('text_config.linear_attn_config.' + key)} holds a non-integer: "
                                   f"{shown(layers)}")
-    if sorted(full + kda_layers) != list(range(1, n + 1)) or full != sorted(full):
+    if len(full) + len(kda_layers) != n or sorted(full + kda_layers) != list(range(1, n + 1)) or full != sorted(full):
         raise CheckpointError(f"{_where('text_config.linear_attn_config')}: full_attn_layers and kda_layers do "
                               f"not split layers 1..{n} (num_hidden_layers)", "each layer is in exactly one, "
                               "in order")
     fields["mla_every"] = _mla_every(full, n, K3Config.__dataclass_fields__["mla_every"].default)
     dtype = text.get("torch_dtype", text.get("dtype", config.get("torch_dtype", "bfloat16")))
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{_where('text_config.torch_dtype')} is {shown(dtype)}, expected one of "
                               f"{sorted(DTYPES)}")
     fields["dtype"] = dtype

@@ -68,10 +68,16 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _settings_set() -> dict[str, str]:
     """The K3FUSE_* variables set in this run's environment, as set (a kernel choice such as
-    K3FUSE_W4A16_ONE_LAUNCH changes what the figures measure)."""
+    K3FUSE_W4A16_CUTE_INT4 changes what the figures measure)."""
     from k3fuse import settings
 
     return {v.env: os.environ[v.env] for v in settings.VARIABLES if v.env in os.environ}
+
+
+def _w4a16_launch(config: dict[str, Any]) -> str:
+    """A CuTe W4A16 launch (runner.w4a16_launches' config) in words: its mode, K split and down row tiles."""
+    mode = "pairwise" if config["pairwise"] else "grouped"
+    return f"{mode}, split {config['split']}, {config['n_tiles']} row tiles a down CTA"
 
 
 def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -183,7 +189,7 @@ def print_tables(result: dict[str, Any]) -> None:
         layouts = {w.get("layout", "rows") for w in result["w4a16_launch"].values()}
         console.print(f"4-bit routed experts' CuTe launch over {'/'.join(sorted(layouts))} tables (where the op runs "
                       "on CuTe): " + "; ".join(
-            f"T={T} " + ("error" if "error" in w else "the rule" if not w["tuned"] else f"tuned {w['tuned']}")
+            f"T={T} " + ("error" if "error" in w else _w4a16_launch(w["config"]))
             for T, w in sorted(result["w4a16_launch"].items())), highlight=False)
 
     first_t = f"T={tokens[0]}" if tokens else "no measured batch"

@@ -144,7 +144,7 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
     what the card gives a step that only reads, printed beside the floor."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     out = torch.empty((), dtype=torch.float32, device=device)
-    return src.numel() * src.element_size() / _device_seconds(lambda: torch.sum(src, out=out), reps)
+    return src.numel() * src.element_size() / _device_seconds(lambda: torch.sum(src, dim=0, out=out), reps)
 
 
 __all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_seconds",
