@@ -51,6 +51,11 @@ def _flag(name: str, raw: str) -> bool:
     raise SettingsError(f"{name}={raw!r}: expected 1/0 (or true/false, yes/no, on/off)")
 
 
+def _optional_flag(name: str, raw: str) -> bool | None:
+    """Unset or empty: None (the code's default), else a flag."""
+    return _flag(name, raw) if raw.strip() else None
+
+
 def _text(name: str, raw: str) -> str:
     return raw.strip()
 
