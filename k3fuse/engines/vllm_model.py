@@ -20,7 +20,9 @@ Prompts run as consecutive decode sub-steps (vllm_cache.StepPlan), so the compil
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -35,7 +37,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
 from ..model import params
 from ..model.checkpoint_layout import Stored, param_layouts
-from ..model.config import K3Config, LayerKind
+from ..model.config import DTYPES, K3Config, LayerKind
 from ..model.hf_config import k3_config
 from ..model.layers import KDADecode, MLADecode, TensorParallel, VocabEmbedding, WeightSource, attn_res_mix_bank
 from ..model.model import DecoderLayer, Head
@@ -129,8 +131,10 @@ class K3FuseDecoder(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        cfg = k3_config_for(vllm_config)
         dtype = vllm_config.model_config.dtype
+        # the layers compute in vLLM's dtype (`--dtype`), not the checkpoint's torch_dtype
+        cfg = dataclasses.replace(k3_config_for(vllm_config),
+                                  dtype=next(name for name, d in DTYPES.items() if d == dtype))
         tp_size, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         cfg.validate_for_tp(tp_size)
         self.cfg = cfg
@@ -263,6 +267,9 @@ class K3FuseForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 with torch.no_grad():
                     target.copy_(value)
                 loaded.add(f"model.{name}")
+        kinds = Counter(str(own[name.removeprefix("model.")].dtype).removeprefix("torch.") for name in loaded)
+        logger.info("k3fuse: TP rank %d loaded %d parameters from %d checkpoint tensors (%s)", rank, len(loaded),
+                    len(tensors), ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
         return loaded
 
     # --- vLLM's hybrid (state cache) interface --------------------------------------------------------------------
