@@ -1,5 +1,5 @@
 """K3's caches inside vLLM: the MLA layers' paged latent cache and the KDA layers' state cache, allocated, paged and
-scheduled by vLLM, read and written by k3fuse's K3 layers through three small custom ops.
+scheduled by vLLM, read and written by k3fuse's K3 layers through small custom ops.
 
 vLLM owns the memory: every MLA layer registers an `MLACache` (an `AttentionLayerBase` whose spec is vLLM's
 `MLAAttentionSpec`: one [c_kv | k_sh] latent entry per token, paged in vLLM's blocks) and every KDA layer a
@@ -13,6 +13,7 @@ the step's metadata up at run time (vLLM compiles the model once, before the cac
     kda_states(x, layer) -> (recurrent [T, h, d, d] fp32, conv [T, 3P, K-1])    this step's tokens' states (a copy)
     kda_store(recurrent, conv, layer) -> token [1]                              the new states into their slots
     mla_attend(q, entry, layer, scale, kv_lora) -> o_lat [T, h, kv_lora]        append the entries, attend
+    after(hidden, tokens) -> hidden                                             the step's end, after every store
 
 The KDA math between `kda_states` and `kda_store` (the short conv, the delta rule, the out-projection and its
 all-reduce) stays in the compiled graph, where k3fuse's rules see it; the MLA attention itself is opaque (vLLM's
@@ -30,7 +31,6 @@ import threading
 from dataclasses import dataclass
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.mamba.abstract import MambaBase
