@@ -34,7 +34,7 @@ _STATIC_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSO
 
 def written_placeholders(graph: fx.Graph) -> set[str]:
     """Placeholders an in-place op writes (non-functional IR, before run_decompositions)."""
-    from .normalize import value_root
+    from .vocabulary import value_root
 
     written = set()
     for node in graph.nodes:
