@@ -48,6 +48,10 @@ def build(module: nn.Module, specs: list[ParamSpec], cfg: K3Config, src: WeightS
 
 
 # --- shared pieces ------------------------------------------------------------------------------
+#: the functional all-gather along a dim (torch 2.13 renamed all_gather_tensor, which still works but warns)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 class TensorParallel:
     """Who this module is in the TP group, and its collectives: identity at tp=1.
 
@@ -79,7 +83,7 @@ class TensorParallel:
             return t
         if self.standin:
             return t.repeat(1, self.tp_size)
-        gathered = funcol.all_gather_tensor(t.contiguous(), 0, self.group)  # [tp * T, n]
+        gathered = _all_gather(t.contiguous(), 0, self.group)  # [tp * T, n]
         T, n = t.shape
         return gathered.view(self.tp_size, T, n).permute(1, 0, 2).reshape(T, self.tp_size * n)
 

@@ -191,13 +191,14 @@ class K3Model(nn.Module):
 
     tp_size / rank / group: this rank of a TP group (group None at tp_size 1). standin=True builds rank `rank`'s
     slice of a TP `tp_size` model to run alone, with local stand-ins for the collectives (layers.TensorParallel).
-    init_on_device draws the weights on a CUDA device, only this rank's slice of each (weights.WeightSource).
+    init_on_device draws the weights on a CUDA device, only this rank's slice of each; `draw` picks the drawing
+    ("randn" or "hash", weights.WeightSource; default: hash on a CUDA device, randn on the host).
     """
 
     def __init__(self, config: K3Config, *, tp_size: int = 1, rank: int = 0, group: dist.ProcessGroup | None = None,
                  seed: int = 0, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                  init_on_device: bool = False, standin: bool = False,
-                 sampling: SamplingConfig | None = None):
+                 sampling: SamplingConfig | None = None, draw: str | None = None):
         super().__init__()
         config.validate_for_tp(tp_size)
         if standin:
@@ -221,9 +222,9 @@ class K3Model(nn.Module):
         self.tp_size, self.rank, self.group, self.standin = tp_size, rank, group, standin
         self.dtype = dtype or config.torch_dtype
         self.device = torch.device(device)
-        src = WeightSource(seed, self.dtype, device, on_device=init_on_device)
+        src = WeightSource(seed, self.dtype, device, on_device=init_on_device, draw=draw)  # type: ignore[arg-type]
         tp = TensorParallel(tp_size, rank, None if standin or tp_size == 1 else group, standin=standin)
-        embed_spec = next(s for s in params.head_params(config) if s.name == "embed.weight")
+        (embed_spec,) = params.embed_params(config)
         self.embed = VocabEmbedding(src.build(embed_spec, -1, tp_size, rank), tp)
         self.kinds = config.layer_kinds()
         layer_class = {"kda": KDALayer, "mla": MLALayer}
@@ -238,10 +239,10 @@ class K3Model(nn.Module):
 
     # --- state ---------------------------------------------------------------------------------------------
     def new_state(self, batch: int, context: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "auto",
-                  kv_scale: float = 1.0, shuffle_blocks: bool = True) -> ModelState:
+                  kv_scale: float = 1.0, shuffle_blocks: bool = True, pool_blocks: int | None = None) -> ModelState:
         """Zero states for `batch` sequences and a paged cache holding `context` tokens each (rounded up to whole
-        blocks). shuffle_blocks: the sequences' blocks are a fixed permutation of the pool (not in order), so
-        the paging is exercised."""
+        blocks). shuffle_blocks: the sequences' blocks are drawn from a fixed permutation of the pool (not in
+        order), so the paging is exercised; pool_blocks: the cache's blocks (default: exactly the batch's)."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         if batch < 1 or context < 1 or block_size < 1:
@@ -255,13 +256,15 @@ class K3Model(nn.Module):
         conv = tuple(torch.zeros(batch, conv_width, cfg.conv_kernel - 1, dtype=self.dtype, device=dev)
                      for _ in range(n_kda))
         per_seq = -(-context // block_size)
-        blocks = batch * per_seq
+        blocks = pool_blocks or batch * per_seq
+        if blocks < batch * per_seq:
+            raise ValueError(f"pool_blocks={blocks} cannot hold {batch} sequences of {per_seq} blocks")
         cache_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else self.dtype
         kv = tuple(torch.zeros(blocks, block_size, cfg.kv_entry, dtype=cache_dtype, device=dev) for _ in range(n_mla))
         scale = tuple(torch.full((1,), kv_scale if kv_dtype == "fp8" else 1.0, device=dev) for _ in range(n_mla))
         order = (torch.randperm(blocks, generator=torch.Generator().manual_seed(blocks)) if shuffle_blocks
                  else torch.arange(blocks))
-        block_table = order.view(batch, per_seq).to(device=dev, dtype=torch.int32)
+        block_table = order[:batch * per_seq].view(batch, per_seq).to(device=dev, dtype=torch.int32)
         bank = (torch.zeros(cfg.attn_res_blocks + 1, batch, cfg.hidden, dtype=self.dtype, device=dev)
                 if cfg.residual == "attnres" else None)
         return ModelState(recurrent, conv, kv, scale, block_table, torch.zeros(batch, dtype=torch.int32, device=dev),
