@@ -43,7 +43,7 @@ from . import params
 from .config import DTYPES, K3Config, LayerKind
 from .layers import (DenseMLP, KDADecode, LMHead, MLADecode, MoEBlock, TensorParallel, VocabEmbedding, WeightSource,
                      attn_res_mix_bank, build)
-from .sampling import SamplingConfig, sample
+from .sampling import SamplingConfig, draw_uniforms, sample, step_uniform
 
 #: the KV cache's dtypes: the trunk dtype ("auto", bf16 for K3) or FP8 e4m3 with a per-layer fp32 scale
 KV_DTYPES = ("auto", "fp8")
@@ -62,6 +62,7 @@ class ModelState:
     seq_lens: int32 [B], the tokens of each sequence in the cache (after a step: including its token).
     bank: the AttnRes block snapshots of the current step, [blocks + 1, B, H] (the last row takes the writes of
         layers that start no block), None with plain residuals. Scratch: rewritten every step.
+    uniforms: fp32 [B, capacity], the sampler's number for each sequence and position (sampling.py).
     """
 
     recurrent: tuple[torch.Tensor, ...]
@@ -71,6 +72,7 @@ class ModelState:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     bank: torch.Tensor | None
+    uniforms: torch.Tensor
 
     @property
     def batch(self) -> int:
@@ -185,14 +187,14 @@ class Head(nn.Module):
                                                     else []), cfg, src, -1, tp)
         self.lm_head = LMHead(src.build(specs["lm_head.weight"], -1, tp.tp_size, tp.rank), tp)
 
-    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, seq_lens: torch.Tensor
+    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, seq_lens: torch.Tensor, uniforms: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if bank is not None:
             n = self.cfg.attn_res_blocks
             r = attn_res_mix_bank(bank[:n], r, self.final_res_query, torch.zeros_like(bank[:n, 0, 0]).float(),
                                   self.cfg.rms_eps)
         logits = self.lm_head(self.final_norm(r))
-        return sample(logits, seq_lens, self.sampling), logits
+        return sample(logits, step_uniform(uniforms, seq_lens), self.sampling), logits
 
 
 class K3Model(nn.Module):
@@ -281,8 +283,9 @@ class K3Model(nn.Module):
         for t in kv:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(block_table, 1)
+        uniforms = draw_uniforms(self.sampling.seed, batch, per_seq * block_size, dev)
         return ModelState(recurrent, conv, kv, scale, block_table, torch.zeros(batch, dtype=torch.int32, device=dev),
-                          bank)
+                          bank, uniforms)
 
     def layer_state(self, i: int, state: ModelState) -> tuple[torch.Tensor, ...]:
         j = self.state_index[i]
@@ -296,7 +299,7 @@ class K3Model(nn.Module):
         r = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             r = layer(r, state.bank, *self.layer_state(i, state))
-        return self.head(r, state.bank, state.seq_lens)
+        return self.head(r, state.bank, state.seq_lens, state.uniforms)
 
 
 class DecodeStep:
@@ -324,7 +327,7 @@ class DecodeStep:
             r = self.embed(tokens)
             for i, layer in enumerate(self.layers):
                 r = layer(r, state.bank, *model.layer_state(i, state))
-            return self.head(r, state.bank, state.seq_lens)
+            return self.head(r, state.bank, state.seq_lens, state.uniforms)
 
 
 def check_room(state: ModelState, steps: int) -> None:

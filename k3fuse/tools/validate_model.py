@@ -56,18 +56,17 @@ def _rel(a: Any, b: Any) -> float:
     return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))
 
 
-def _sample_check(logits_ref: Any, logits_path: Any, seq_lens: Any, cfg: Any) -> list[tuple[int, int, int, float, float]]:
+def _sample_check(logits_ref: Any, logits_path: Any, u: Any, cfg: Any) -> list[tuple[int, int, int, float, float]]:
     """Sampled-token differences between a path and the reference: (sequence, ref token, path token, distance of
     the random number to the reference interval's nearest edge, total-variation distance)."""
     import torch
 
-    from ..model.sampling import sample, step_uniform
+    from ..model.sampling import sample
 
-    t_ref, t_path = sample(logits_ref, seq_lens, cfg), sample(logits_path, seq_lens, cfg)
+    t_ref, t_path = sample(logits_ref, u, cfg), sample(logits_path, u, cfg)
     out = []
     if torch.equal(t_ref, t_path):
         return out
-    u = step_uniform(cfg.seed, seq_lens)
     p_ref = torch.softmax(logits_ref.double() / cfg.temperature, -1)
     p_path = torch.softmax(logits_path.double() / cfg.temperature, -1)
     tv = (p_ref - p_path).abs().sum(-1) / 2
@@ -87,6 +86,7 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
     from k3fuse.log import RewriteLog
 
     from ..model import SamplingConfig
+    from ..model.sampling import step_uniform
     from .model_run import build_model, compile_step, context_lengths, fill_context
 
     t0 = time.perf_counter()
@@ -144,8 +144,8 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
                 curves[f"{path}_kv"].append(max((_rel(a.float() * c, b.float() * d) for a, c, b, d in
                                                  zip(st.kv, st.kv_scale, sr.kv, sr.kv_scale)), default=0.0))
                 if sampling is not None:
-                    for b, t_ref, t_path, edge, tv in _sample_check(logits["ref"], logits[path], sr.seq_lens,
-                                                                    sampling):
+                    u = step_uniform(sr.uniforms, sr.seq_lens)
+                    for b, t_ref, t_path, edge, tv in _sample_check(logits["ref"], logits[path], u, sampling):
                         sampled[path].append({"step": s, "sequence": b, "tokens": [t_ref, t_path], "edge": edge,
                                               "tv": tv, "explained": edge <= tv})
             tokens = want

@@ -140,7 +140,7 @@ def _region_us(step: Any, state: Any, tokens: Any, saved: list, replays: int) ->
         def run(i: int = i, layer: Any = layer) -> None:
             buf["r"] = layer(buf["r"], state.bank, *model.layer_state(i, state))
         regions.append((f"{model.kinds[i].attn} layers", run))
-    regions.append(("head + sampling", lambda: step.head(buf["r"], state.bank, state.seq_lens)))
+    regions.append(("head + sampling", lambda: step.head(buf["r"], state.bank, state.seq_lens, state.uniforms)))
     pool = torch.cuda.graph_pool_handle()
     graphs = []
     restore(state, saved)
