@@ -63,12 +63,35 @@ class ModelArgs:
         return get_config(self.preset, **over)
 
 
+def parse_overrides(text: str) -> dict[str, Any]:
+    """'moe_inter=128,latent=3584' -> {"moe_inter": 128, "latent": 3584} (numbers as int/float)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--set takes key=value pairs, got {item!r}")
+        for cast in (int, float):
+            try:
+                out[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = value
+    return out
+
+
+class MergeOverrides(argparse.Action):
+    """`--set` may repeat: `--set moe_inter=128 --set expert_format=bf16` sets both."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), **values})
+
+
 def add_model_flags(p: argparse.ArgumentParser, preset: str = "small", tp: int = 2) -> None:
     p.add_argument("--preset", default=preset, help=f"model preset (tiny, small, k3; default {preset})")
     p.add_argument("--layers", type=positive_int, default=None,
                    help="decoder layers, K3's pattern kept (MLA every 4th and the last; default: the preset's)")
-    from .bench.cli import MergeOverrides, parse_overrides
-
     p.add_argument("--set", dest="overrides", type=parse_overrides, action=MergeOverrides, default={},
                    help="K3Config fields (repeatable), e.g. --set residual=plain --set expert_format=mxfp4")
     p.add_argument("--tp", type=positive_int, default=None, help=f"tensor-parallel ranks (default {tp}; 1 with "
@@ -136,4 +159,5 @@ def check_model_args(ma: ModelArgs) -> ModelArgs:
     return ma
 
 
-__all__ = ["ModelArgs", "add_model_flags", "model_args", "check_model_args", "MAX_CONTEXT"]
+__all__ = ["ModelArgs", "add_model_flags", "model_args", "check_model_args", "MAX_CONTEXT", "parse_overrides",
+           "MergeOverrides"]

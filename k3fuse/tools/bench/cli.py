@@ -5,6 +5,7 @@ import argparse
 from typing import Any
 
 from ...usage_error import UsageError
+from ..model_args import MergeOverrides, parse_overrides  # noqa: F401  (validate_cli imports them from here)
 
 #: on GPUs: K3 at published widths with MXFP4 experts, one GPU (`--preset k3_moe_inter128`, or
 #: `--set moe_inter=128 --set expert_format=bf16`, is the narrow bf16 variant earlier figures used)
@@ -20,31 +21,6 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
-
-
-def parse_overrides(text: str) -> dict[str, Any]:
-    """'moe_inter=128,latent=3584' -> {"moe_inter": 128, "latent": 3584} (numbers as int/float)."""
-    out: dict[str, Any] = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"--set takes key=value pairs, got {item!r}")
-        for cast in (int, float):
-            try:
-                out[key] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = value
-    return out
-
-
-class MergeOverrides(argparse.Action):
-    """`--set` may repeat: `--set moe_inter=128 --set expert_format=bf16` sets both."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), **values})
 
 
 def register_bench(sub: Any) -> None:
