@@ -6,7 +6,7 @@ stock and k3fuse in the same run. Reports µs per GEMM, achieved bandwidth (weig
 output bytes) against the 4.28 TB/s device-to-device copy bandwidth measured on an H200, and the
 ratio to torch.mm (configuration sweeps: sweep_decode_gemm.py).
 
-    python bench/bench_decode_gemm.py [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python -m bench.bench_decode_gemm [--tokens 1,2,4,8,16,32,64] [--json out.json]
 """
 from __future__ import annotations
 

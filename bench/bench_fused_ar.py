@@ -6,7 +6,7 @@ one-shot push/flag all-reduce with the residual/norm epilogue, symmetric memory,
 Also cuBLAS GEMM alone. CUDA graphs of 20 steps over 4 rotating weight copies (4 x 88 MB), fresh
 random activations per step, median µs per step over replays, the slower rank reported.
 
-    python bench/bench_fused_ar.py [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python -m bench.bench_fused_ar [--tokens 1,2,4,8,16,32,64] [--json out.json]
 """
 from __future__ import annotations
 
@@ -87,8 +87,7 @@ def _worker(rank, world, tokens, out_json):
                   f"(PDL {res['k3fuse_pdl']:6.2f})  "
                   f"x{res['k3fuse_vs_compile']:.2f} vs compile", flush=True)
     if rank == 0:
-        sys.path.insert(0, os.path.dirname(__file__))
-        from bench_decode_gemm import conditions
+        from bench.bench_decode_gemm import conditions
 
         meta = conditions()
         meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))

@@ -13,9 +13,9 @@ over COPIES rotating weight copies, fresh activations per step, the slower rank)
               timings also stay at the row's top level ("slice", "slice_push_only", ...) as before
 Also the weight-read floor of each arm (bytes / copy bandwidth measured in the same process).
 
-    python bench/bench_moe_front.py [--world 2] [--as-tp 2,4,8,16] [--tokens 1,2,4,8,16,32,64] [--json out.json]
-    python bench/bench_moe_front.py --sweep [--as-tp 2] [--tokens 1,8,64]   # push-GEMM configs, one GPU
-    python bench/bench_moe_front.py --project bench/results/h200_moe_front_slice.json [more.json ...]
+    python -m bench.bench_moe_front [--world 2] [--as-tp 2,4,8,16] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python -m bench.bench_moe_front --sweep [--as-tp 2] [--tokens 1,8,64]   # push-GEMM configs, one GPU
+    python -m bench.bench_moe_front --project bench/results/h200_moe_front_slice.json [more.json ...]
         # no GPU: fit bench/front_model.py on the slices, print the TP 2/4/8/16 projection
 """
 from __future__ import annotations
@@ -96,8 +96,7 @@ def _worker(rank, world, tokens, as_tp, out_json):
                       f"{sl['floor_slice']:5.2f}; push GEMM alone {_us(sl['slice_push_only'])}, one stacked "
                       f"decode GEMM {_us(sl['slice_stacked_gemm'])})", flush=True)
     if rank == 0:
-        sys.path.insert(0, os.path.dirname(__file__))
-        from bench_decode_gemm import conditions
+        from bench.bench_decode_gemm import conditions
 
         meta = conditions()
         meta["world"] = world
@@ -231,8 +230,8 @@ def _sweep_worker(rank, world, tokens, as_tp, out_json):
 
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-#: perf.md section 2's fused out-projection all-reduce (TP 2) and its GEMM alone: the pessimistic
-#: bracket of the exchange in --project
+#: the fused out-projection all-reduce (TP 2) and its GEMM alone (section 2 of
+#: docs/perf/2026-11-30-decode-gemm-fused-ar.md): the pessimistic bracket of the exchange in --project
 BRACKET = (os.path.join(RESULTS, "h200_fused_ar_tp2.json"), os.path.join(RESULTS, "h200_decode_gemm.json"))
 
 
@@ -261,8 +260,7 @@ def _coverage(tps) -> dict:
 
 def project(paths, out_json, bracket=BRACKET, nvlink_GBps=None, nvlink_latency_us=None) -> int:
     """Fit bench/front_model.py on slice JSON(s), print the projection, write its JSON."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import front_model as M
+    from bench import front_model as M
 
     runs = M.load_runs(paths)
     br, br_src, gemm = None, "", None
@@ -270,10 +268,10 @@ def project(paths, out_json, bracket=BRACKET, nvlink_GBps=None, nvlink_latency_u
         with open(bracket[0]) as f, open(bracket[1]) as g:
             fused, gemm = json.load(f), json.load(g)
         br = M.bracket_from_json(fused, gemm)
-        br_src = (f"measured on 2 x H200 (perf.md section 2): 'k3fuse' of {os.path.basename(bracket[0])} minus "
-                  f"'k3fuse' of oproj_tp2 in {os.path.basename(bracket[1])}, per token count: the fused "
-                  f"out-projection all-reduce's whole cost over its GEMM (exchange, second kernel, launch "
-                  f"boundary, skew), charged instead of the exchange")
+        br_src = (f"measured on 2 x H200 (docs/perf/2026-11-30-decode-gemm-fused-ar.md section 2): 'k3fuse' of "
+                  f"{os.path.basename(bracket[0])} minus 'k3fuse' of oproj_tp2 in {os.path.basename(bracket[1])}, "
+                  f"per token count: the fused out-projection all-reduce's whole cost over its GEMM (exchange, "
+                  f"second kernel, launch boundary, skew), charged instead of the exchange")
     kw = {}
     if nvlink_GBps is not None:
         kw["nvlink_GBps"] = nvlink_GBps

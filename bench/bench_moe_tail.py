@@ -18,7 +18,7 @@ With --world 1 --as-tp N (one GPU) the sharded arm runs on 1/N of W_up's rows wi
 own slot only: what each rank of TP N computes, without NVLink time. Floors: W_up's bytes (or a
 rank's 1/W of them) over the copy bandwidth measured in the same process.
 
-    python bench/bench_moe_tail.py [--world 2] [--as-tp 2] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python -m bench.bench_moe_tail [--world 2] [--as-tp 2] [--tokens 1,2,4,8,16,32,64] [--json out.json]
 """
 from __future__ import annotations
 
@@ -112,8 +112,7 @@ def _worker(rank, world, tokens, as_tp, out_json):
                   f"{res['tail_stock']:6.2f} k3fuse {res['tail_k3fuse']:6.2f} sharded {res['tail_sharded']:6.2f}"
                   f"{slice_txt}", flush=True)
     if rank == 0:
-        sys.path.insert(0, os.path.dirname(__file__))
-        from bench_decode_gemm import conditions
+        from bench.bench_decode_gemm import conditions
 
         meta = conditions()
         meta.update(world=world, as_tp=as_tp, copy_GBps=gbps / 1e9,

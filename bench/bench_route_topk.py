@@ -8,7 +8,7 @@ this graph before it does any work). Each is timed with
 k3fuse.tools.bench.timing's CUDA-graph timer: one graph replays STEPS calls on fresh logits per replay,
 median µs per call.
 
-    python bench/bench_route_topk.py [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python -m bench.bench_route_topk [--tokens 1,2,4,8,16,32,64] [--json out.json]
 """
 from __future__ import annotations
 

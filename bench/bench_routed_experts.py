@@ -13,7 +13,7 @@ tokens and experts per replay, median µs per call. "floor" is the touched exper
 over the measured copy bandwidth (the expected number of distinct experts for T tokens drawing 16
 of 896 each).
 
-    python bench/bench_routed_experts.py [--inter 128,64] [--tokens 1,2,4,8,16,32,64] [--json out.json]
+    python -m bench.bench_routed_experts [--inter 128,64] [--tokens 1,2,4,8,16,32,64] [--json out.json]
 
 W4A16 (--formats mxfp4,int4; I = 3072, 1536, 384 per rank by default): the packed experts drawn as
 random codes and scales in k3fuse/quant.py's layouts (the bytes the checkpoint has). Arms, each in
@@ -23,12 +23,10 @@ dequantized, grouped GEMMs), "w4a16" (kernels/lib/triton/routed_experts_w4a16.py
 "bf16" (today's BF16 kernel on the dequantized weights, 3.8x the bytes) and "humming" (humming's
 indexed W4A16 MoE GEMMs, gate/up and down only: bench/humming_moe.py; --humming-inter picks the
 widths it compiles for, its JIT takes seconds a shape) and "cute" (the CuTe expert GEMMs on MXFP4 and
-on int4 with bf16 scales, kernels/lib/cute/routed_experts_w4a16.py, between the Triton grouping and
-SiTU-GLU; its launch is the rule's, or the tuned table's where that has the shape). --cute-stages and
---cute-choices add CuTe arms at other ring depths or with an imposed split / row tiles / down depth,
-for A/B in one run (an arm of no choices, `"rule": {}`, is the rule's launch without the table: what
-bench/tune_w4a16.py weighs the other arms against); --profile records the CuTe arm's kernels in one
-profiled replay. "read" (bench/touched_read.py) reads the step's distinct experts' packed bytes in the op's
+on int4 with bf16 scales, kernels/lib/composite/routed_experts_w4a16.py: the CuTe GEMMs between the
+Triton grouping and SiTU-GLU, at the op's own launch, W4A16Launch.for_call). --cute-choices adds CuTe arms
+with an imposed mode / split / row tiles / layout, for A/B in one run; --profile records the CuTe arm's
+kernels in one profiled replay. "read" (bench/touched_read.py) reads the step's distinct experts' packed bytes in the op's
 two launches and does nothing else: the ceiling a few-token step's size and scatter leave any kernel,
 against the same copy; "read_rows" and "read_block" read them on the CuTe op's grid, a 64-row block a
 program, 128 elements a step, in the op's order (each row's next 64 bytes) and each block front to back
@@ -66,11 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--humming-inter", default=None, help="widths to time humming at (default: every --inter)")
     ap.add_argument("--arms", default="w4a16,bf16,humming,stock",
                     help="W4A16 table: the arms to time (also cute, read, read_rows, read_block)")
-    ap.add_argument("--cute-stages", default="",
-                    help="W4A16 table: CuTe arms at these ring depths besides the default (2 or more)")
     ap.add_argument("--cute-choices", default=None,
                     help='W4A16 table: CuTe arms with imposed launch choices, JSON {"name": {"split": 2, '
-                         '"n_tiles": 1, "down_stages": 4}}; {"rule": {}}: the rule without the tuned table')
+                         '"n_tiles": 1, "pairwise": false, "blocked": true}} (W4A16Launch fields)')
     ap.add_argument("--layout", default=PRESETS["k3"].expert_layout, choices=quant.EXPERT_LAYOUTS,
                     help="W4A16 table: the tables' layout the cute arm (the op as a model calls it) and the profile "
                          "run over (default: the k3 preset's)")
@@ -87,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.formats:
-        from w4a16_table import run_w4a16
+        from bench.w4a16_table import run_w4a16
 
         return run_w4a16(args)
     from k3fuse.tools.bench.timing import capture, copy_bandwidth, time_graph

@@ -40,8 +40,8 @@ PUSH_OVERLAP = 0.0
 SOURCE_NVLINK_GBPS = ("assumed: H200 datasheet (NVLink 4, 18 links, 900 GB/s both ways = 450 GB/s out of "
                       "each GPU); not measured here")
 SOURCE_NVLINK_LATENCY = ("assumed: not measured here (a store to a peer's HBM until the peer's poll sees it); "
-                         "perf.md section 2's 7.5-11 us over the GEMM bundle it with a second kernel, the "
-                         "launch boundary and rank skew")
+                         "the fused all-reduce's 7.5-11 us over its GEMM (docs/perf/2026-11-30-decode-gemm-fused-ar.md "
+                         "section 2) bundle it with a second kernel, the launch boundary and rank skew")
 SOURCE_PUSH_OVERLAP = ("assumed: the pushes leave from the epilogue of each split-K tile's last CTA, after its "
                        "weight stream, so no NVLink transfer hides behind the weights")
 
@@ -125,8 +125,8 @@ def fit_line(points: Sequence[tuple[float, float]], prior_GBps: float | None = N
     the same run) and the fixed cost is the mean residual: every µs the kernel spends above
     streaming at copy speed is counted as per-call cost (launch, ramp, split-K reduction, tail),
     which does not shrink with the rows. Evidence for that shape of curve: the decode GEMM at
-    oproj_tp8 and oproj_tp16 (perf.md section 1) differ by 2.8 µs for 11 MB, i.e. a marginal
-    4.0 TB/s, about the copy bandwidth, on top of a ~2 µs fixed cost.
+    oproj_tp8 and oproj_tp16 (docs/perf/2026-11-30-decode-gemm-fused-ar.md section 1) differ by 2.8 µs
+    for 11 MB, i.e. a marginal 4.0 TB/s, about the copy bandwidth, on top of a ~2 µs fixed cost.
     A non-positive fitted slope (noise) falls back to the one-point rule and says so.
     """
     if not points:
@@ -249,8 +249,8 @@ class FrontParams:
     nvlink_GBps: float = NVLINK_GBPS
     nvlink_latency_us: float = NVLINK_LATENCY_US
     push_overlap: float = PUSH_OVERLAP
-    #: per token count: the fused out-projection all-reduce's cost over its GEMM at TP 2 (perf.md
-    #: section 2), used only as the pessimistic bracket of the exchange
+    #: per token count: the fused out-projection all-reduce's cost over its GEMM at TP 2 (section 2 of
+    #: docs/perf/2026-11-30-decode-gemm-fused-ar.md), used only as the pessimistic bracket of the exchange
     bracket_us: Mapping[int, float] = field(default_factory=dict)
     provenance: Mapping[str, str] = field(default_factory=dict)
 
@@ -408,9 +408,9 @@ def splitk_checks(p: FrontParams, decode_gemm: Mapping[str, Any]) -> list[Check]
 
 
 def bracket_from_json(fused_ar: Mapping[str, Any], decode_gemm: Mapping[str, Any]) -> dict[int, float]:
-    """perf.md section 2's overhead of the fused out-projection all-reduce at TP 2 over its GEMM
-    alone, per token count: 'k3fuse' of bench_fused_ar minus 'k3fuse' of oproj_tp2 in
-    bench_decode_gemm (two runs; the only NVLink numbers measured so far)."""
+    """The overhead of the fused out-projection all-reduce at TP 2 over its GEMM alone (section 2 of
+    docs/perf/2026-11-30-decode-gemm-fused-ar.md), per token count: 'k3fuse' of bench_fused_ar minus
+    'k3fuse' of oproj_tp2 in bench_decode_gemm (two runs; the only NVLink numbers measured so far)."""
     gemm = {r["M"]: r["k3fuse"] for r in decode_gemm["rows"] if r.get("shape") == "oproj_tp2"}
     return {r["M"]: r["k3fuse"] - gemm[r["M"]] for r in fused_ar["rows"] if r["M"] in gemm}
 

@@ -1,14 +1,14 @@
 """One call of the CuTe W4A16 op per (format, width, token count), for Nsight Compute: the hardware's view
 of its launches (DRAM and L2 traffic, L1/TEX requests by kind, stalls, occupancy) where the benchmark only
-has times. "default" is the op's own launch (the rule's, or the tuned table's where it has the shape);
---choices profiles launch choices (cute_config's; {"rule": {}} is the rule alone) after it, on the same tokens.
+has times. "default" is the op's own launch (W4A16Launch.for_call); --choices profiles launches with imposed
+choices (W4A16Launch fields, as bench_routed_experts.py --cute-choices) after it, on the same tokens.
 
 Each call runs on tokens and experts drawn as bench/w4a16_table.py draws them (16 of 896 a token,
 over a random packed table of several GB), after a call on other tokens that compiles it; only the
 profiled call sits between cudaProfilerStart and Stop, so run it under `ncu --profile-from-start off`:
 
     ncu --profile-from-start off --clock-control none -k regex:W4A16RowsDot --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis_Tables python bench/ncu_w4a16.py --inter 3072 --tokens 1,64
+        --section MemoryWorkloadAnalysis_Tables python -m bench.ncu_w4a16 --inter 3072 --tokens 1,64
 
 (MemoryWorkloadAnalysis_Tables splits the L1/TEX wavefronts by instruction kind: the activations'
 global loads, the weights' and scales' LDGSTS, the shared-memory reads: which of them holds the busy
@@ -22,9 +22,9 @@ import json
 import torch
 
 from k3fuse import quant
-from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config, cute_run
+from k3fuse.kernels.ops.routed_experts_w4a16 import cute_run
 
-from w4a16_table import E, K, L, SITU, Routing, packed_table
+from bench.w4a16_table import K, SITU, Routing, _imposed, packed_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inter", default="3072", help="expert widths per rank, comma-separated")
     ap.add_argument("--tokens", default="1,64", help="token counts, comma-separated")
     ap.add_argument("--choices", default=None,
-                    help='JSON {name: cute_config choices}: each profiled after the default, e.g. {"rule":{}}')
+                    help='JSON {name: launch choices}: each profiled after the default, e.g. {"s1":{"split":1}}')
     args = ap.parse_args(argv)
     arms = {"default": {}, **(json.loads(args.choices) if args.choices else {})}
     for fmt in args.formats.split(","):
@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = Routing(T)
                 for name, choice in arms.items():
                     try:
-                        cfg = cute_config(T, E, I, L, K, format=fmt, tuned=name == "default", **choice)
-                    except ValueError as exc:  # a choice of the other mode (one_launch: pairwise only)
+                        cfg = _imposed(fmt, T, I, choice)
+                    except (ValueError, TypeError) as exc:  # a split or tile count the widths do not take
                         print(f"not profiled {fmt} I={I} T={T} {name}: {exc}", flush=True)
                         continue
                     def call(i, cfg=cfg):
-                        cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, config=cfg)
+                        cute_run(r.a[i], r.experts[i], *packed, K, *SITU, fmt, table, launch=cfg)
 
                     call(0)  # compiled outside the profiled range
                     torch.cuda.synchronize()

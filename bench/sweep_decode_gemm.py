@@ -6,10 +6,10 @@ and the token bucket and is found by measurement, not guessed. Same timing metho
 bench_decode_gemm.py (CUDA-graph replays over rotated weight copies, fresh activations, medians).
 Triton variants are compiled first by a pool of processes (shared on-disk Triton cache), then timed.
 Writes JSON with every timing and prints the best configurations; `--emit` writes the tuned table
-kernels/lib/triton/splitk_tuned.py is made from (see docs/perf.md), keeping the entries of the sites not
+kernels/lib/triton/splitk_tuned.py is made from (see docs/perf/), keeping the entries of the sites not
 swept this time. `--sites` sweeps other K3 sites than the benchmark's (k3fuse/model/shapes.py names).
 
-    python bench/sweep_decode_gemm.py --json sweep.json [--sites qkvg_tp1,shared_gate_tp1]
+    python -m bench.sweep_decode_gemm --json sweep.json [--sites qkvg_tp1,shared_gate_tp1]
         [--emit kernels/lib/triton/splitk_tuned.py]
 """
 from __future__ import annotations
@@ -23,11 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_gemm import SHAPES  # noqa: E402
-
-from k3fuse.model.shapes import gemm_sites  # noqa: E402
-from k3fuse.tools.bench.timing import graph_replay_us  # noqa: E402
+from bench.bench_decode_gemm import SHAPES
+from k3fuse.model.shapes import gemm_sites
+from k3fuse.tools.bench.timing import graph_replay_us
 
 SPLITK_M = (8, 32, 64)          # one M per BLOCK_M bucket (16, 32, 64)
 GEMV_M = (1, 2, 4)
@@ -168,7 +166,7 @@ def main(argv=None) -> int:
         rows += d["rows"]
         errs.update(d["compile_errors"])
         os.remove(p)
-    from bench_decode_gemm import conditions
+    from bench.bench_decode_gemm import conditions
 
     json.dump({"conditions": conditions(), "rows": rows, "compile_errors": errs}, open(args.json, "w"), indent=1)
     table = {}
@@ -198,7 +196,8 @@ def merged(old: dict, new: dict) -> dict:
 def tuned_source(table: dict) -> str:
     """kernels/lib/triton/splitk_tuned.py for `table`."""
     lines = ['"""Split-K configs measured fastest on H200 by bench/sweep_decode_gemm.py (generated).', "",
-             "Key: (N, K, BLOCK_M). Conditions and timings: docs/perf.md.", '"""', "TUNED = {"]
+             "Key: (N, K, BLOCK_M). Conditions and timings: docs/perf.md and its history, docs/perf/.", '"""',
+             "TUNED = {"]
     lines += [f"    {k!r}: {v!r}," for k, v in sorted(table.items())]
     return "\n".join(lines + ["}", ""])
 

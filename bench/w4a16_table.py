@@ -6,6 +6,7 @@ needs the most memory, so it runs last). Prints a row per (I, format, tokens) an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -19,10 +20,10 @@ from k3fuse.tools.bench.profile import profile_steps
 from k3fuse.tools.bench.timing import capture, copy_bandwidth, copy_seconds, time_graph
 from k3fuse.kernels.lib.triton import routed_experts as bf16_kernel
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel
-from k3fuse.kernels.ops.routed_experts_w4a16 import (RoutedExpertsW4A16Spec, cute_accepts, cute_config, cute_run,
-                                                     tuned_choices)
+from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
+from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, cute_accepts, cute_run
 from k3fuse.spelling import K3_SITU_BETA, K3_SITU_LINEAR_BETA, routed_experts_quantized_grouped, situ_glu
-from touched_read import TiledRead, TouchedRead, distinct
+from bench.touched_read import TiledRead, TouchedRead, distinct
 
 E, K, L = 896, 16, 3584
 STEPS = 8
@@ -152,7 +153,6 @@ def run_w4a16(args) -> int:
     arms = set(args.arms.split(","))
     inters = [int(i) for i in (args.inter if args.inter != "128,64" else "3072,1536,384").split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
-    cute_depths = [int(d) for d in args.cute_stages.split(",") if d]
     cute_choices = json.loads(args.cute_choices) if args.cute_choices else {}
     humming_inters = inters if args.humming_inter is None else [int(i) for i in args.humming_inter.split(",") if i]
     copy_bw = copy_bandwidth(torch.device("cuda"), nbytes=2 * COPY_BUFFER)
@@ -224,29 +224,26 @@ def run_w4a16(args) -> int:
                         results[T][arm] = timed(lambda: [reader(ids[i]) for i in range(STEPS)], refill_ids,
                                                 args.replays)
 
-                def cute_steps(cfg=None):  # the CuTe op's STEPS calls; cfg: cute_config's (blocked: block order's)
-                    layout = "blocks" if cfg and cfg.get("blocked") else "rows"
-                    tables = blocked_tables() if layout == "blocks" else packed
+                def cute_steps(launch: W4A16Launch):  # the CuTe op's STEPS calls at `launch`
+                    layout = "blocks" if launch.blocked else "rows"
+                    tables = blocked_tables() if launch.blocked else packed
                     return lambda: [cute_run(r.a[i], r.experts[i], *tables, K, *SITU, fmt, table, layout, out=out[i],
-                                             config=cfg) for i in range(STEPS)]
+                                             launch=launch) for i in range(STEPS)]
 
-                # the op's own launch as a model holding args.layout calls it: the rule's, or the tuned table's
-                op_config = cute_config(T, E, I, L, K, format=fmt, layout=args.layout) if cute_here else None
+                # the op's own launch as a model holding args.layout calls it
+                op_config = W4A16Launch.for_call(fmt, T, E, I, L, K, args.layout) if cute_here else None
                 if "cute" in arms and cute_here:
                     results[T]["cute"] = timed(cute_steps(op_config), r.refill, args.replays)
-                    results[T]["cute_config"] = op_config
-                    results[T]["cute_tuned"] = tuned_choices(fmt, T, E, I, L, K)
-                for depth in cute_depths if cute_here else ():  # the same kernel at other ring depths
-                    depth_config = cute_config(T, E, I, L, K, stages=depth, layout=args.layout)
-                    results[T][f"cute_stages_{depth}"] = timed(cute_steps(depth_config), r.refill, args.replays)
+                    results[T]["cute_config"] = dataclasses.asdict(op_config)
                 for name, choice in cute_choices.items() if cute_here else ():  # imposed launch choices
                     arms_here = results[T].setdefault("cute_choices", {})
                     try:
-                        cfg = cute_config(T, E, I, L, K, tuned=False, **choice)
-                    except ValueError as exc:  # a choice of one mode (one_launch: pairwise), not this one's
+                        cfg = _imposed(fmt, T, I, choice)
+                    except (ValueError, TypeError) as exc:  # a split or tile count the widths do not take
                         arms_here[name] = {"not_run": str(exc)}
                         continue
-                    arms_here[name] = {"us": timed(cute_steps(cfg), r.refill, args.replays), "config": cfg}
+                    arms_here[name] = {"us": timed(cute_steps(cfg), r.refill, args.replays),
+                                       "config": dataclasses.asdict(cfg)}
                 if args.profile and "cute" in arms and cute_here:
                     results[T]["cute_profile"] = profiled(cute_steps(op_config), r.refill)
                 results[T]["touched"] = statistics.mean(r.touched)
@@ -289,26 +286,17 @@ def run_w4a16(args) -> int:
                                cute_vs_w4a16=res["w4a16"] / res["cute"],
                                cute_vs_humming=res["humming"] / res["cute"] if res.get("humming") else None,
                                cute_vs_bf16=bf16_us[T] / res["cute"] if T in bf16_us else None)
-                for depth in cute_depths:
-                    if res.get(f"cute_stages_{depth}"):
-                        us = res[f"cute_stages_{depth}"]
-                        row[f"cute_stages_{depth}"] = us
-                        row[f"cute_stages_{depth}_pct_copy_bw"] = 100 * touched_bytes / (us * 1e-6) / copy_bw
                 for name, arm in res.get("cute_choices", {}).items():
                     row.setdefault("cute_choices", {})[name] = arm if "not_run" in arm else {
                         **arm, "pct_copy_bw": 100 * touched_bytes / (arm["us"] * 1e-6) / copy_bw}
-                for extra in ("stock_error", "humming_rel_vs_w4a16", "cute_config", "cute_tuned", "cute_profile"):
+                for extra in ("stock_error", "humming_rel_vs_w4a16", "cute_config", "cute_profile"):
                     if extra in res:
                         row[extra] = res[extra]
                 rows.append(row)
-                tuned = f"[tuned {json.dumps(row['cute_tuned'])}]" if row.get("cute_tuned") else ""
-                cute = (f"  cute {args.layout}{tuned} "
+                cute = (f"  cute {args.layout} "
                         f"{row['cute']:8.1f} µs {row['cute_pct_copy_bw']:5.1f}% of copy" if "cute" in row else "")
                 cute += "".join(f"  {arm} {row[arm]:8.1f} µs {row[f'{arm}_pct_copy_bw']:5.1f}%"
                                 for arm in READ_ARMS if arm in row)
-                cute += "".join(f"  cute[stages {d}] {row[f'cute_stages_{d}']:8.1f} µs "
-                                f"{row[f'cute_stages_{d}_pct_copy_bw']:5.1f}%" for d in cute_depths
-                                if f"cute_stages_{d}" in row)
                 cute += "".join(f"  cute[{n}] {a['us']:8.1f} µs {a['pct_copy_bw']:5.1f}%" if "us" in a
                                 else f"  cute[{n}] not run" for n, a in row.get("cute_choices", {}).items())
                 print(f"I={I:>5} {fmt:5} T={T:>3} touched {row['experts_touched']:6.1f} "
@@ -325,6 +313,15 @@ def run_w4a16(args) -> int:
             _write(args.json, copy_bw, tables, humming_errors, rows, config, swept)  # a cut-short run keeps it
     print(json.dumps({"tables": tables, "humming_errors": humming_errors}), flush=True)
     return 0
+
+
+def _imposed(fmt: str, T: int, I: int, choice: dict) -> W4A16Launch:  # noqa: E741
+    """The CuTe launch of a --cute-choices arm: the op's for T tokens in the mode the choice imposes (pairwise,
+    its split and tiles recomputed), over rows or `blocked` tables, its other fields replaced."""
+    rest = {k: v for k, v in choice.items() if k not in ("pairwise", "blocked")}
+    launch = W4A16Launch.for_call(fmt, T, E, I, L, K, "blocks" if choice.get("blocked") else "rows",
+                                  pairwise=choice.get("pairwise"))
+    return dataclasses.replace(launch, **rest)
 
 
 def _write(path: str | None, copy_bw: float, tables: list, humming_errors: dict, rows: list, config, swept) -> None:
@@ -345,7 +342,7 @@ def _fmt(us: float | None) -> str:
 def _humming_arm(fmt: str, I: int, packed, tokens, results, errors: dict, replays: int) -> None:
     """humming's two indexed GEMMs per token count (one layer pair per T: its tile follows T*k)."""
     try:
-        from humming_moe import HummingMoE
+        from bench.humming_moe import HummingMoE
     except Exception as exc:
         errors[f"{fmt}/{I}"] = f"import: {type(exc).__name__}: {exc}"
         return

@@ -51,11 +51,6 @@ def _flag(name: str, raw: str) -> bool:
     raise SettingsError(f"{name}={raw!r}: expected 1/0 (or true/false, yes/no, on/off)")
 
 
-def _optional_flag(name: str, raw: str) -> bool | None:
-    """Unset or empty: None (the code's default), else a flag."""
-    return _flag(name, raw) if raw.strip() else None
-
-
 def _text(name: str, raw: str) -> str:
     return raw.strip()
 
@@ -134,23 +129,8 @@ VARIABLES: tuple[Variable, ...] = (
              "do not import the Triton kernels"),
     Variable("K3FUSE_GEMV_MAX_M", "gemv_max_m", _positive_int, None,
              "largest token count the CuTe GEMV serves before split-K (default: measured per shape)"),
-    Variable("K3FUSE_W4A16_ONE_LAUNCH", "w4a16_one_launch", _optional_flag, None,
-             "1/0: the 4-bit routed experts at 1-2 tokens in one CuTe launch, or in two or four "
-             "(unset: the kernel's default)"),
-    Variable("K3FUSE_W4A16_X_STAGE", "w4a16_x_stage", _optional_flag, None,
-             "1/0: at 1-2 tokens the 4-bit routed experts' CTAs stage their activations (two CuTe launches), "
-             "or four launches (unset: the kernel's default)"),
-    Variable("K3FUSE_W4A16_BALANCED", "w4a16_balanced", _optional_flag, None,
-             "1/0: at 1-2 tokens the 4-bit routed experts' gate/up as one wave of equal shares, or a CTA a row "
-             "block (unset: the kernel's default)"),
-    Variable("K3FUSE_W4A16_PDL", "w4a16_pdl", _optional_flag, None,
-             "1/0: with staged activations, the 4-bit routed experts' down launched as the gate/up's "
-             "programmatic dependent, or after it (unset: the kernel's default)"),
-    Variable("K3FUSE_W4A16_TUNED", "w4a16_tuned", _flag, True,
-             "the 4-bit routed experts' CuTe launch choices from the measured table where it has the shape, or the "
-             "rule's alone (0); a launch-form switch set (ONE_LAUNCH, X_STAGE, BALANCED, PDL above) sets it aside too"),
-    Variable("K3FUSE_W4A16_CUTE_INT4", "w4a16_cute_int4", _optional_flag, None,
-             "1/0: int4 routed experts (bf16 scales) on the CuTe kernel, or on Triton (unset: the kernel's, CuTe)"),
+    Variable("K3FUSE_W4A16_CUTE_INT4", "w4a16_cute_int4", _flag, True,
+             "int4 routed experts (bf16 scales) on the CuTe kernel, or on Triton (0)"),
     Variable("K3FUSE_AR_PROTOCOL", "ar_protocol", _protocol, "lamport",
              "fused all-reduce completion protocol: lamport (sentinels) or flags (acquire/release)"),
     Variable("K3FUSE_AR_PDL", "ar_pdl", _flag, False,
@@ -178,12 +158,7 @@ class Settings:
     disable_cute: bool = False
     disable_triton: bool = False
     gemv_max_m: int | None = None
-    w4a16_one_launch: bool | None = None
-    w4a16_x_stage: bool | None = None
-    w4a16_balanced: bool | None = None
-    w4a16_pdl: bool | None = None
-    w4a16_tuned: bool = True
-    w4a16_cute_int4: bool | None = None
+    w4a16_cute_int4: bool = True
     ar_protocol: ArProtocol = "lamport"
     ar_pdl: bool = False
     ar_timeout_s: float | None = None

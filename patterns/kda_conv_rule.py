@@ -4,7 +4,7 @@ Why: the model builds the [T, C, K] window (a cat of q, k, v, then a cat onto th
 the new state out of it and reduces it against the fp32 taps; Inductor compiles that to three
 kernels that write and re-read the window. k3fuse.kda_short_conv reads the state, q, k, v and the
 taps once and writes the new state and the fp32 conv once (kernels/lib/triton/kda_conv.py; the
-figures in docs/perf.md 0m).
+figures in docs/perf/2026-12-04-w4a16-ncu-combine-conv.md 0m).
 
 Spelling: `short_conv` of k3fuse/spelling.py, imported and traced as is (the model calls the same
 function, so the two cannot drift):

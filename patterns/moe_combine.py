@@ -2,7 +2,7 @@
 
 Why: Inductor compiles the model's combine `(z.float().view(T, k, L) * weights[..., None]).sum(1)`
 to a reduction over the slot dim whose loads stride by L across the slots, the slowest kernel of the
-layer after the GEMMs and the KDA step at 64 tokens (docs/perf.md 0m).
+layer after the GEMMs and the KDA step at 64 tokens (docs/perf/2026-12-04-w4a16-ncu-combine-conv.md 0m).
 k3fuse.moe_combine reads z once, each program a contiguous row segment per slot
 (kernels/lib/triton/moe_combine.py), and writes the trunk-dtype partial directly.
 

@@ -17,9 +17,8 @@
 #   x2-layer  = test-layer bench-layer               (~8 min: strict TP 1/2 sweep 1..64, layer bench)
 #   x2-bench  = bench-front bench-tail bench-ar bench-attnres   (~6 min)
 #   test-moe: the routed-experts (BF16 and W4A16), route top-k and combine kernels, bench-moe their benchmarks,
-#   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths; with --cute-choices arms
-#   and a {"rule": {}} one, `python bench/tune_w4a16.py $OUT/bench_routed_experts_w4a16.json` turns its
-#   JSON into the tuned launch table, on any machine), ncu-w4a16 the CuTe
+#   bench-w4a16 the W4A16 table alone (W4A16_ARGS replace its formats and widths; --cute-choices adds CuTe
+#   arms with imposed launch choices beside the op's own), ncu-w4a16 the CuTe
 #   op's launches under Nsight Compute (NCU_ARGS: bench/ncu_w4a16.py's --formats / --inter / --tokens /
 #   --choices)
 #   (W4A16: stock / k3fuse / BF16 kernel / humming at I = 3072, 1536, 384; humming from
@@ -81,13 +80,17 @@ fi
 # the repo itself: editable install offline, else PYTHONPATH
 if ! "$PY" -c "import k3fuse.kernels" >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
-    || export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH}"
+    || export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH:-}"
 fi
+PYTEST_ROOT=""
 if ! "$PY" -c "import k3fuse.kernels" >/dev/null 2>&1; then
-  # package-dir mapping by symlinks (k3fuse.kernels -> kernels, k3fuse.patterns -> patterns)
+  # package-dir mapping by symlinks (k3fuse.kernels -> kernels, k3fuse.patterns -> patterns). The checkout's
+  # own k3fuse/ has neither, so the root must not come first on sys.path (PYTHONSAFEPATH: not for -m, -c or
+  # stdin; pytest: no pythonpath): it comes last, where `python -m bench.<name>` finds bench/
   mkdir -p .k3fuse_path && rm -rf .k3fuse_path/k3fuse && cp -r k3fuse .k3fuse_path/k3fuse
   ln -sfn "$(pwd)/kernels" .k3fuse_path/k3fuse/kernels; ln -sfn "$(pwd)/patterns" .k3fuse_path/k3fuse/patterns
-  export PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH}"
+  export PYTHONSAFEPATH=1 PYTHONPATH="$(pwd)/.k3fuse_path:${PYTHONPATH:-}:$(pwd)"
+  PYTEST_ROOT="-o pythonpath="
 fi
 
 {
@@ -117,7 +120,7 @@ step() {  # step NAME TIMEOUT CMD...: run with a time limit, log to $OUT/NAME.lo
 }
 # -v: one line per test as it finishes, so a run cut short by the device's time limit still says
 # which tests passed and failed; -rA --tb=short: every outcome and a short traceback at the end
-PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X:-} -v --tb=short -rA -p no:cacheprovider -o addopts=
+PYTEST=("$PY" -m pytest -m gpu ${PYTEST_X:-} -v --tb=short -rA -p no:cacheprovider -o addopts= $PYTEST_ROOT
         --timeout=${PYTEST_TIMEOUT:-400} ${PYTEST_K:+-k "$PYTEST_K"})
 for s in "${STEPS[@]}"; do
   case "$s" in
@@ -133,38 +136,38 @@ for s in "${STEPS[@]}"; do
                    --json "$OUT/bench_layer_plain.json" --plots "$OUT/plots_plain" ${BENCH_ARGS:-} ;;
     bench-attnres) step bench_attnres "${BENCH_TIMEOUT:-500}" "$PY" -m k3fuse.tools.cli bench --residual attnres --layers 2 \
                    --json "$OUT/bench_layer_attnres.json" --plots "$OUT/plots_attnres" ${BENCH_ARGS:-} ;;
-    bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_decode_gemm.py \
+    bench-gemm) step bench_decode_gemm "${BENCH_TIMEOUT:-300}" "$PY" -m bench.bench_decode_gemm \
                   --json "$OUT/bench_decode_gemm.json" ${GEMM_ARGS:-} ;;
-    sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" bench/sweep_decode_gemm.py \
+    sweep)     step sweep_decode_gemm "${BENCH_TIMEOUT:-500}" "$PY" -m bench.sweep_decode_gemm \
                   --json "$OUT/sweep.json" --emit "$OUT/splitk_tuned.py" ${SWEEP_ARGS:-} ;;
     test-moe)  step pytest_moe "${TEST_TIMEOUT:-300}" "${PYTEST[@]}" tests/gpu/test_routed_experts_gpu.py \
                  tests/gpu/test_route_topk_gpu.py tests/gpu/test_moe_combine_gpu.py
                step pytest_moe_w4a16 "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" tests/gpu/test_routed_experts_w4a16_gpu.py ;;
-    bench-moe) step bench_routed_experts "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_routed_experts.py \
+    bench-moe) step bench_routed_experts "${BENCH_TIMEOUT:-300}" "$PY" -m bench.bench_routed_experts \
                  --json "$OUT/bench_routed_experts.json"
-               step bench_routed_experts_w4a16 "${BENCH_TIMEOUT:-600}" "$PY" bench/bench_routed_experts.py \
+               step bench_routed_experts_w4a16 "${BENCH_TIMEOUT:-600}" "$PY" -m bench.bench_routed_experts \
                  --formats mxfp4,int4 --inter 3072,1536,384 --json "$OUT/bench_routed_experts_w4a16.json" \
                  ${W4A16_ARGS:-}
-               step bench_route_topk "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_route_topk.py \
+               step bench_route_topk "${BENCH_TIMEOUT:-300}" "$PY" -m bench.bench_route_topk \
                  --json "$OUT/bench_route_topk.json" ;;
-    bench-w4a16) step bench_routed_experts_w4a16 "${BENCH_TIMEOUT:-600}" "$PY" bench/bench_routed_experts.py \
+    bench-w4a16) step bench_routed_experts_w4a16 "${BENCH_TIMEOUT:-600}" "$PY" -m bench.bench_routed_experts \
                    --json "$OUT/bench_routed_experts_w4a16.json" ${W4A16_ARGS:---formats mxfp4,int4 --inter 3072,1536,384} ;;
     test-front) step pytest_front "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_moe_front_gpu.py ;;
     bench-front) if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then FRONT=(--world 2)
                  else FRONT=(--world 1 --as-tp "${FRONT_AS_TP:-2,4,8,16}"); fi
-                 step bench_moe_front "${BENCH_TIMEOUT:-600}" "$PY" bench/bench_moe_front.py "${FRONT[@]}" \
+                 step bench_moe_front "${BENCH_TIMEOUT:-600}" "$PY" -m bench.bench_moe_front "${FRONT[@]}" \
                    --json "$OUT/bench_moe_front.json" ;;
     test-tail) step pytest_tail "${TEST_TIMEOUT:-400}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_moe_tail_gpu.py ;;
     bench-tail) if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then TAIL=(--world 2)
                 else TAIL=(--world 1 --as-tp 2); fi
-                step bench_moe_tail "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_moe_tail.py "${TAIL[@]}" \
+                step bench_moe_tail "${BENCH_TIMEOUT:-300}" "$PY" -m bench.bench_moe_tail "${TAIL[@]}" \
                   --json "$OUT/bench_moe_tail.json" ;;
-    bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" bench/bench_fused_ar.py --json "$OUT/bench_fused_ar.json" ;;
+    bench-ar)  step bench_fused_ar "${BENCH_TIMEOUT:-300}" "$PY" -m bench.bench_fused_ar --json "$OUT/bench_fused_ar.json" ;;
     ncu-w4a16) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
                step ncu_w4a16 "${BENCH_TIMEOUT:-500}" "$NCU" --profile-from-start off --clock-control none \
-                 -k regex:'W4A16(RowsDot|OneLaunch)' --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                 -k regex:W4A16RowsDot --section SpeedOfLight --section MemoryWorkloadAnalysis \
                  --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-                 "$PY" bench/ncu_w4a16.py ${NCU_ARGS:-} ;;
+                 "$PY" -m bench.ncu_w4a16 ${NCU_ARGS:-} ;;
     test-model) step pytest_model "${TEST_TIMEOUT:-500}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_model_gpu.py ;;
     bench-model) MTP=${MODEL_TP:-$("$PY" -c "import torch; print(16 if torch.cuda.get_device_properties(0).total_memory > 120e9 else 32)")}
                  step bench_model "${BENCH_TIMEOUT:-590}" "$PY" -m k3fuse.tools.cli bench --model --device cuda --preset k3 \

@@ -214,18 +214,48 @@ def test_bench_cli_mxfp4_experts_with_zipf_routing(tmp_path):
            "--set", "expert_format=mxfp4", "--routing", "zipf:1.1", "--compiler", "eager", "--batch", "1,8",
            "--steps", "2", "--replays", "2", "--arms", "stock,k3fuse", "--no-profile", "--json", str(out)]
     # a kernel choice set in the environment is recorded with the figures (on CPU it changes nothing)
-    env = {**os.environ, "K3FUSE_W4A16_ONE_LAUNCH": "1"}
+    env = {**os.environ, "K3FUSE_W4A16_CUTE_INT4": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mxfp4 experts, zipf:1.1 routing" in proc.stdout and "distinct experts/step" in proc.stdout
     result = json.loads(out.read_text())
     assert result["model"]["expert_format"] == "mxfp4" and result["conditions"]["routing"] == "zipf:1.1"
-    assert result["conditions"]["settings"]["K3FUSE_W4A16_ONE_LAUNCH"] == "1"
+    assert result["conditions"]["settings"]["K3FUSE_W4A16_CUTE_INT4"] == "0"
     assert result["distinct_experts"]["1"]["mean"] == 4  # one token: its top_k
     assert 4 <= result["distinct_experts"]["8"]["min"] <= result["distinct_experts"]["8"]["max"] <= 16
     assert result["weight_read_floor"]["8"]["experts_touched"] == result["distinct_experts"]["8"]["mean"]
     assert all(r["rel_err_vs_stock"] < 1e-4 for r in result["arms"]["k3fuse"]["rows"])
     assert result["arms"]["k3fuse"]["error"] is None and result["arms"]["k3fuse"]["fallbacks"] == {}
+
+
+def test_the_floor_is_the_bytes_at_the_cards_nominal_bandwidth(capsys):
+    """docs/perf.md, Floors: the bytes divided by the card's nominal HBM bandwidth (found by its device name),
+    never by the copy rate the run measured; a card not listed has no floor and keeps its bytes; the table says
+    what the floor divides by and prints the measured read beside it."""
+    from k3fuse.tools.bench.report import merge, nominal_bandwidth, print_tables
+    from k3fuse.tools.bench.runner import BenchConfig
+
+    assert nominal_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert nominal_bandwidth("NVIDIA H200") == nominal_bandwidth("NVIDIA H200 NVL") == 4.8e12
+    assert nominal_bandwidth("NVIDIA H100 PCIe") == 2.0e12 and nominal_bandwidth("NVIDIA H100 NVL") == 3.9e12
+    assert nominal_bandwidth("NVIDIA GH200 480GB") is None and nominal_bandwidth(None) is None
+    floor = {1: {"dense_bytes": 1.5e9, "expert_bytes_touched": 5e7, "experts_touched": 16.0,
+                 "state_bytes_read_write": 1.3e7}}
+    report = {"arms": {}, "floor": floor, "model": {}, "gpu": "NVIDIA H100 80GB HBM3",
+              "copy_bandwidth_Bps": 2.8e12, "read_bandwidth_Bps": 3.2e12}
+    f = merge(BenchConfig(device="cpu"), [report])["weight_read_floor"][1]
+    assert f["us"] == pytest.approx(1.55e9 / 3.35e12 * 1e6)
+    assert f["us_with_state"] == pytest.approx(1.563e9 / 3.35e12 * 1e6)
+    unknown = merge(BenchConfig(device="cpu"), [{**report, "gpu": "NVIDIA A100-SXM4-80GB"}])["weight_read_floor"][1]
+    assert unknown["us"] is None and unknown["bytes"] == 1.55e9
+
+    conditions = {"preset": "k3", "overrides": {}, "layers": 1, "residual": "plain", "tp": 1, "device": "cuda",
+                  "steps_per_graph": 4, "replays": 10, "gpu": "NVIDIA H100 80GB HBM3", "nominal_bandwidth_TBps": 3.35,
+                  "read_bandwidth_TBps": 3.2, "copy_bandwidth_TBps": 2.8}
+    print_tables({"conditions": conditions, "model": {}, "arms": {}, "weight_read_floor": {1: f}})
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("floor: bytes at the NVIDIA H100 80GB HBM3's nominal 3.35 TB/s; a read-only kernel measured 3.2 TB/s "
+            "here (a copy 2.8)") in out
 
 
 def test_tables_print_when_every_arm_failed(capsys):
@@ -240,25 +270,24 @@ def test_tables_print_when_every_arm_failed(capsys):
     assert "mxfp4 experts" in out and "k3fuse (error)" in out
 
 
-def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys, monkeypatch):
-    """The K3 preset's 4-bit experts at TP 2 (I = 1536 a rank): per token count, the tuned table's entry the
-    op takes (its own cute_config), printed under the latency table; bf16 experts have none."""
+def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys):
+    """The K3 preset's 4-bit experts at TP 2 (I = 1536 a rank): per token count, the CuTe launch the op takes
+    (W4A16Launch.for_call over the model's block-ordered tables), printed under the latency table; bf16
+    experts have none."""
+    import dataclasses
+
     pytest.importorskip("triton")
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16_tuned as tuned
-    from k3fuse.kernels.ops.routed_experts_w4a16 import LAUNCH_FORM_SETTINGS, cute_config
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
     from k3fuse.model import get_config
     from k3fuse.tools.bench.report import print_tables
     from k3fuse.tools.bench.runner import w4a16_launches
 
-    for name in ("K3FUSE_W4A16_TUNED", *LAUNCH_FORM_SETTINGS):
-        monkeypatch.delenv(name, raising=False)
     cfg = get_config("k3")
-    monkeypatch.setattr(tuned, "TUNED", {("mxfp4", cfg.n_experts, cfg.moe_inter // 2, cfg.latent, cfg.top_k, 1):
-                                         {"split": 1}, ("mxfp4", cfg.n_experts, 1536, cfg.latent, cfg.top_k, 8): {}})
     launches = w4a16_launches(cfg, 2, (1, 8, 64))
-    assert [launches[T]["tuned"] for T in (1, 8, 64)] == [{"split": 1}, {}, {}]  # 64: the nearest grouped entry
     assert launches[1]["layout"] == "blocks"  # the k3 preset's experts are held in block order
-    assert launches[1]["config"] == cute_config(1, cfg.n_experts, 1536, cfg.latent, cfg.top_k, split=1, blocked=True)
+    assert launches[1]["config"] == dataclasses.asdict(
+        W4A16Launch.for_call(cfg.expert_format, 1, cfg.n_experts, 1536, cfg.latent, cfg.top_k, "blocks"))
+    assert launches[1]["config"]["split"] == 1 and launches[1]["config"]["blocked"]  # measured faster unsplit
     assert w4a16_launches(get_config("k3_moe_inter128"), 1, (1,)) is None  # bf16 experts
     result = {"conditions": {"preset": "k3", "overrides": {}, "layers": 1, "residual": "plain", "tp": 2,
                              "device": "cuda", "steps_per_graph": 10, "replays": 20, "routing": "uniform"},
@@ -266,15 +295,15 @@ def test_the_layer_report_names_the_w4a16_launch_at_each_token_count(capsys, mon
               "w4a16_launch": launches}
     print_tables(result)
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
-    assert "launch over blocks tables" in out and "T=1 tuned {'split': 1}; T=8 the rule; T=64 the rule" in out
+    assert "launch over blocks tables" in out and ("T=1 pairwise, split 1, 1 row tiles a down CTA; T=8 grouped, "
+                                                   "split 1, 4 row tiles a down CTA; T=64 grouped, split 1, 8") in out
 
 
 def test_the_gemm_sweep_keeps_the_tuned_entries_of_sites_it_did_not_sweep():
     """bench/sweep_decode_gemm.py --sites sweeps a few K3 sites (the TP 1 q/k/v/g projection, say):
     its --emit replaces those (N, K) shapes' entries in splitk_tuned.py, keeps every other, and the
     file it writes is the table."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import sweep_decode_gemm as sweep
+    from bench import sweep_decode_gemm as sweep
 
     from k3fuse.kernels.lib.triton.splitk_tuned import TUNED
     from k3fuse.model.shapes import gemm_site

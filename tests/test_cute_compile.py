@@ -331,30 +331,36 @@ def test_lamport_push_compiles_for_sm90():
 W4A16_CASES = [  # (T, I): K3's widths per rank at TP 1, 2 and 8; one and two tokens pairwise, 8 / 64 grouped
     (1, 3072), (2, 1536), (8, 384), (64, 1536), (64, 3072),
 ]
-#: the four-launch form (the activations in word order from global memory) in both modes; the pairwise
-#: two-launch form (x_stage) has its own test
-FOUR_LAUNCHES = {"x_stage": False}
 
 
 def _w4a16_launches(T: int, I: int, fmt: str, tmp_path, L: int = 3584, E: int = 896, k: int = 16,
-                    config: dict | None = None, **choices):
-    """(name, builder params, PTX, where) of the CuTe W4A16 gate/up and down launches cute_config picks for
-    T tokens at I (default K3's latent L, experts E, top-k), over `fmt` tables; or of `config`'s."""
+                    layout: str = "rows", pairwise: bool | None = None, **choices):
+    """(name, kernel, PTX, where) of the CuTe W4A16 gate/up and down launches W4A16Launch.for_call takes for T
+    tokens at I (default K3's latent L, experts E, top-k) over `fmt` tables in `layout`, in the mode imposed
+    (`pairwise`) or the call's, with `choices` (split, n_tiles) imposed."""
+    import dataclasses
+
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    cfg = config or cute_config(T, E, I, L, k, **choices)
-    for name, params in (("gate_up", w4.gate_up_params(I, L, k, cfg, fmt)),
-                         ("down", w4.down_params(I, L, cfg, fmt, betas=(4.0, 25.0)))):
-        key, build = w4.builder(**params)
-        yield name, params, compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name)), (name, T, I, cfg)
+    launch = dataclasses.replace(W4A16Launch.for_call(fmt, T, E, I, L, k, layout, pairwise=pairwise), **choices)
+    for name, kernel in (("gate_up", launch.gate_up()), ("down", launch.down(4.0, 25.0))):
+        key, build = w4.builder(kernel)
+        yield name, kernel, compat.compile_to_ptx_on_cpu(key, build, str(tmp_path / name)), (name, T, I, launch)
 
 
-def _x_loads(ptx: str, params: dict, where) -> int:
-    """The four-launch forms' 16-byte activation loads from global memory: read-only (.nc), or in a down
-    launched as the SiTU-GLU launch's programmatic dependent (act_pdl), side-effecting plain loads, every
-    one after the grid's single wait, which follows the first weight copies (the weight-only rule)."""
-    if params.get("pdl") != "wait":
+def _span(kernel) -> int:
+    """A launch's K span: the gate/up's split of L, the down's I."""
+    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
+
+    return kernel.L // kernel.split if isinstance(kernel, w4.GateUp) else kernel.I
+
+
+def _x_loads(ptx: str, name: str, where) -> int:
+    """Grouped mode's 16-byte activation loads from global memory: the gate/up's read-only (.nc); the down's,
+    launched as the SiTU-GLU launch's programmatic dependent, side-effecting plain loads, every one after the
+    grid's single wait, which follows the first weight copies (the weight-only rule)."""
+    if name == "gate_up":
         assert "griddepcontrol" not in ptx and not re.search(r"ld\.global\.v4\.u32", ptx), where
         return len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
     assert ptx.count("griddepcontrol.wait") == 1 and "ld.global.nc.v4" not in ptx, where
@@ -366,40 +372,38 @@ def _x_loads(ptx: str, params: dict, where) -> int:
 @needs_cute
 @pytest.mark.parametrize("T,I", W4A16_CASES)
 def test_w4a16_expert_gemms_compile_to_ptx(T, I, tmp_path):
-    """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths: 16-byte weight and activation
-    loads (the down's, launched as the SiTU-GLU launch's dependent, after its one wait), one scale byte a
-    row a step, mma.sync m16n8k16 on bf16, the E2M1 pattern by one integer
+    """The CuTe MXFP4 expert GEMMs (gate/up and down) at K3's widths in grouped mode: 16-byte weight and
+    activation loads (the down's, launched as the SiTU-GLU launch's dependent, after its one wait), one scale
+    byte a row a step, mma.sync m16n8k16 on bf16, the E2M1 pattern by one integer
     multiply a register, one bf16 multiply a register in the loop for ordinary scales and two in the
     loop for wide ones, no spills, no multicast; each k loop is its steps once, marked nounroll
     (ptxas unrolled a 12-step span into straight code that thrashed the instruction cache:
-    docs/perf.md 0i). The ring: the weights and scales by cp.async
+    docs/perf/2026-12-03-w4a16-cute-gemms.md 0i). The ring: the weights and scales by cp.async
     into shared memory, waited for `stages - 1` groups behind, no barrier."""
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import STAGES
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
-    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path, **FOUR_LAUNCHES):
+    for name, kernel, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path, pairwise=False):
         ops = _ops(ptx)
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         muls = len(re.findall(r"mul\.rn\.bf16x2", ptx))
-        stages = params["stages"]
-        assert stages == min(w4.STAGES, params["k_span"] // w4.STEP + 1), where
+        stages = kernel.stages
+        assert stages == min(STAGES, _span(kernel) // w4.STEP + 1), where
         # the ring's step loops a span: this span's later steps (none if the prologue filled them all),
         # then the next span's first
-        ring_loops = 2 if params["k_span"] // w4.STEP > stages - 1 else 1
+        ring_loops = 2 if _span(kernel) // w4.STEP > stages - 1 else 1
         # per step and loop copy: 8 mmas; the ordinary loop 32 multiplies for them, the wide one 64
         assert mma == 2 * 8 * ring_loops, (where, mma)
         assert ptx.count('.pragma "nounroll"') >= 3, where
         assert muls == mma // 2 * (4 + 8), (where, muls, mma)
         # the E2M1 pattern by mask, multiply, mask: one integer multiply a register (32 a step), no shifts
-        # but the word's one by 8 (docs/perf.md 0l)
+        # but the word's one by 8 (docs/perf/2026-12-04-w4a16-cute-few-tokens.md 0l)
         spreads = len(re.findall(r"mul\.lo\.u32 q, q, (?:4160|260);", ptx))
         assert spreads == mma * 4 and "shl.b32 q" not in ptx, (where, spreads)
         # a step: the activations' 4 x 16 bytes from global, the weights' 2 x 16 bytes and the scale
         # words by cp.async (the prologue's stages - 1 steps and one a step loop), read from shared
-        v4 = _x_loads(ptx, params, where)
-        assert v4 == mma // 8 * 4, (where, v4)
-        assert (params.get("pdl") == "wait") == (name == "down" and w4.ACT_PDL), where
+        assert _x_loads(ptx, name, where) == mma // 8 * 4, where
         cp16 = len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
-        # (pairwise one tile a CTA has one span: the compiler drops the next span's copies)
         assert 2 * (stages - 1 + 2) <= cp16 <= 2 * (stages - 1 + 2 * ring_loops), (where, cp16)
         assert f"cp.async.wait_group {stages - 1};" in ptx and "bar.sync" not in ptx, where
         assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 2, where
@@ -417,10 +421,10 @@ def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
     this thread's bf16 read back as a u16; no spills, no multicast."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
-    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, **FOUR_LAUNCHES):
+    for name, kernel, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, pairwise=False):
         ops = _ops(ptx)
-        stages = params["stages"]
-        ring_loops = 2 if params["k_span"] // w4.STEP > stages - 1 else 1
+        stages = kernel.stages
+        ring_loops = 2 if _span(kernel) // w4.STEP > stages - 1 else 1
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         assert mma == 8 * ring_loops, (where, mma)
         # a step: 8 words (rows a and b, 4 each) of 4 registers, each one LOP3, a subtract, a multiply
@@ -431,7 +435,7 @@ def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
         scale8 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 8;", ptx))
         assert 2 * (stages - 1 + 1) <= scale8 <= 2 * (stages - 1 + ring_loops), (where, scale8)
         assert len(re.findall(r"ld\.shared\.u16", ptx)) == mma // 8 * 2 and "ld.shared.u8" not in ptx, where
-        assert _x_loads(ptx, params, where) == mma // 8 * 4, where
+        assert _x_loads(ptx, name, where) == mma // 8 * 4, where
         assert "bar.sync" not in ptx, where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 
@@ -440,11 +444,11 @@ def test_w4a16_int4_expert_gemms_compile_to_ptx(T, I, tmp_path):
 @pytest.mark.parametrize("T,I", [(1, 2048), (64, 256)])
 def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
     """Kimi K2.x's experts (its int4 format's home: 384 experts, top-8, hidden 7168, I = 2048 at TP 1 and
-    256 at TP 8): both launches compile with their ring, no spills."""
+    256 at TP 8): both launches compile with their ring, no spills, in the call's mode (pairwise at 1 token)."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
-    for name, params, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, L=7168, E=384, k=8, **FOUR_LAUNCHES):
-        ring_loops = 2 if params["k_span"] // w4.STEP > params["stages"] - 1 else 1
+    for name, kernel, ptx, where in _w4a16_launches(T, I, "int4", tmp_path, L=7168, E=384, k=8):
+        ring_loops = 2 if _span(kernel) // w4.STEP > kernel.stages - 1 else 1
         assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == 8 * ring_loops, where
         assert len(re.findall(r"sub\.rn\.bf16x2", ptx)) == 32 * ring_loops, where
         ops = _ops(ptx)
@@ -452,51 +456,37 @@ def test_w4a16_int4_compiles_at_kimi_k2_widths(T, I, tmp_path):
 
 
 @needs_cute
-@pytest.mark.parametrize("T,I,fmt,choices", [(1, 3072, "mxfp4", {}), (2, 1536, "mxfp4", {}), (1, 384, "mxfp4", {}),
-                                             (1, 1536, "int4", {}), (1, 1536, "mxfp4", {"pdl": True}),
-                                             (1, 3072, "int4", {"pdl": True, "balanced": True}),
-                                             (1, 3072, "mxfp4", {"gate_up_tiles": 2, "n_tiles": 2, "stages": 5}),
-                                             (1, 1536, "mxfp4", {"x_quads": True}),
-                                             (2, 3072, "int4", {"x_quads": True, "pdl": True})])
-def test_w4a16_x_stage_compiles_to_ptx(T, I, fmt, choices, tmp_path):
-    """The pairwise MLP in two launches whose CTAs stage their activation row in shared memory: the
-    gate/up reads a's row (natural order) with 16-byte read-only loads and stores it in word order (each
-    step's words in quad order with x_quads), the down sums the gate/up's fp32 partials and computes the
-    SiTU-GLU (3 exponentials an element), a thread's words unrolled; one barrier each, after the staging;
-    the step loops read the activations from shared memory, never global (with x_quads, lanes 0-3 alone:
-    predicated loads); no spills, no multicast. With PDL the gate/up lets the down launch
-    first thing, and the down waits for its grid after its first weight copies, before any partial,
-    which it reads through L2 (a read-only load may move above the wait); the balanced gate/up (two
-    step loops a copy) stages the same way."""
+@pytest.mark.parametrize("T,I,fmt,choices", [(1, 3072, "mxfp4", {}), (1, 1536, "mxfp4", {}), (2, 1536, "mxfp4", {}),
+                                             (1, 384, "mxfp4", {}), (2, 384, "mxfp4", {}), (1, 1536, "int4", {}),
+                                             (2, 3072, "int4", {}), (1, 3072, "mxfp4", {"split": 2, "n_tiles": 2})])
+def test_w4a16_pairwise_launches_compile_to_ptx(T, I, fmt, choices, tmp_path):
+    """The pairwise MLP in two launches whose CTAs stage their activation row in shared memory (among them
+    the two MXFP4 launches measured faster unsplit, I = 1536 at 1 token and 384 at 2): the gate/up reads a's
+    row (natural order) with 16-byte read-only loads and stores it in word order, the down sums the
+    gate/up's fp32 partials and computes the SiTU-GLU (3 exponentials an element), a thread's words
+    unrolled; one barrier each, after the staging; the step loops read the activations from shared memory,
+    never global; no grid dependency, no spills, no multicast."""
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
 
-    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, x_stage=True, **choices):
+    for name, kernel, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, **choices):
         ops = _ops(ptx)
-        ring_loops = 2 if params["k_span"] // w4.STEP > params["stages"] - 1 else 1
+        ring_loops = 2 if _span(kernel) // w4.STEP > kernel.stages - 1 else 1
         copies = 2 if fmt == "mxfp4" else 1  # MXFP4's ordinary and wide-scale loops
         mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
         assert mma == copies * 8 * ring_loops, (where, mma)
-        assert params["x_stage"] == ("natural" if name == "gate_up" else "situ"), where
-        assert params["n_tiles"] == choices.get("gate_up_tiles" if name == "gate_up" else "n_tiles", 1), where
-        # a step: the weights' 2 and the activations' 4 16-byte shared loads, in quad order by lanes 0-3 alone
+        assert (kernel.pairwise if name == "gate_up" else kernel.situ is not None), where
+        # a step: the weights' 2 and the activations' 4 16-byte shared loads, every lane
         assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * 6, (where, ptx.count("ld.shared.v4"))
-        assert len(re.findall(r"@p ld\.shared\.v4\.u32", ptx)) == (mma // 8 * 4 if params["x_quads"] else 0), where
+        assert "@p ld.shared" not in ptx, where
         # the staging, unrolled: a thread's words of the row, 16 bytes each (its loads in flight together)
-        words = -(-params["k_span"] // 8 // 128)
+        words = -(-_span(kernel) // 8 // 128)
         assert len(re.findall(r"st\.shared\.v4\.u32", ptx)) == words, where
         assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == 1, where
         # the only 16-byte global loads are the staging's: a's word, or g's and u's halves a split
-        pdl = choices.get("pdl", False)
-        loads = len(re.findall(r"ld\.global\.(?:nc|cg)\.v4\.u32", ptx))
-        assert loads == words * (1 if name == "gate_up" else 4 * params["gu_splits"]), (where, loads)
-        assert ("ld.global.cg.v4" in ptx) == (pdl and name == "down"), where
+        loads = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
+        assert loads == words * (1 if name == "gate_up" else 4 * kernel.situ.splits), (where, loads)
+        assert not re.search(r"ld\.global(\.cg)?\.v4", ptx) and "griddepcontrol" not in ptx, where
         assert ptx.count("ex2.approx") == (0 if name == "gate_up" else 24 * words), where
-        assert ptx.count("griddepcontrol.launch_dependents") == (pdl and name == "gate_up"), where
-        assert ptx.count("griddepcontrol.wait") == (pdl and name == "down"), where
-        assert ("shares" in params) == (choices.get("balanced", False) and name == "gate_up"), where
-        if pdl and name == "down":  # the wait after the first weight copies and before the first partial
-            at = ptx.index("griddepcontrol.wait")
-            assert ptx.index("cp.async.cg.shared.global") < at < ptx.index("ld.global.cg.v4.u32"), where
         assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
 
 
@@ -532,184 +522,18 @@ def _step_loop_sass_per_step(ptx: str, tmp_path) -> float:
 
 
 @needs_cute
-@pytest.mark.parametrize("T,I,fmt,choices", [(1, 1536, "mxfp4", {}), (1, 3072, "mxfp4", {}), (2, 1536, "mxfp4", {}),
-                                             (1, 384, "mxfp4", {}), (1, 1536, "int4", {}),
-                                             (1, 1536, "mxfp4", {"pdl": True, "x_quads": True}),
-                                             (1, 3072, "mxfp4", {"gate_up_tiles": 2, "n_tiles": 2, "stages": 5}),
-                                             (1, 1536, "mxfp4", {"x_stage": False})])
-def test_w4a16_rounds_compiles_to_ptx(T, I, fmt, choices, tmp_path):
-    """rounds: a span's steps that issue one of its own as a loop of `stages` steps, the others unrolled, each
-    row tile a span (the mma count); the stream's weight copies (at least half of them) and a weight read a
-    step at a constant offset in the instruction on a base register (the point: no address or slot arithmetic
-    a step); no spills, no multicast. At
-    I = 1536 with 1 token, its SASS step loop has at least 10 fewer instructions a step than the loop's."""
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-
-    measured = (T, I, fmt, choices) == (1, 1536, "mxfp4", {})
-    loop_ptx = {n: p for n, _, p, _ in _w4a16_launches(T, I, fmt, tmp_path / "loop")} if measured else {}
-    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, rounds=True, **choices):
-        assert params["rounds"], where
-        D, S = params["stages"], params["k_span"] // w4.STEP
-        rounds_loop = D if (S - (D - 1)) // D else 0
-        steps = params["n_tiles"] * (rounds_loop + S - (S - (D - 1)) // D * D)
-        copies = 2 if fmt == "mxfp4" else 1  # MXFP4's ordinary and wide-scale loops
-        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
-        assert mma == copies * 8 * steps, (where, mma, steps)
-        weights = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(\+\d+)?\], \[%rd\d+(\+\d+)?\], 16;", ptx)
-        prologue = 2 * (D - 1)  # the ring's first steps, issued before the stream as the loop form issues them
-        folded = [w for w in weights[prologue:] if w[1]]
-        assert len(weights) > prologue and len(folded) >= (len(weights) - prologue) // 2, (where, weights)
-        reads = re.findall(r"ld\.shared\.v4\.u32 \{[^}]*\}, \[%r\d+\+(\d+)\];", ptx)
-        assert len(reads) >= mma // 8, (where, len(reads))  # a step's row b (at least) at a constant offset
-        ops = _ops(ptx)
-        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
-        if measured:
-            per_step = _step_loop_sass_per_step(ptx, tmp_path / f"{name}_rounds")
-            loop_per_step = _step_loop_sass_per_step(loop_ptx[name], tmp_path / f"{name}_loop")
-            assert per_step <= loop_per_step - 10, (where, per_step, loop_per_step)
-            print(f"{name}: {per_step:.1f} instructions a step in rounds, {loop_per_step:.1f} in the loop")
-
-
-def _tuned_launches() -> list[tuple]:
-    """The tuned table's entries that launch other than the rule (an empty entry is the rule's launch)."""
-    from k3fuse.kernels.lib.cute.routed_experts_w4a16_tuned import TUNED
-
-    return [key for key, choices in sorted(TUNED.items()) if choices]
-
-
-@needs_cute
-@pytest.mark.parametrize("key", _tuned_launches(), ids=lambda k: "_".join(map(str, k)))
-def test_w4a16_tuned_launches_compile_to_ptx(key, tmp_path, monkeypatch):
-    """Every launch the tuned table puts in place of the rule's, as the op's own configuration picks it for
-    the entry's shape, compiles for sm_90a with no spills and no multicast."""
-    from k3fuse.kernels.ops.routed_experts_w4a16 import LAUNCH_FORM_SETTINGS, cute_config
-
-    for name in (*LAUNCH_FORM_SETTINGS, "K3FUSE_W4A16_TUNED"):
-        monkeypatch.delenv(name, raising=False)
-    fmt, E, I, L, k, T = key
-    tuned = cute_config(T, E, I, L, k, format=fmt)
-    assert tuned != cute_config(T, E, I, L, k), key
-    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, L=L, E=E, k=k, config=tuned):
-        ops = _ops(ptx)
-        assert "mma.sync.aligned.m16n8k16" in ptx, where
-        assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
-
-
-@needs_cute
-@pytest.mark.parametrize("T,I,fmt,x_stage", [(1, 3072, "mxfp4", True), (2, 1536, "mxfp4", True),
-                                             (1, 384, "mxfp4", True), (1, 1536, "int4", True),
-                                             (1, 3072, "mxfp4", False)])
-def test_w4a16_balanced_gate_up_compiles_to_ptx(T, I, fmt, x_stage, tmp_path):
-    """The balanced gate/up (a share of a table's steps a CTA): per loop copy a block's two step loops
-    (issuing the same block's step, then the next block's first), each one step of 8 mmas, marked
-    nounroll; the ring's copies predicated on the share (the prologue's stages - 1 steps, 4 copies a
-    step); fp32 partials stored, the zero slots in a loop; staged or not, the activations as in the
-    other launches; no spills, no multicast. The down is the launch the rule would pair with it."""
-    launches = list(_w4a16_launches(T, I, fmt, tmp_path, balanced=True, x_stage=x_stage))
-    (name, params, ptx, where), down = launches[0], launches[1]
-    assert name == "gate_up" and params["shares"] == (33 if T == 1 else 16) and params["k_span"] == 3584, where
-    assert down[1]["gu_splits" if x_stage else "K"] == (params["slots"] if x_stage else I), down[3]
-    ops = _ops(ptx)
-    copies = 2 if fmt == "mxfp4" else 1  # MXFP4's ordinary and wide-scale loops
-    mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
-    assert mma == copies * 2 * 8, (where, mma)
-    assert ptx.count('.pragma "nounroll"') >= copies * 3, where  # a copy's block loop and its two step loops
-    cp16 = len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 16;", ptx))
-    assert cp16 == 2 * (params["stages"] - 1 + copies * 2), (where, cp16)
-    assert len(re.findall(r"st\.global\.f32", ptx)) >= 2 * copies and "st.global.b16" not in ptx, where
-    shared_x = 4 if x_stage else 0
-    assert len(re.findall(r"ld\.shared\.v4\.u32", ptx)) == mma // 8 * (2 + shared_x), where
-    assert "@p ld.shared" not in ptx, where  # (balanced stages in word order: every lane reads)
-    assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == (1 if x_stage else 0), where
-    nc = len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx))
-    assert nc == (-(-3584 // 8 // 128) if x_stage else mma // 8 * 4), (where, nc)
-    assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
-
-
-@needs_cute
-@pytest.mark.parametrize("T,I,quads,fmt", [(1, 3072, False, "mxfp4"), (2, 1536, False, "mxfp4"),
-                                           (1, 384, False, "mxfp4"), (2, 1536, True, "mxfp4"),
-                                           (1, 1536, False, "int4")])
-def test_w4a16_one_launch_compiles_to_ptx(T, I, quads, fmt, tmp_path):
-    """The pairwise MLP in one launch: a ticket, the word-order tile, the gate/up and down row loops
-    (their activations through L2, `.cg`, since other CTAs of the launch wrote them), each wait on an
-    acquired flag after the weights' first copies, bounded by a trap; a group's count, its SiTU-GLU and
-    its released flag; the exit count whose last CTA zeroes the state. No spills, no multicast."""
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
-
-    L, E, k = 3584, 896, 16
-    cfg = cute_config(T, E, I, L, k, one_launch=True, x_quads=quads)
-    params = one.params(I, L, k, cfg, fmt)
-    key, build = one.builder(**params, beta=4.0, linear_beta=25.0)
-    ptx = compat.compile_to_ptx_on_cpu(key, build, str(tmp_path))
-    ops = _ops(ptx)
-    where = (T, I, fmt, cfg)
-    loops = sum(2 if p["k_span"] // w4.STEP > p["stages"] - 1 else 1 for p in params.values())
-    mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
-    copies = 2 if fmt == "mxfp4" else 1  # MXFP4's loops in their ordinary and wide-scale copy
-    assert mma == copies * 8 * loops, (where, mma)
-    assert ".target sm_90a" in ptx
-    assert ops["ld.local"] == 0 and ops["st.local"] == 0 and ops["multimem"] == 0, (where, ops)
-    # the ticket (relaxed), a group's gate/up count and the exit count (acquire-release)
-    assert len(re.findall(r"atom\.relaxed\.gpu\.global\.add\.s32", ptx)) == 1, where
-    assert len(re.findall(r"atom\.acq_rel\.gpu\.global\.add\.s32", ptx)) == 2, where
-    # two waits (x's flag, a group's), each polled with an acquire, backing off, trapping past its bound
-    assert len(re.findall(r"trap;", ptx)) == 2 and len(re.findall(r"nanosleep", ptx)) == 2, where
-    assert len(re.findall(r"ld\.acquire\.gpu\.global\.s32", ptx)) >= 2, where
-    assert len(re.findall(r"st\.release\.gpu\.global\.s32", ptx)) == 2, where  # x's flag, a group's
-    # the step loops' 4 activation loads and the SiTU-GLU's g and u halves a split, all through L2; the
-    # only read-only 16-byte load is a's, in the word-order tile
-    cg = len(re.findall(r"ld\.global\.cg\.v4\.u32", ptx))
-    assert cg == mma // 8 * 4 + 4 * cfg["split"], (where, cg)
-    assert len(re.findall(r"ld\.global\.nc\.v4\.u32", ptx)) == 1, where
-    assert len(re.findall(r"prmt\.b32 [^;]+0x(5410|7632);", ptx)) == 4, where
-    # the SiTU-GLU: 8 elements a thread a pass, 3 exponentials each, packed in word-order pairs
-    assert len(re.findall(r"ex2\.approx\.ftz\.f32", ptx)) == 24, where
-    assert len(re.findall(r"cvt\.rn\.bf16x2\.f32", ptx)) == 4, where
-    assert len(re.findall(r"st\.global\.v4\.u32", ptx)) == 2, where  # x's words, h's words
-    assert len(re.findall(r"st\.relaxed\.gpu\.global\.s32", ptx)) == 1, where  # the state's zeroing
-
-
-@needs_cute
-@pytest.mark.parametrize("T,I", [(1, 3072), (64, 1536), (8, 384)])
-def test_w4a16_scale_blocks_compile_to_ptx(T, I, tmp_path):
-    """scale_steps 4: a row's scale words of 4 steps by one 16-byte cp.async through L1 (`.ca`), issued
-    with a block's first step, read back one byte a step, no barrier; a launch whose K or span is not
-    whole 4-step blocks (I = 384's down: 3 steps, 12-byte scale rows) keeps the 4-byte copies."""
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-
-    launches = {}
-    for name, params, ptx, where in _w4a16_launches(T, I, "mxfp4", tmp_path, scale_steps=4, **FOUR_LAUNCHES):
-        launches[name] = params
-        blocks = w4.scale_blocks_fit(params["K"], params["k_span"])
-        assert params["scale_steps"] == (4 if blocks else 1), where
-        mma = len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx))
-        scale16 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx))
-        scale4 = len(re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 4;", ptx))
-        if blocks:
-            # the prologue's block and one issue site in each step loop, rows a and b each
-            assert scale16 >= 2 * 2 and scale4 == 0, (where, scale16, scale4)
-        else:
-            assert scale16 == 0 and scale4 >= 2 * 2, (where, scale16, scale4)
-        assert len(re.findall(r"ld\.shared\.u8", ptx)) == mma // 8 * 2, where  # rows a, b a step
-        assert "bar.sync" not in ptx and "bar.warp.sync" not in ptx, where
-    assert launches["down"]["scale_steps"] == (1 if I == 384 else 4)
-
-
-@needs_cute
-@pytest.mark.parametrize("T,I,fmt,choices", [(1, 1536, "mxfp4", {}), (1, 1536, "mxfp4", {"rounds": True}),
-                                             (64, 1536, "mxfp4", {}), (1, 3072, "int4", {}),
-                                             (2, 384, "mxfp4", {"split": 1})])
+@pytest.mark.parametrize("T,I,fmt,choices", [(1, 1536, "mxfp4", {}), (64, 1536, "mxfp4", {}), (1, 3072, "int4", {}),
+                                             (2, 384, "mxfp4", {"split": 2}), (8, 384, "int4", {})])
 def test_w4a16_blocked_compiles_to_ptx(T, I, fmt, choices, tmp_path):
-    """blocked (block_order's tables): the same launches' keys but `blocked`, as many copies, mmas and shared
+    """blocked (block_order's tables): the same launches but `blocked`, as many copies, mmas and shared
     loads, no spills, no multicast (the ring model checks the addresses). At I = 1536 with 1 token its SASS
     step loop is no longer than the row-major one's (the layout moves addresses, not work)."""
-    rows_major = {n: (p, x) for n, p, x, _ in _w4a16_launches(T, I, fmt, tmp_path / "rows", **choices)}
-    for name, params, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, blocked=True, **choices):
-        row_params, row_ptx = rows_major[name]
-        assert params == {**row_params, "blocked": True}, where
+    import dataclasses
+
+    rows_major = {n: (k, x) for n, k, x, _ in _w4a16_launches(T, I, fmt, tmp_path / "rows", **choices)}
+    for name, kernel, ptx, where in _w4a16_launches(T, I, fmt, tmp_path, layout="blocks", **choices):
+        row_kernel, row_ptx = rows_major[name]
+        assert kernel == dataclasses.replace(row_kernel, blocked=True), where
         for op in (r"cp\.async\.\w+\.shared\.global", r"mma\.sync", r"ld\.shared"):
             assert len(re.findall(op, ptx)) == len(re.findall(op, row_ptx)), (where, op)
         ops = _ops(ptx)

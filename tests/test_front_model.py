@@ -20,11 +20,10 @@ import pytest
 
 from k3fuse.model.shapes import gemm_site
 
+from bench import front_model as M  # the model belongs to one benchmark, not the installed package
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # the model belongs to one benchmark, not the installed package
-import front_model as M  # noqa: E402
 SLICE_JSON = ROOT / "bench" / "results" / "h200_moe_front_slice.json"
-BENCH = ROOT / "bench" / "bench_moe_front.py"
 SHAPE = M.FrontShape()
 
 
@@ -152,8 +151,8 @@ def test_legacy_json_reads_as_tp_2_from_the_floors():
 
 
 def _run_project(*paths, out):
-    proc = subprocess.run([sys.executable, str(BENCH), "--project", *map(str, paths), "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_moe_front", "--project", *map(str, paths),
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 
@@ -177,7 +176,7 @@ def test_project_on_the_real_json_prints_the_models_table(tmp_path):
             assert cells[-1] == ("declines (below)" if W == 16 else "covers")
     assert len(js["projection"]) == len(M.TABLE_TP) * len(M.TABLE_TOKENS)
     assert "world_size 16 outside [1, 8]" in text   # the kernel's own reason at TP 16
-    # the bracket (perf.md section 2's fused-AR overhead) is in the table
+    # the bracket (the fused-AR overhead, docs/perf/2026-11-30-decode-gemm-fused-ar.md section 2) is in the table
     assert set(js["params"]["bracket_us"]) >= {"1", "8", "64"}
     tp2_t1 = next(r for r in js["projection"] if r["W"] == 2 and r["T"] == 1)
     assert tp2_t1["bracket_sharded_us"] == pytest.approx(tp2_t1["compute_us"] + js["params"]["bracket_us"]["1"])
@@ -223,15 +222,12 @@ def test_project_reads_several_as_tp_and_compares_with_a_tp2_run(tmp_path):
 def test_bench_times_every_as_tp_and_skips_what_the_kernel_declines(monkeypatch, tmp_path):
     """The benchmark's per-as-tp plumbing on CPU (timings faked, the op the CPU reference): every N
     gets its keys, TP 16 is skipped with the kernel's reason, and the JSON rows load as slices."""
-    import importlib.util
     import types
 
     import torch
 
     pytest.importorskip("triton")
-    spec = importlib.util.spec_from_file_location("bench_moe_front", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import bench_moe_front
     from k3fuse.kernels import collective
     from k3fuse.kernels.lib.triton import moe_gather as K
     from k3fuse.kernels.lib.triton import splitk_gemm
@@ -249,24 +245,26 @@ def test_bench_times_every_as_tp_and_skips_what_the_kernel_declines(monkeypatch,
         pdl_seen.append(K.USE_PDL)
         return 10.0 + len(pdl_seen)
 
-    monkeypatch.setattr(bench, "graph_replay_us", fake_replay)
-    monkeypatch.setattr(bench, "COPIES", 1)
+    monkeypatch.setattr(bench_moe_front, "graph_replay_us", fake_replay)
+    monkeypatch.setattr(bench_moe_front, "COPIES", 1)
     g = torch.Generator().manual_seed(0)
-    wrs = [torch.randn(bench.E, bench.H, generator=g).bfloat16()]
-    wds = [torch.randn(bench.L, bench.H, generator=g).bfloat16()]
-    xs = [torch.randn(1, bench.H, generator=g).bfloat16()]
-    floor = lambda rows: rows * bench.H * 2 / 4e12 * 1e6
-    got = {str(n): bench._time_slice(n, 1, xs, wrs, wds, "", torch.device("cpu"), floor) for n in (2, 4, 8, 16)}
+    wrs = [torch.randn(bench_moe_front.E, bench_moe_front.H, generator=g).bfloat16()]
+    wds = [torch.randn(bench_moe_front.L, bench_moe_front.H, generator=g).bfloat16()]
+    xs = [torch.randn(1, bench_moe_front.H, generator=g).bfloat16()]
+    floor = lambda rows: rows * bench_moe_front.H * 2 / 4e12 * 1e6
+    got = {str(n): bench_moe_front._time_slice(n, 1, xs, wrs, wds, "", torch.device("cpu"), floor)
+           for n in (2, 4, 8, 16)}
     assert "router slice 56" in got["16"]["skipped"] and set(got["16"]) == {"skipped"}
     keys = {"floor_slice", "slice", "slice_no_pdl", "slice_push_only", "slice_stacked_gemm"}
     for n in ("2", "4", "8"):
         assert keys <= set(got[n]), got[n]
-        assert got[n]["floor_slice"] == pytest.approx(floor((bench.E + bench.L) // int(n)))
+        assert got[n]["floor_slice"] == pytest.approx(floor((bench_moe_front.E + bench_moe_front.L) // int(n)))
         assert "errors" not in got[n]            # every side arm ran (the CPU reference serves all)
     assert pdl_seen.count(False) == 3 and K.USE_PDL is True      # the no-PDL arm only, then restored
     assert len(fills) == 3                                       # the workspace back to the sentinel each time
-    row = {"M": 1, "stock": 38.0, "gemv": 19.0, "sharded": 21.0, "floor_replicated": floor(bench.E + bench.L),
-           "floor_sharded": floor(bench.E + bench.L), "slices": got, **{k: got["2"][k] for k in keys}}
+    rows = bench_moe_front.E + bench_moe_front.L
+    row = {"M": 1, "stock": 38.0, "gemv": 19.0, "sharded": 21.0, "floor_replicated": floor(rows),
+           "floor_sharded": floor(rows), "slices": got, **{k: got["2"][k] for k in keys}}
     path = _bench_json(tmp_path / "b.json", 1, [row])
     runs = M.load_runs([str(path)])
     assert sorted(s.as_tp for s in runs.slices) == [2, 4, 8]

@@ -171,6 +171,9 @@ def test_the_compiler_never_imports_the_tools():
 RULE_REACH_PREFIX = "k3fuse.kernels.ops."
 LIBRARY = "k3fuse.kernels.lib"
 TOOLCHAINS = ("cute", "triton", "reference")
+#: library packages of launch sequences across toolchains (a CuTe kernel between Triton ones), never a kernel
+#: body: the toolchains each may import
+COMPOSITES = {"composite": ("cute", "triton")}
 
 
 def test_rules_reach_kernels_only_through_an_ops_spec():
@@ -188,11 +191,35 @@ def _toolchain(module: str) -> str | None:
 
 def test_the_library_never_imports_across_toolchains():
     """A module under kernels/lib/<toolchain> imports no other toolchain's modules (cute never triton, and
-    the other way round; the plain-torch references neither): a kernel mixing both is an op's business."""
-    bad = {m: sorted(e for e in deps if _toolchain(e) not in (None, _toolchain(m)))
+    the other way round; the plain-torch references neither; none a composite): a launch sequence mixing
+    both lives under kernels/lib/composite, which may import exactly those two."""
+    bad = {m: sorted(e for e in deps if _toolchain(e) not in (None, _toolchain(m), *COMPOSITES.get(_toolchain(m), ())))
            for m, deps in GRAPH.items() if _toolchain(m)}
     assert {m: e for m, e in bad.items() if e} == {}
-    assert all(_toolchain(m) in TOOLCHAINS for m in GRAPH if _toolchain(m))
+    assert all(_toolchain(m) in TOOLCHAINS + tuple(COMPOSITES) for m in GRAPH if _toolchain(m))
+
+
+def test_the_w4a16_launch_sequence_lives_in_the_composite_package():
+    """The routed experts' W4A16 launches (Triton grouping and SiTU-GLU around the CuTe GEMMs) and their
+    configuration are lib/composite's; the op module holds its Spec, predicates and registration, and reaches
+    the sequence only through it."""
+    composite = "k3fuse.kernels.lib.composite.routed_experts_w4a16"
+    assert {f"{LIBRARY}.cute.routed_experts_w4a16", f"{LIBRARY}.triton.routed_experts_w4a16"} <= GRAPH[composite]
+    assert composite in GRAPH["k3fuse.kernels.ops.routed_experts_w4a16"]
+    defs = {n.name for n in ast.walk(ast.parse(MODULES["k3fuse.kernels.ops.routed_experts_w4a16"].read_text()))
+            if isinstance(n, ast.FunctionDef)}
+    assert not defs & {"cute_config", "pick_config", "tuned_choices"}, defs
+
+
+#: the kernel library modules that read a setting: compat's K3FUSE_DISABLE_CUTE check (the DSL's availability)
+READS_SETTINGS = {f"{LIBRARY}.cute.compat"}
+
+
+def test_the_library_reads_no_settings():
+    """Settings are read outside kernels/lib (k3fuse/settings.py parses them; an op module or its caller
+    passes what a kernel needs as arguments)."""
+    readers = {m for m, deps in GRAPH.items() if m.startswith(LIBRARY) and "k3fuse.settings" in deps}
+    assert readers <= READS_SETTINGS, sorted(readers - READS_SETTINGS)
 
 
 def test_the_library_registers_nothing():

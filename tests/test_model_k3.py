@@ -156,8 +156,8 @@ def test_parameter_table_is_what_the_model_holds(preset, tp):
     if preset == "k3":
         assert held["layers.3.attn.w_kv_b"] == (96 // tp * 256, 512) and held["embed.weight"] == (163840 // tp, 7168)
         hf = {e.hf for e in params.model_table(cfg)}
-        assert "language_model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in hf
-        assert "language_model.layers.1.block_sparse_moe.experts.{e}.w2.{weight_packed,weight_scale}" in hf
+        assert "language_model.model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in hf
+        assert "language_model.model.layers.1.block_sparse_moe.experts.{e}.w2.{weight_packed,weight_scale}" in hf
     assert "layers.0.mlp.w_down" in held  # layer 1's dense MLP
 
 

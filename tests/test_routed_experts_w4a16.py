@@ -357,7 +357,8 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
     from k3fuse.kernels import dispatch
     from k3fuse.kernels.lib.cute import compat
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as C
-    from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, cute_accepts, cute_config
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
+    from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec, cute_accepts
 
     if not compat.HAVE_CUTE:
         pytest.skip(f"nvidia-cutlass-dsl not importable: {compat.IMPORT_ERROR}")
@@ -377,17 +378,17 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
         for T in range(1, 65):
             assert cute_accepts(spec(T, I)) is None, (I, T)
             assert cute_accepts(spec(T, I, fmt="int4")) is None, (I, T)
-            cfg = cute_config(T, 896, I, 3584, 16)
+            launch = W4A16Launch.for_call("mxfp4", T, 896, I, 3584, 16)  # (a width it does not take raises)
             steps = 3584 // C.STEP
-            assert steps % cfg["split"] == 0 and (3584 // C.BLOCK_ROWS) % cfg["n_tiles"] == 0, (I, T, cfg)
-            assert 2 <= cfg["gate_up_stages"] <= steps // cfg["split"] + 1 and 2 <= cfg["down_stages"], (I, T, cfg)
-            assert cfg["pairwise"] == (T <= 2)
+            assert steps % launch.split == 0 and (3584 // C.BLOCK_ROWS) % launch.n_tiles == 0, (I, T, launch)
+            assert 2 <= launch.gate_up().stages <= steps // launch.split + 1, (I, T, launch)
+            assert launch.pairwise == (T <= 2)
     for I in (2048, 256):  # Kimi K2.x's int4 experts at TP 1 and 8: 384 of them, top-8, hidden 7168
         k2 = RoutedExpertsW4A16Spec(E=384, I=I, L=7168, top_k=8, dtype=torch.bfloat16, format="int4",
                                     scale_dtype=torch.bfloat16)
         assert all(cute_accepts(k2.with_tokens(T)) is None for T in range(1, 65)), I
-    assert cute_config(1, 896, 384, 3584, 16)["split"] > 1  # 16 pairs x 12 row blocks: the K split fills the SMs
-    assert cute_config(64, 896, 3072, 3584, 16)["split"] == 1
+    assert W4A16Launch.for_call("int4", 1, 896, 384, 3584, 16).split > 1  # 16 pairs x 12 row blocks: the split fills
+    assert W4A16Launch.for_call("mxfp4", 64, 896, 3072, 3584, 16).split == 1  # the SMs
     assert "int4 with bf16 scales" in cute_accepts(spec(8, fmt="int4", scale_dtype=torch.float16))
     assert "int4 with bf16 scales" in cute_accepts(spec(8, fmt="int4", scale_dtype=torch.float32))
     assert "bf16 activations" in cute_accepts(spec(8, dtype=torch.float16))
@@ -399,13 +400,11 @@ def test_cute_kernel_takes_mxfp4_and_int4_bf16_at_k3_widths_and_names_what_it_le
     for I in (3072, 1536, 384):
         for T in (1, 2, 5, 64):
             blocked = dataclasses.replace(spec(T, I), layout="blocks")
-            assert cute_accepts(blocked) is None and cute_config(T, 896, I, 3584, 16, layout="blocks")["blocked"]
+            assert cute_accepts(blocked) is None
+            assert W4A16Launch.for_call("mxfp4", T, 896, I, 3584, 16, "blocks").blocked
             assert accepts(blocked) is None
     assert accepts(dataclasses.replace(spec(1, 192), layout="blocks")) == \
         "layout 'blocks' at I=192, L=3584 (block order needs whole steps of 128)"
-    monkeypatch.setenv("K3FUSE_W4A16_ONE_LAUNCH", "1")  # a launch form that reads rows only: named, not taken
-    why = cute_accepts(dataclasses.replace(spec(1), layout="blocks"))
-    assert why.startswith("the CuTe launch for layout 'blocks': blocked tables are read a step at a time"), why
 
 
 # --- the K3 stack with quantized experts ------------------------------------------------------------
@@ -562,7 +561,7 @@ def test_word_order_and_quad_order_put_each_element_where_the_cute_kernel_reads_
 
 
 def test_grouping_and_word_order_in_one_launch_are_the_two_launches():
-    """group_in_word_order (grouped mode's preparations in one launch, one_prep) in the interpreter: the same
+    """group_in_word_order (grouped mode's preparations in one launch) in the interpreter: the same
     groups and rows as `group`, and a copy of a equal to word_order(a, quads), both orders; an expert id
     outside [0, E) left out; the sizes it refuses, by name."""
     from k3fuse.kernels.lib.triton.routed_experts_w4a16 import group_in_word_order
@@ -680,260 +679,93 @@ def test_pick_config_splits_k_when_the_grid_is_small():
     assert not forced["pairwise"] and forced["gate_up"]["SPLIT_K"] == 1
 
 
-def test_cute_config_covers_the_sms_and_takes_imposed_choices(monkeypatch):
-    """The CuTe launches' choice at K3's widths (a K split for few pairs, row tiles for many, a group's
-    row blocks side by side), and the benchmark's imposed split / tiles / down depth / grid order, with
-    the ring depth that follows; a split or
-    tiling that does not divide the steps or row blocks, and a ring of fewer than 2 stages, are
-    refused by name."""
+def test_the_cute_launch_covers_the_sms_and_takes_imposed_choices():
+    """W4A16Launch.for_call at K3's widths: a K split for few pairs, row tiles for many, the ring's depth
+    following the span; an arm imposes a split or tile count (dataclasses.replace), and one that does not
+    divide the steps or row blocks, or a layout that is not one, is refused by name."""
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import STAGES, TARGET_CTAS, W4A16Launch
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     E, L, k = 896, 3584, 16
-    few = cute_config(1, E, 384, L, k)  # 16 pairs x 12 row blocks: split until ~8 CTAs an SM
-    assert few["pairwise"] and few["split"] > 1 and (L // w4.STEP) % few["split"] == 0
-    assert 16 * 12 * few["split"] >= w4.TARGET_CTAS and few["n_tiles"] == 1
-    many = cute_config(64, E, 3072, L, k)
-    assert not many["pairwise"] and many["split"] == 1 and many["n_tiles"] > 1
-    assert many["gate_up_stages"] == many["down_stages"] == w4.STAGES
-    imposed = cute_config(1, E, 3072, L, k, split=14, n_tiles=2, down_stages=4)
-    assert imposed["split"] == 14 and imposed["n_tiles"] == 2
-    assert imposed["gate_up_stages"] == 3 and imposed["down_stages"] == 4  # 2 steps a span: a ring of 3 at most
-    assert cute_config(1, E, 3072, L, k, split=1)["split"] == 1
-    assert many["rows_first"] and not cute_config(64, E, 3072, L, k, rows_first=False)["rows_first"]
-    # the activations in quad order in grouped mode, in word order pairwise, unless imposed
-    assert many["x_quads"] and not cute_config(64, E, 3072, L, k, x_quads=False)["x_quads"]
-    assert few["pairwise"] and not few["x_quads"]
-    assert cute_config(1, E, 384, L, k, pairwise=False)["x_quads"]
-    assert cute_config(1, E, 384, L, k, x_quads=True)["x_quads"]
-    # one scale word a copy unless 4 imposed (a launch whose widths do not fit 4-step blocks takes 1)
-    assert many["scale_steps"] == 1 and cute_config(64, E, 3072, L, k, scale_steps=4)["scale_steps"] == 4
-    with pytest.raises(ValueError, match="scale_steps 2"):
-        cute_config(64, E, 3072, L, k, scale_steps=2)
-    with pytest.raises(ValueError, match="split 3 / n_tiles 1 do not divide the 28 steps / 56 row blocks"):
-        cute_config(1, E, 3072, L, k, split=3)
-    with pytest.raises(ValueError, match="a ring of 1 stages"):
-        cute_config(8, E, 3072, L, k, stages=1)
-    # pairwise, four launches unless one imposed; grouped mode has no one-launch form
-    assert not few["one_launch"] and not many["one_launch"]
-    assert cute_config(1, E, 3072, L, k, one_launch=True)["one_launch"]
-    with pytest.raises(ValueError, match="one_launch runs pairwise mode only"):
-        cute_config(64, E, 3072, L, k, one_launch=True)
-    monkeypatch.setenv("K3FUSE_W4A16_ONE_LAUNCH", "1")  # the setting decides pairwise mode, never grouped
-    assert cute_config(1, E, 3072, L, k)["one_launch"] and not cute_config(64, E, 3072, L, k)["one_launch"]
-    assert not cute_config(1, E, 3072, L, k, one_launch=False)["one_launch"]
+    few = W4A16Launch.for_call("int4", 1, E, 384, L, k)  # 16 pairs x 12 row blocks: split until ~8 CTAs an SM
+    assert few.pairwise and few.split > 1 and (L // w4.STEP) % few.split == 0
+    assert 16 * 12 * few.split >= TARGET_CTAS and few.n_tiles == 1
+    many = W4A16Launch.for_call("mxfp4", 64, E, 3072, L, k)
+    assert not many.pairwise and many.split == 1 and many.n_tiles > 1
+    assert many.gate_up().stages == many.down(4.0, 25.0).stages == STAGES
+    imposed = dataclasses.replace(W4A16Launch.for_call("mxfp4", 1, E, 3072, L, k), split=14, n_tiles=2)
+    assert imposed.gate_up().L // imposed.gate_up().split == 256 and imposed.down(4.0, 25.0).n_tiles == 2
+    assert imposed.gate_up().stages == 3  # 2 steps a span: a ring of 3 at most
+    assert dataclasses.replace(few, split=4).gate_up().stages == STAGES
+    with pytest.raises(ValueError, match="split 3"):
+        dataclasses.replace(few, split=3)  # 28 steps
+    with pytest.raises(ValueError, match="n_tiles 3"):
+        dataclasses.replace(many, n_tiles=3)  # 56 row blocks
+    with pytest.raises(ValueError, match="expert layout 'columns'"):
+        W4A16Launch.for_call("mxfp4", 1, E, 3072, L, k, "columns")
+    with pytest.raises(ValueError, match="I=96"):
+        W4A16Launch.for_call("mxfp4", 1, E, 96, L, k)  # off whole row blocks (the op's predicate says so first)
 
 
-def test_x_stage_is_pairwise_and_its_launches_stage_a_then_h(monkeypatch):
-    """x_stage (the pairwise MLP in two launches whose CTAs stage their activation row): refused in
-    grouped mode and beside one_launch, by name; the gate/up stages a's rows ("natural"), the down h from
-    the gate/up's partials (its split) through SiTU's betas, which it then needs; with the quad order
-    both stage it so (another kernel); gate_up_tiles gives a gate/up CTA several row blocks and must
-    divide w1's."""
+def test_pairwise_launches_stage_their_rows_and_grouped_downs_follow_the_situ_glu_grid():
+    """Pairwise (1-2 tokens at top-16): the gate/up stages a's row, the down computes h from the gate/up's
+    partials (SiTU's betas and the split's slots in its type); grouped: the down reads the Triton SiTU-GLU's
+    h after that grid (PDL). A mode imposed on a token count gets that mode's split and tiles; each launch
+    its own compile key."""
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
     E, L, k = 896, 3584, 16
-    cfg = cute_config(1, E, 1536, L, k, x_stage=True, gate_up_tiles=2)
-    gate_up, down = w4.gate_up_params(1536, L, k, cfg, "mxfp4"), w4.down_params(1536, L, cfg, "mxfp4", (4.0, 25.0))
-    assert cfg["x_stage"] and not cfg["x_quads"] and not cfg["one_launch"]
-    assert gate_up["x_stage"] == "natural" and gate_up["n_tiles"] == 2 and gate_up["top_k"] == k
-    assert down["x_stage"] == "situ" and down["gu_splits"] == cfg["split"]
-    assert (down["beta"], down["linear_beta"]) == (4.0, 25.0) and not down["pdl"] and not gate_up["pdl"]
-    # PDL: the gate/up triggers, the down waits; only between the staged launches
-    linked = cute_config(1, E, 1536, L, k, x_stage=True, pdl=True)
-    assert w4.gate_up_params(1536, L, k, linked, "int4")["pdl"] == "trigger"
-    assert w4.down_params(1536, L, linked, "int4", (4.0, 25.0))["pdl"] == "wait"
-    with pytest.raises(ValueError, match="pdl .* needs x_stage"):
-        cute_config(1, E, 1536, L, k, x_stage=False, pdl=True)
-    assert not cute_config(64, E, 1536, L, k)["pdl"]
-    monkeypatch.setenv("K3FUSE_W4A16_PDL", "1")  # the setting's default gives way where nothing is staged
-    assert cute_config(1, E, 1536, L, k)["pdl"] and not cute_config(1, E, 1536, L, k, x_stage=False)["pdl"]
-    assert not cute_config(64, E, 1536, L, k)["pdl"]
-    monkeypatch.delenv("K3FUSE_W4A16_PDL")
-    with pytest.raises(ValueError, match="needs SiTU's betas"):
-        w4.down_params(1536, L, cfg, "mxfp4")
-    # the four-launch form's keys are unchanged by the staged form's parameters
-    plain = cute_config(1, E, 1536, L, k, x_stage=False)
-    assert "x_stage" not in w4.down_params(1536, L, plain, "mxfp4") and not plain["x_stage"]
-    assert w4.builder(**w4.gate_up_params(1536, L, k, plain, "mxfp4"))[0] != w4.builder(**gate_up)[0]
-    with pytest.raises(ValueError, match="x_stage runs pairwise mode only"):
-        cute_config(64, E, 1536, L, k, x_stage=True)
-    with pytest.raises(ValueError, match="choose one"):
-        cute_config(1, E, 1536, L, k, x_stage=True, one_launch=True)
-    quads = cute_config(1, E, 1536, L, k, x_stage=True, x_quads=True)
-    quads_gate_up, quads_down = w4.gate_up_params(1536, L, k, quads, "mxfp4"), w4.down_params(1536, L, quads, "mxfp4",
-                                                                                                (4.0, 25.0))
-    assert quads_gate_up["x_quads"] and quads_gate_up["x_stage"] == "natural" and quads_down["x_quads"]
-    assert w4.builder(**quads_gate_up)[0] != w4.builder(**gate_up)[0]
-    assert w4.builder(**quads_down)[0] != w4.builder(**down)[0]
-    with pytest.raises(ValueError, match="gate_up_tiles 5 does not divide the 24 row blocks"):
-        cute_config(1, E, 1536, L, k, gate_up_tiles=5)
-    # fewer, longer gate/up CTAs: the split rule counts them
-    assert cute_config(1, E, 384, L, k, gate_up_tiles=2)["split"] >= cute_config(1, E, 384, L, k)["split"]
-    monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "1")  # the setting decides pairwise mode, never grouped
-    assert cute_config(1, E, 3072, L, k)["x_stage"] and not cute_config(64, E, 3072, L, k)["x_stage"]
-    assert not cute_config(1, E, 3072, L, k, one_launch=True)["x_stage"]
-    assert cute_config(1, E, 3072, L, k, x_quads=True)["x_stage"]  # an imposed quad order stages the row so
-    monkeypatch.setenv("K3FUSE_W4A16_X_STAGE", "0")
-    assert not cute_config(1, E, 3072, L, k)["x_stage"]
+    staged, grouped = W4A16Launch.for_call("mxfp4", 1, E, 384, L, k), W4A16Launch.for_call("mxfp4", 16, E, 384, L, k)
+    assert staged.pairwise and staged.gate_up().pairwise
+    assert staged.down(4.0, 25.0).situ == w4.Situ(beta=4.0, linear_beta=25.0, splits=staged.split)
+    assert not grouped.pairwise and not grouped.gate_up().pairwise and grouped.down(4.0, 25.0).situ is None
+    forced = W4A16Launch.for_call("mxfp4", 2, E, 384, L, k, pairwise=False)  # ~32 groups: the rule's split
+    assert not forced.pairwise and forced.split == 4 and W4A16Launch.for_call("mxfp4", 2, E, 384, L, k).split == 1
+    assert W4A16Launch.for_call("mxfp4", 64, E, 384, L, k, pairwise=True).pairwise
+    keys = {w4.builder(kernel)[0] for launch in (staged, grouped, forced)
+            for kernel in (launch.gate_up(), launch.down(4.0, 25.0), launch.down(2.0, 25.0))}
+    assert len(keys) == 7  # the grouped downs take no betas
+    if w4.compat.HAVE_CUTE:
+        up, down, after = (w4.W4A16RowsDot(kernel) for kernel in (staged.gate_up(), staged.down(4.0, 25.0),
+                                                                   grouped.down(4.0, 25.0)))
+        assert up.x_stage_bytes() == 2 * 3584 // staged.split and down.x_stage_bytes() == 2 * 384
+        assert not up.after_grid and not down.after_grid and after.after_grid and after.x_stage_bytes() == 0
 
 
-def test_rounds_is_a_pairwise_choice_with_its_own_launch_keys():
-    """rounds (the step loops in rounds of the ring's depth, constant slots and offsets): off by default,
-    imposed in pairwise mode with or without the staged row, its launches' keys apart from the loop's
-    (whose keys it leaves as they were); refused by name in grouped mode, with one_launch, with the
-    scale blocks and beside balanced."""
+def test_blocked_is_the_tables_layout_with_its_own_launch_keys():
+    """The tables' layout says `blocked` (the caller's fact, not a choice): the launch the call takes, over
+    block-ordered tables, in both modes and both projections, each its own compile key."""
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    E, L, k = 896, 3584, 16
-    assert not w4.ROUNDS and not cute_config(1, E, 1536, L, k)["rounds"]
-    for choices in ({}, {"x_stage": False}, {"x_quads": True, "pdl": True}, {"gate_up_tiles": 2, "n_tiles": 2}):
-        loop, rounds = cute_config(1, E, 1536, L, k, **choices), cute_config(1, E, 1536, L, k, rounds=True, **choices)
-        assert rounds["rounds"] and {**rounds, "rounds": False} == loop, (choices, rounds, loop)
-        for params in (lambda c: w4.gate_up_params(1536, L, k, c, "mxfp4"),
-                       lambda c: w4.down_params(1536, L, c, "mxfp4", (4.0, 25.0))):
-            assert params(rounds)["rounds"] and not params(loop)["rounds"]
-            assert w4.builder(**params(rounds))[0] != w4.builder(**params(loop))[0]
-            assert "rounds" not in dict(w4.builder(**params(loop))[0][1])  # the loop's keys as before
-    for T, choices in ((64, {}), (1, {"pairwise": False}), (1, {"one_launch": True}), (1, {"scale_steps": 4})):
-        with pytest.raises(ValueError, match="rounds runs pairwise mode's two- or four-launch forms"):
-            cute_config(T, E, 1536, L, k, rounds=True, **choices)
-    with pytest.raises(ValueError, match="balanced streams whole rows.*rounds"):
-        cute_config(1, E, 1536, L, k, rounds=True, balanced=True)
+    for fmt in FORMATS:
+        for T in (1, 2, 64):
+            rows = W4A16Launch.for_call(fmt, T, 896, 1536, 3584, 16)
+            blocked = W4A16Launch.for_call(fmt, T, 896, 1536, 3584, 16, "blocks")
+            assert not rows.blocked and blocked == dataclasses.replace(rows, blocked=True)
+            for made in (lambda launch: launch.gate_up(), lambda launch: launch.down(4.0, 25.0)):
+                assert made(blocked).blocked and w4.builder(made(blocked))[0] != w4.builder(made(rows))[0]
 
 
-def test_one_prep_and_act_pdl_are_the_four_launch_forms_defaults():
-    """Grouped mode prepares in one launch (one_prep) and, without x_stage, the down is the SiTU-GLU launch's
-    programmatic dependent (act_pdl): the down's launch waits ("wait"), the gate/up never triggers (the SiTU-GLU
-    launch does); both off where imposed, with keys of their own; refused by name where there is no such launch
-    (one_prep pairwise, act_pdl beside x_stage or one_launch)."""
+def test_the_launch_types_refuse_what_the_kernel_cannot_stream():
+    """GateUp / Down (the CuTe kernel's one constructor argument) name a split, tile count or ring depth that
+    does not fit the widths; a launch runs only on the call it was made for."""
+    from k3fuse.kernels.lib.composite import routed_experts_w4a16 as composite
     from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
 
-    E, L, k = 896, 3584, 16
-    assert w4.ONE_PREP and w4.ACT_PDL
-    grouped, pairwise_four = cute_config(16, E, 384, L, k), cute_config(1, E, 384, L, k, x_stage=False)
-    staged = cute_config(1, E, 384, L, k)
-    assert grouped["one_prep"] and grouped["act_pdl"] and not grouped["pdl"]
-    assert not pairwise_four["one_prep"] and pairwise_four["act_pdl"]
-    assert staged["x_stage"] and not staged["one_prep"] and not staged["act_pdl"]
-    for cfg, off in ((grouped, cute_config(16, E, 384, L, k, act_pdl=False)),
-                     (pairwise_four, cute_config(1, E, 384, L, k, x_stage=False, act_pdl=False))):
-        assert w4.gate_up_params(384, L, k, cfg, "mxfp4").get("pdl", "") == ""
-        down, down_off = (w4.down_params(384, L, c, "mxfp4") for c in (cfg, off))
-        assert down["pdl"] == "wait" and "pdl" not in down_off
-        assert w4.builder(**down)[0] != w4.builder(**down_off)[0]
-    assert not cute_config(16, E, 384, L, k, one_prep=False)["one_prep"]
-    with pytest.raises(ValueError, match="one_prep runs grouped mode only"):
-        cute_config(1, E, 384, L, k, one_prep=True)
-    for choices in ({"x_stage": True}, {"one_launch": True}):
-        with pytest.raises(ValueError, match="act_pdl launches the down after the SiTU-GLU launch"):
-            cute_config(1, E, 384, L, k, act_pdl=True, **choices)
-
-
-def test_blocked_is_a_choice_in_both_modes_with_its_own_launch_keys(monkeypatch):
-    """blocked (tables in quant.block_order's layout): the tables' layout says it (cute_config's `layout`), else
-    off; imposed in either mode with the loop or rounds, its launches' keys apart from the row-major ones (whose
-    keys it leaves as they were); refused by name with one_launch, the scale blocks and balanced; the balanced
-    setting gives way to it."""
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
-
-    E, L, k = 896, 3584, 16
-    assert not cute_config(1, E, 1536, L, k)["blocked"] and not cute_config(64, E, 1536, L, k)["blocked"]
-    for T in (1, 2, 64):  # the layout adds blocked to the launch the call would take, tuned choices kept
-        taken = cute_config(T, E, 1536, L, k, format="mxfp4")
-        assert cute_config(T, E, 1536, L, k, format="mxfp4", layout="blocks") == {**taken, "blocked": True}
-    for T, choices in ((1, {}), (1, {"rounds": True}), (64, {}), (2, {"split": 1, "x_stage": False})):
-        rows, blocked = cute_config(T, E, 1536, L, k, **choices), cute_config(T, E, 1536, L, k, blocked=True, **choices)
-        assert blocked["blocked"] and {**blocked, "blocked": False} == rows, (T, choices)
-        for params in (lambda c: w4.gate_up_params(1536, L, k, c, "mxfp4"),
-                       lambda c: w4.down_params(1536, L, c, "mxfp4", (4.0, 25.0))):
-            assert params(blocked)["blocked"] and not params(rows)["blocked"]
-            assert "blocked" not in dict(w4.builder(**params(rows))[0][1])  # the row-major keys as before
-            assert dict(w4.builder(**params(blocked))[0][1])["blocked"]
-    for choices in ({"one_launch": True}, {"scale_steps": 4}, {"balanced": True}, {"gate_up_shares": 7}):
-        with pytest.raises(ValueError, match="blocked tables are read a step at a time"):
-            cute_config(1, E, 1536, L, k, blocked=True, **choices)
-    monkeypatch.setenv("K3FUSE_W4A16_BALANCED", "1")
-    assert cute_config(1, E, 1536, L, k)["gate_up_shares"]  # the setting balances the row-major launch
-    assert not cute_config(1, E, 1536, L, k, blocked=True)["gate_up_shares"]  # and gives way to blocked
-
-
-def test_balanced_is_one_wave_of_equal_shares_in_pairwise_mode(monkeypatch):
-    """balanced (the gate/up as TARGET_CTAS CTAs, each an equal share of a pair's table's steps): the rule's
-    shares a pair and table, whole rows (split 1) and the partial slots its blocks' parts take, which the
-    down (staged or the four-launch SiTU-GLU) sums; an imposed count; refused in grouped mode, beside the
-    choices it does not stream and past a share a ring's prologue, by name; the setting's default gives
-    way to those choices; the launch keys without it unchanged."""
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
-
-    E, L, k = 896, 3584, 16
-    for T, I, shares, slots in ((1, 3072, 33, 2), (1, 1536, 33, 3), (1, 384, 33, 6), (2, 3072, 16, 1),
-                                (2, 384, 16, 4)):
-        cfg = cute_config(T, E, I, L, k, balanced=True)
-        assert (cfg["gate_up_shares"], cfg["partials"], cfg["split"]) == (shares, slots, 1), (T, I, cfg)
-        assert 2 * shares * T * k <= w4.TARGET_CTAS < 2 * (shares + 1) * T * k
-        gate_up, down = w4.gate_up_params(I, L, k, cfg, "mxfp4"), w4.down_params(I, L, cfg, "mxfp4", (4.0, 25.0))
-        assert (gate_up["shares"], gate_up["slots"], gate_up["k_span"]) == (shares, slots, L)
-        assert down["gu_splits"] == slots and "shares" not in down
-    four = cute_config(1, E, 1536, L, k, balanced=True, x_stage=False)
-    assert four["gate_up_shares"] == 33 and "x_stage" not in w4.down_params(1536, L, four, "mxfp4")
-    assert cute_config(1, E, 1536, L, k, gate_up_shares=7)["gate_up_shares"] == 7
-    plain = cute_config(1, E, 1536, L, k)
-    assert plain["gate_up_shares"] == 0 and plain["partials"] == plain["split"]
-    assert "shares" not in w4.gate_up_params(1536, L, k, plain, "mxfp4")
-    assert w4.builder(**w4.gate_up_params(1536, L, k, plain, "mxfp4"))[0] != \
-        w4.builder(**w4.gate_up_params(1536, L, k, cute_config(1, E, 1536, L, k, balanced=True), "mxfp4"))[0]
-    with pytest.raises(ValueError, match="balanced runs pairwise mode only"):
-        cute_config(64, E, 1536, L, k, balanced=True)
-    for choice in ({"one_launch": True}, {"split": 2}, {"gate_up_tiles": 2}, {"scale_steps": 4}, {"x_quads": True,
-                                                                                            "x_stage": False}):
-        with pytest.raises(ValueError, match="balanced streams whole rows"):
-            cute_config(1, E, 1536, L, k, balanced=True, **choice)
-    with pytest.raises(ValueError, match=r"gate_up_shares 2017: 1 to 84 \(each share at least the ring's 2"):
-        cute_config(1, E, 384, L, k, gate_up_shares=2017)
-    monkeypatch.setenv("K3FUSE_W4A16_BALANCED", "1")  # the setting decides pairwise mode, never grouped
-    assert cute_config(1, E, 3072, L, k)["gate_up_shares"] == 33
-    assert not cute_config(64, E, 3072, L, k)["gate_up_shares"]
-    assert not cute_config(1, E, 3072, L, k, one_launch=True)["gate_up_shares"]  # gives way to an imposed form
-    assert not cute_config(1, E, 3072, L, k, split=2)["gate_up_shares"]
-    monkeypatch.setenv("K3FUSE_W4A16_BALANCED", "0")
-    assert not cute_config(1, E, 3072, L, k)["gate_up_shares"]
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_one_launch_params_are_the_two_launches_with_one_scale_copy_a_step(fmt):
-    """The one-launch form runs the two row kernels' tiles as cute_config chose them (split, stages,
-    the activations' order), in the tables' format, but with one scale copy a step (its tables are
-    checked aligned for that copy only)."""
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
-
-    E, L, k = 896, 3584, 16
-    cfg = cute_config(1, E, 1536, L, k, one_launch=True, scale_steps=4)
-    p = one.params(1536, L, k, cfg, fmt)
-    assert p["gate_up"] == {**w4.gate_up_params(1536, L, k, cfg, fmt), "scale_steps": 1}
-    assert p["down"] == {**w4.down_params(1536, L, cfg, fmt), "scale_steps": 1}
-    assert p["gate_up"]["pairwise"] and p["gate_up"]["k_span"] == L // cfg["split"]
-    assert p["gate_up"]["fmt"] == p["down"]["fmt"] == fmt
-    with pytest.raises(AssertionError, match="pairwise"):
-        one.params(1536, L, k, cute_config(64, E, 1536, L, k), fmt)
-
-
-def test_int4_launches_take_one_scale_copy_a_step():
-    """int4's step scales are 8 bytes a row, copied with the step; the 16-byte scale blocks are MXFP4's
-    (4 steps' 4-byte words), so a scale_steps 4 choice leaves int4's launches at 1."""
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16 as w4
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config
-
-    E, L, k = 896, 3584, 16
-    cfg = cute_config(64, E, 1536, L, k, scale_steps=4)
-    assert w4.gate_up_params(1536, L, k, cfg, "mxfp4")["scale_steps"] == 4
-    assert w4.gate_up_params(1536, L, k, cfg, "int4")["scale_steps"] == 1
-    assert w4.down_params(1536, L, cfg, "int4")["scale_steps"] == 1
-
+    with pytest.raises(ValueError, match="gate/up at I=1536, L=3584: split 5"):
+        w4.GateUp(fmt="mxfp4", I=1536, L=3584, top_k=16, split=5, pairwise=True, stages=3)
+    with pytest.raises(ValueError, match="ring 6"):
+        w4.GateUp(fmt="mxfp4", I=1536, L=3584, top_k=16, split=7, pairwise=True, stages=6)  # 4 steps a span
+    with pytest.raises(ValueError, match="ring 1"):
+        w4.Down(fmt="int4", I=1536, L=3584, n_tiles=1, situ=None, stages=1)
+    with pytest.raises(ValueError, match="n_tiles 16"):
+        w4.Down(fmt="int4", I=1536, L=3584, n_tiles=16, situ=None, stages=3)  # 56 row blocks
+    args = list(_op_args("mxfp4", T=2, E=8, I=128, L=256, k=4))
+    launch = composite.W4A16Launch.for_call("mxfp4", 2, 8, 128, 256, 4)
+    composite_args = (*args[:13], "rows")
+    for wrong in (dataclasses.replace(launch, blocked=True), dataclasses.replace(launch, format="int4"),
+                  composite.W4A16Launch.for_call("mxfp4", 2, 8, 128, 256, 2)):
+        with pytest.raises(ValueError, match=r"a launch for \(format, I, L, top_k, blocked\)"):
+            composite.run(*composite_args, launch=wrong)  # refused before anything runs (CPU tensors)

@@ -1,8 +1,6 @@
 """bench/touched_read.py, the routed-experts read ceiling, through Triton's interpreter on CPU: each
 phase reads every word of the step's distinct experts' tables once (its xors equal the words' own), a
 repeated id reads nothing more, and no other expert is read."""
-import importlib.util
-import os
 import re
 import textwrap
 
@@ -10,14 +8,11 @@ import pytest
 
 from triton_interpreter import run_in_interpreter
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-
 #: what both interpreter scripts start with: the module, an xor of words, random tables in either format
-PRELUDE = textwrap.dedent(f"""
-    import json, sys
+PRELUDE = textwrap.dedent("""
+    import json
     import torch
-    sys.path.insert(0, {BENCH!r})
-    import touched_read as tr
+    from bench import touched_read as tr
     from k3fuse import quant
 
     def xor_of(t):  # the xor of an int32 tensor's words
@@ -81,9 +76,7 @@ def test_the_read_is_16_byte_loads_that_skip_l1():
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    spec = importlib.util.spec_from_file_location("touched_read", os.path.join(BENCH, "touched_read.py"))
-    tr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tr)
+    from bench import touched_read as tr
     names = tr._read_words.arg_names
     constexprs = {"BLOCK": tr.BLOCK, "ROUNDS": tr.ROUNDS}
     sig = {n: "constexpr" if n in constexprs else "i32" if n.startswith("n") else
@@ -148,9 +141,7 @@ def test_the_tiled_read_copies_as_the_op_does(contiguous):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    spec = importlib.util.spec_from_file_location("touched_read", os.path.join(BENCH, "touched_read.py"))
-    tr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tr)
+    from bench import touched_read as tr
     names = tr._read_tiles.arg_names
     constexprs = {"STEPS": 28, "SW": 1, "ROWS": tr.TILE_ROWS, "STEP_WORDS": tr.STEP_WORDS,
                   "CONTIGUOUS": contiguous, "STAGES": 3}

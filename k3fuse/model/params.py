@@ -6,10 +6,11 @@ gives each parameter's name in `K3Model.named_parameters()`, its Hugging Face te
 
 Checkpoint names are K3's Hugging Face layout as vLLM's and SGLang's K3 loaders read it
 (`vllm/models/kimi_k3/nvidia/model.py` `KimiLinearModel.load_weights`, `sglang/srt/models/kimi_k3.py`): decoder
-layers under `language_model.layers.{i}.` (both engines remap it to `language_model.model.layers.{i}.`), the
-MoE under `block_sparse_moe.` (SGLang renames it `mlp`), the embedding, final norm and AttnRes output mix under
-`language_model.model.`, the head `language_model.lm_head.weight` (the non-layer names are what those mappers
-imply, not read from a shipped index). Sharding is vLLM's TP layout:
+layers under `language_model.model.layers.{i}.` (what the released index holds, as a third-party binder read it
+from moonshotai/Kimi-K3's model.safetensors.index.json; both engines also map the older
+`language_model.layers.{i}.` onto it), the MoE under `block_sparse_moe.` (SGLang renames it `mlp`), the
+embedding, final norm and AttnRes output mix under `language_model.model.`, the head
+`language_model.lm_head.weight`. Sharding is vLLM's TP layout:
 
 | shard | meaning | K3 examples |
 |---|---|---|
@@ -35,7 +36,7 @@ from .weights import NORM_INIT, ParamSpec, normal, uniform
 import math
 
 #: where the decoder layers and the rest of the language model live in the checkpoint
-HF_LAYER_PREFIX = "language_model.layers.{layer}."
+HF_LAYER_PREFIX = "language_model.model.layers.{layer}."
 HF_MODEL_PREFIX = "language_model."
 
 

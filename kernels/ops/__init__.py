@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from . import (allreduce_rmsnorm, decode_gemm, kda_conv, kda_delta, l2_prefetch, moe_combine, moe_front, oproj_allreduce,
                route_topk, routed_experts, routed_experts_w4a16, shared_expert)
+from . import mla_decode
 
 MODULES = (oproj_allreduce, allreduce_rmsnorm, moe_front, shared_expert, l2_prefetch, decode_gemm, kda_conv,
-           kda_delta, route_topk, routed_experts, routed_experts_w4a16, moe_combine)
+           kda_delta, route_topk, routed_experts, routed_experts_w4a16, moe_combine, mla_decode)
 #: every fused op's declaration, in MODULES order
 DECLARATIONS = tuple(d for m in MODULES for d in m.DECLS)
 OPS: tuple[str, ...] = tuple(d.name for d in DECLARATIONS)

@@ -9,9 +9,10 @@ both kernels read either layout in place). z[p] = w2[e_p] @ situ_glu(w1[e_p] @ a
 after each projection. Stock: the model's
 `routed_experts_quantized` (the step's experts gathered, dequantized, grouped GEMMs on CUDA);
 reference: the same dequantization, then the gathered bmm (any device); CUDA, both reading the packed
-words and scales once and dequantizing in registers: lib/cute/routed_experts_w4a16.py (bf16 activations
-with MXFP4, or int4 with bf16 scales: the expert GEMMs on mma.sync, tried first) and
-lib/triton/routed_experts_w4a16.py (both formats, bf16 and fp16).
+words and scales once and dequantizing in registers: lib/composite/routed_experts_w4a16.py (bf16 activations
+with MXFP4, or int4 with bf16 scales: the CuTe expert GEMMs on mma.sync between the Triton grouping and
+SiTU-GLU, tried first) and lib/triton/routed_experts_w4a16.py (both formats, bf16 and fp16). This module holds
+the op's Spec, its kernels' predicates and their registration.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from k3fuse.quant import BLOCK_STEP, EXPERT_LAYOUTS, check_layout
+from k3fuse import settings
+from k3fuse.quant import BLOCK_STEP, EXPERT_LAYOUTS
 from k3fuse.spelling import routed_experts_quantized, routed_experts_quantized_gathered
 
 from ..declare import OpDecl, declare
@@ -216,11 +218,11 @@ def _fake(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_sc
 
 
 def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
-    """The CuTe expert GEMMs: bf16 activations with MXFP4, or int4 with bf16 scales (where runs_int4), at
-    widths of whole 128-element steps (a thread quad's step along K); the grouping and the activation
-    are the Triton kernels', so their coverage first."""
+    """The CuTe expert GEMMs: bf16 activations with MXFP4, or int4 with bf16 scales (unless
+    K3FUSE_W4A16_CUTE_INT4=0), at widths of whole 128-element steps (a thread quad's step along K); the
+    grouping and the activation are the Triton kernels', so their coverage first."""
     from ..lib.cute import compat
-    from ..lib.cute.routed_experts_w4a16 import STEP, runs_int4
+    from ..lib.cute.routed_experts_w4a16 import STEP
 
     if (why := accepts(spec)) is not None:
         return why
@@ -231,147 +233,30 @@ def cute_accepts(spec: RoutedExpertsW4A16Spec) -> str | None:
     if spec.dtype != torch.bfloat16 or spec.format == "int4" and spec.scale_dtype != torch.bfloat16:
         return (f"{spec.format} ({spec.scale_dtype} scales) with {spec.dtype} activations (the CuTe kernel runs "
                 f"bf16 activations with mxfp4, or int4 with bf16 scales)")
-    if spec.format == "int4" and not runs_int4():
+    if spec.format == "int4" and not settings.get("K3FUSE_W4A16_CUTE_INT4"):
         return "int4 on the CuTe kernel is turned off (K3FUSE_W4A16_CUTE_INT4=0)"
     if spec.I % STEP or spec.L % STEP:
         return f"I={spec.I}, L={spec.L} (the CuTe kernel needs multiples of {STEP})"
-    if spec.layout == "blocks":  # a launch-form setting may not read block order (row-major launches all can)
-        try:
-            cute_config(spec.tokens, spec.E, spec.I, spec.L, spec.top_k, format=spec.format, layout=spec.layout)
-        except ValueError as exc:
-            return f"the CuTe launch for layout {spec.layout!r}: {exc}"
     return None
 
 
-#: the launch-form switches: where one is set, the tuned table steps aside, so that the switch's A/B is
-#: against the rule alone
-LAUNCH_FORM_SETTINGS = ("K3FUSE_W4A16_ONE_LAUNCH", "K3FUSE_W4A16_X_STAGE", "K3FUSE_W4A16_BALANCED",
-                        "K3FUSE_W4A16_PDL")
+def cute_run(*args, **kwargs) -> torch.Tensor:
+    """The CuTe path's launches (lib/composite/routed_experts_w4a16.py: run), loaded with the first CUDA call."""
+    from ..lib.composite import routed_experts_w4a16 as composite
 
-
-def tuned_choices(format: str, T: int, E: int, I: int, L: int, top_k: int) -> dict[str, int | bool] | None:
-    """The measured table's launch choices for a call (lib/cute/routed_experts_w4a16_tuned.py, written by
-    bench/tune_w4a16.py): its entry for (format, E, I, L, top_k) at the nearest measured token count of the
-    call's mode (pairwise or grouped; the lower count on a tie), {} where the rule's launch measured best there.
-    None where the table has no such entry, or is set aside (K3FUSE_W4A16_TUNED=0, a launch-form switch set)."""
-    from k3fuse import settings
-
-    from ..lib.cute.routed_experts_w4a16_tuned import TUNED
-
-    if not settings.get("K3FUSE_W4A16_TUNED") or any(settings.get(v) is not None for v in LAUNCH_FORM_SETTINGS):
-        return None
-    measured = [key[-1] for key in TUNED if key[:-1] == (format, E, I, L, top_k)
-                and _pairwise(key[-1], top_k) == _pairwise(T, top_k)]
-    if not measured:
-        return None
-    nearest = min(measured, key=lambda t: (abs(t - T), t))
-    return dict(TUNED[(format, E, I, L, top_k, nearest)])
-
-
-def _pairwise(T: int, top_k: int) -> bool:
-    """The Triton grouping's mode for T tokens: a group a pair up to its pair count."""
-    from ..lib.triton import routed_experts_w4a16 as tri
-
-    return T * top_k <= tri.PAIRWISE_MAX_PAIRS
-
-
-def cute_config(T: int, E: int, I: int, L: int, top_k: int, pairwise: bool | None = None,
-                stages: int | None = None, *, format: str | None = None, tuned: bool = True, layout: str = "rows",
-                **choices: int | bool) -> dict:
-    """The CuTe launches' configuration: the Triton grouping's mode (pairwise up to its pair count),
-    then the split, tiles, ring stages, grid order, activations' order and scale copies for the groups
-    it expects (`stages`: the kernel's STAGES; `choices`: pick_config's split / n_tiles / gate_up_tiles /
-    down_stages / rows_first / x_quads / scale_steps / one_launch / x_stage / balanced / gate_up_shares /
-    pdl / rounds / blocked, imposed). With the call's `format` and nothing imposed, the measured table's choices
-    where it has them (tuned_choices; `tuned=False`: the rule's alone). `layout` "blocks" adds `blocked` to
-    whichever choices: the tables' layout is the caller's fact, not a choice (the table's entries, measured on
-    rows, carry over)."""
-    from ..lib.cute import routed_experts_w4a16 as cute_kernel
-    from ..lib.triton import routed_experts_w4a16 as tri
-
-    if tuned and format is not None and pairwise is None and stages is None and not choices:
-        choices = tuned_choices(format, T, E, I, L, top_k) or {}
-        stages = choices.pop("stages", None)
-    check_layout(layout)
-    if layout == "blocks":
-        choices = {**choices, "blocked": True}
-    pairwise = _pairwise(T, top_k) if pairwise is None else pairwise
-    stages = cute_kernel.STAGES if stages is None else stages
-    return {"pairwise": pairwise, **cute_kernel.pick_config(tri.expected_groups(T, E, top_k, pairwise), I, L, stages,
-                                                                  pairwise=pairwise, **choices)}
-
-
-def _rows_for_16_byte_loads(a: torch.Tensor) -> torch.Tensor:
-    """a contiguous and 16-byte aligned (a view may be off): the CuTe launches that read a itself do so
-    with 16-byte loads where it lies."""
-    a = a.contiguous()
-    return a.clone() if a.data_ptr() % 16 else a
-
-
-def cute_run(a, experts, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, top_k, situ_beta,
-             situ_linear_beta, format, table=None, layout="rows", out: torch.Tensor | None = None,
-             config: dict | None = None, **_) -> torch.Tensor:
-    """z [T*k, L]: the Triton grouping (with the activations' word order: one_prep), the CuTe gate/up, the
-    Triton SiTU-GLU, the CuTe down; with the config's x_stage (pairwise), the CuTe gate/up and down alone,
-    each CTA staging its activations; or with its one_launch (pairwise), all of it in one CuTe launch.
-    `out`: a [T*k, L] buffer to write instead; `config`: cute_config's result to use (its `blocked` must be
-    `layout`'s)."""
-    from ..lib.cute import routed_experts_w4a16 as cute_kernel
-    from ..lib.triton import routed_experts_w4a16 as tri
-
-    T, L = a.shape
-    E, I = w1_packed.shape[0], w1_packed.shape[1]
-    top_k = int(top_k)
-    P = T * top_k
-    cfg = config or cute_config(T, E, I, L, top_k, format=format, layout=layout)
-    if cfg.get("blocked", False) != (layout == "blocks"):
-        raise ValueError(f"a {'blocked' if cfg.get('blocked') else 'row-major'} launch over {layout!r} tables")
-    z = torch.empty((P, L), dtype=a.dtype, device=a.device) if out is None else out
-    if P == 0:
-        return z
-    if cfg.get("one_launch"):
-        from ..lib.cute import routed_experts_w4a16_one_launch as one
-
-        gu = torch.empty((cfg["partials"], P, 2 * I), dtype=torch.float32, device=a.device)
-        a = _rows_for_16_byte_loads(a)
-        one.launch(a, torch.empty((T, L), dtype=a.dtype, device=a.device), w1_packed, w1_scale,
-                   w3_packed, w3_scale, gu, torch.empty((P, I), dtype=a.dtype, device=a.device), w2_packed,
-                   w2_scale, z, experts, one.state(a.device, tri.MAX_PAIRS), **one.params(I, L, top_k, cfg, format),
-                   beta=float(situ_beta), linear_beta=float(situ_linear_beta))
-        return z
-    x = None  # a in word order, where the grouping's launch makes it
-    if cfg["pairwise"]:  # the launches read neither (empty: no memset in a captured graph)
-        rows = groups = experts.new_empty(4, dtype=torch.int32)
-    elif cfg.get("one_prep"):
-        rows, groups, x = tri.group_in_word_order(a.contiguous(), experts, E, cfg["x_quads"])
-    else:
-        rows, groups = tri.group(experts, E, False)
-    gu = torch.empty((cfg["partials"], P, 2 * I), dtype=torch.float32, device=a.device)
-    if cfg["x_stage"]:  # pairwise, two launches: the CTAs stage a's rows and h themselves
-        a = _rows_for_16_byte_loads(a)
-        cute_kernel.launch(a, w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
-                           **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
-        cute_kernel.launch(gu, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
-                           **cute_kernel.down_params(I, L, cfg, format, (situ_beta, situ_linear_beta)))
-        return z
-    x = tri.word_order(a, cfg["x_quads"]) if x is None else x
-    cute_kernel.launch(x, w1_packed, w1_scale, w3_packed, w3_scale, gu, experts, rows, groups,
-                       **cute_kernel.gate_up_params(I, L, top_k, cfg, format))
-    h = tri.act(gu, a.dtype, situ_beta, situ_linear_beta, word_ordered=True, quads=cfg["x_quads"],
-                launch_dependents=cfg.get("act_pdl", False))
-    cute_kernel.launch(h, w2_packed, w2_scale, w2_packed, w2_scale, z, experts, rows, groups,
-                       **cute_kernel.down_params(I, L, cfg, format))
-    return z
+    return composite.run(*args, **kwargs)
 
 
 def cute_warmup(shapes) -> None:
     """Compile the CuTe launches of each shape (_warmup_args) it takes, on a few experts' zero table with
-    the whole table's launch parameters (E sizes only the grouped grid)."""
+    the whole table's launch (E sizes only the grouped grid)."""
+    from ..lib.composite.routed_experts_w4a16 import W4A16Launch
+
     for s in shapes:
         args = _warmup_args(s)
         if cute_accepts(RoutedExpertsW4A16Spec.from_call(*args)) is None:
-            cute_run(*args, config=cute_config(s["M"], s["E"], s["I"], s["L"], s["top_k"], format=s["format"],
-                                               layout=s.get("layout", "rows")))
+            cute_run(*args, launch=W4A16Launch.for_call(s["format"], s["M"], s["E"], s["I"], s["L"], s["top_k"],
+                                                        s.get("layout", "rows")))
 
 
 DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale, Tensor w3_packed, Tensor w3_scale, "
@@ -381,6 +266,7 @@ DECL = OpDecl(OP, "(Tensor a, Tensor experts, Tensor w1_packed, Tensor w1_scale,
 DECLS = (DECL,)
 declare(DECL)
 register_impl(OP, Impl("cute.routed_experts_w4a16", cute_accepts, cute_run, priority=60, warmup=cute_warmup,
-                       needs=("cute.compat", "cute.routed_experts_w4a16", "triton.routed_experts_w4a16")))
+                       needs=("cute.compat", "cute.routed_experts_w4a16", "triton.routed_experts_w4a16",
+                              "composite.routed_experts_w4a16")))
 register_impl(OP, Impl("triton.routed_experts_w4a16", accepts, run, priority=50, warmup=warmup,
                        needs=("triton.routed_experts_w4a16",)))

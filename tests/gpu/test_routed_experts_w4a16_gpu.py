@@ -7,9 +7,8 @@ every token count 1..64, both modes forced (pairwise, grouped), with a NaN-poiso
 unwritten row fails), each compared with float64 on the dequantized weights and with the model's
 rounding points emulated in fp32 (g, u, act in bf16: what the stock grouped GEMMs compute); crowded
 experts (a group over several 16-row blocks); the op through the dispatcher in strict mode with the
-counters; 1000 CUDA-graph replays on changing tokens and experts; the CuTe launch choices, among
-them the pairwise MLP in one launch, whose state must be zero again after 1000 replays and after
-expert ids outside the table.
+counters; 1000 CUDA-graph replays on changing tokens and experts; the CuTe launches with imposed
+splits and row tiles (the benchmark's arms) and over block-ordered tables; expert ids outside the table.
 
 The references run one expert at a time, each on its weights dequantized when it is met (bf16: exact
 for MXFP4; int4's q * s rounded once, as the model's dequantization does): a whole dequantized table
@@ -19,6 +18,7 @@ for MXFP4; int4's q * s rounded once, as the model's dequantization does): a who
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -35,11 +35,11 @@ import k3fuse.kernels  # noqa: F401,E402  (registers torch.ops.k3fuse.*)
 from k3fuse import quant, runtime  # noqa: E402
 from k3fuse.kernels import dispatch  # noqa: E402
 from k3fuse.kernels.lib.triton import routed_experts_w4a16 as kernel  # noqa: E402
+from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch  # noqa: E402
 from k3fuse.kernels.ops.routed_experts_w4a16 import (  # noqa: E402
     RoutedExpertsW4A16Spec,
     accepts,
     cute_accepts,
-    cute_config,
     cute_run,
 )
 from k3fuse.spelling import situ  # noqa: E402
@@ -112,7 +112,7 @@ class Experts:
 
 @pytest.fixture(scope="module", autouse=True)
 def cute_int4():
-    """int4 on the CuTe kernel, which is off by default until these tests pass on a device."""
+    """int4 on the CuTe kernel (its default) whatever the environment says."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("K3FUSE_W4A16_CUTE_INT4", "1")
         yield
@@ -124,9 +124,15 @@ def _cute_missing(experts) -> str | None:
                                                format=experts.fmt, scale_dtype=experts.packed[1].dtype))
 
 
+def _launch(experts, T: int, pairwise: bool | None = None, layout: str = "rows", **choices) -> W4A16Launch:
+    """The op's CuTe launch for T tokens at these experts' format and width, in the mode imposed (`pairwise`,
+    its split and tiles recomputed) or the call's, over `layout` tables, with `choices` imposed."""
+    launch = W4A16Launch.for_call(experts.fmt, T, E, experts.I, L, K, layout, pairwise=pairwise)
+    return dataclasses.replace(launch, **choices)
+
+
 def _cute_run(experts, a, ids, out, pairwise):
-    cfg = cute_config(a.shape[0], E, experts.I, L, K, pairwise=pairwise)
-    return cute_run(*experts.args(a, ids), out=out, config=cfg)
+    return cute_run(*experts.args(a, ids), out=out, launch=_launch(experts, a.shape[0], pairwise))
 
 
 def _check(z: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor], where) -> None:
@@ -252,31 +258,9 @@ def test_cute_wide_scales_against_float64(experts, T, mode):
             s[:len(wide)] = kept
 
 
-#: CuTe launch choices besides the default (pick_config's imposed ones, which the benchmark's
-#: --cute-choices arms time), each against float64
-CUTE_CHOICES = {"groups_first": {"rows_first": False}, "x_words": {"x_quads": False},
-                "scale_blocks": {"scale_steps": 4}, "one_launch": {"one_launch": True},
-                "one_launch_quads": {"one_launch": True, "x_quads": True},
-                "x_stage": {"x_stage": True},
-                "x_stage_long": {"x_stage": True, "gate_up_tiles": 2, "n_tiles": 2, "split": 1,
-                                 "stages": 5},
-                "gate_up_tiles": {"gate_up_tiles": 2},
-                "x_stage_pdl": {"x_stage": True, "pdl": True},
-                "x_stage_quads": {"x_stage": True, "x_quads": True},
-                "x_stage_quads_long": {"x_stage": True, "x_quads": True, "gate_up_tiles": 2, "n_tiles": 2,
-                                       "split": 1, "stages": 5},
-                "balanced": {"balanced": True}, "balanced_four": {"balanced": True, "x_stage": False},
-                "balanced_pdl": {"balanced": True, "pdl": True},
-                "balanced_7": {"gate_up_shares": 7},
-                "rounds": {"x_stage": True, "rounds": True},
-                "rounds_long": {"x_stage": True, "rounds": True, "gate_up_tiles": 2, "n_tiles": 2, "split": 1,
-                                "stages": 5},
-                "rounds_quads_pdl": {"x_stage": True, "rounds": True, "x_quads": True, "pdl": True},
-                "rounds_four": {"x_stage": False, "rounds": True},
-                "two_preps": {"one_prep": False}, "no_act_pdl": {"act_pdl": False},
-                "four_no_act_pdl": {"x_stage": False, "act_pdl": False}}
-#: the pairwise MLP's other forms (a CTA's one pair): no grouped launch
-PAIRWISE_ONLY = ("one_launch", "x_stage", "balanced", "gate_up_shares", "pdl", "rounds")
+#: CuTe launches besides the op's own (imposed splits and row tiles, which the benchmark's --cute-choices
+#: arms time): no split, 2 steps a span (a ring as deep as the span allows), two row tiles a down CTA
+CUTE_CHOICES = {"split1": {"split": 1}, "split14": {"split": 14}, "split2_tiles2": {"split": 2, "n_tiles": 2}}
 
 
 @pytest.mark.parametrize("choice", list(CUTE_CHOICES))
@@ -285,95 +269,44 @@ def test_cute_launch_choices_against_float64(experts, T, choice):
     """Each choice in both modes, NaN-poisoned, crowded experts at 17 tokens (several chunks a span)."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    if experts.fmt != "mxfp4" and "scale_steps" in CUTE_CHOICES[choice]:
-        pytest.skip("the scale blocks are MXFP4's: int4's launches keep one scale copy a step")
     a, ids = tokens(T, seed=500 + T, crowded=T == 17)
     ref = experts.reference(a, ids)
-    pairwise_only = any(CUTE_CHOICES[choice].get(c) for c in PAIRWISE_ONLY)
-    for pairwise in (True,) if pairwise_only else (True, False):
-        cfg = cute_config(T, E, experts.I, L, K, pairwise=pairwise, **CUTE_CHOICES[choice])
+    for pairwise in (True, False):
+        launch = _launch(experts, T, pairwise, **CUTE_CHOICES[choice])
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
-        _check(cute_run(*experts.args(a, ids), out=out, config=cfg), ref, (experts.I, T, choice, cfg))
+        _check(cute_run(*experts.args(a, ids), out=out, launch=launch), ref, (experts.I, T, choice, launch))
 
 
-def _one_launch_states_are_zero() -> bool:
-    from k3fuse.kernels.lib.cute import routed_experts_w4a16_one_launch as one
-
-    torch.cuda.synchronize()
-    return bool(one._states) and all(int(st.abs().sum()) == 0 for st in one._states.values())
-
-
-@pytest.mark.parametrize("T", [1, 2])
-def test_one_launch_graph_replays_leave_its_state_zeroed(experts, T):
-    """The one-launch form under 1000 CUDA-graph replays on changing tokens and experts: each launch
-    zeroes the tickets, counts and flags the next one starts from (a stale one would trap or skip a
-    wait; the graph holds no zeroing of its own), and its results stay right."""
-    if (why := _cute_missing(experts)) is not None:
-        pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, one_launch=True)
-    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
-                             "one launch")
-    assert _one_launch_states_are_zero()
-
-
-def _ids_outside_the_table(experts, cfg, seed: int, bad: list[int], launches: int = 1) -> torch.Tensor:
-    """2 tokens' pairs `bad` given expert ids outside [0, E); the others checked against float64 after
-    `launches` runs of cfg into one NaN-poisoned output; the bad pairs' rows, as the runs left them."""
+def _ids_outside_the_table(experts, launch, seed: int, bad: list[int]) -> torch.Tensor:
+    """2 tokens' pairs `bad` given expert ids outside [0, E); the others checked against float64 after a run
+    of `launch` into a NaN-poisoned output; the bad pairs' rows, as the run left them."""
     a, ids = tokens(2, seed=seed)
     bad_at = torch.tensor(bad, device=DEV)
     outside = ids.clone()
     outside[bad_at] = torch.tensor([-1, E, -7, E + 3], device=DEV)
     out = torch.full((2 * K, L), float("nan"), device=DEV, dtype=BF16)
-    for _ in range(launches):
-        cute_run(*experts.args(a, outside), out=out, config=cfg)
+    cute_run(*experts.args(a, outside), out=out, launch=launch)
     keep = torch.ones(2 * K, dtype=torch.bool, device=DEV)
     keep[bad_at] = False
     z64, zbf = experts.reference(a, ids)
-    _check(out[keep], (z64[keep], zbf[keep]), (experts.I, cfg, "ids outside the table"))
+    _check(out[keep], (z64[keep], zbf[keep]), (experts.I, launch, "ids outside the table"))
     return out[bad_at]
 
 
-def test_one_launch_leaves_out_expert_ids_outside_the_table(experts):
-    """Pairs whose expert id is outside [0, E) are left out (no tile of theirs counts or waits); the
-    others are right and the launch still zeroes its state."""
-    if (why := _cute_missing(experts)) is not None:
-        pytest.skip(why)
-    # the second launch starts from the state the first left
-    _ids_outside_the_table(experts, cute_config(2, E, experts.I, L, K, one_launch=True), 11, [0, 5, 17, 31], 2)
-    assert _one_launch_states_are_zero()
-
-
-@pytest.mark.parametrize("pdl,quads", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["x_stage", "x_stage_pdl", "x_stage_quads", "x_stage_quads_pdl"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_x_stage_graph_replays_against_float64(experts, T, pdl, quads):
+def test_pairwise_graph_replays_against_float64(experts, T):
     """The pairwise MLP in two launches whose CTAs stage a's rows and h (the SiTU-GLU of the gate/up's
-    partials) themselves, in word order or quad order (lanes 0-3 reading it), the down a programmatic
-    dependent or not (then its partials must be read after the grid wait), under 1000 CUDA-graph replays
-    on changing tokens and experts."""
+    partials) themselves, under 1000 CUDA-graph replays on changing tokens and experts."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl, x_quads=quads)
-    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
-                             cfg)
-
-
-@pytest.mark.parametrize("pdl", [False, True], ids=["rounds", "rounds_pdl"])
-@pytest.mark.parametrize("T", [1, 2])
-def test_rounds_graph_replays_against_float64(experts, T, pdl):
-    """The staged two-launch MLP with its step loops in rounds (constant ring slots and offsets), the down
-    a programmatic dependent or not, under 1000 CUDA-graph replays on changing tokens and experts."""
-    if (why := _cute_missing(experts)) is not None:
-        pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, x_stage=True, pdl=pdl, rounds=True)
-    assert cfg["rounds"] and cfg["x_stage"], cfg
-    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
-                             cfg)
+    launch = _launch(experts, T)
+    assert launch.pairwise, launch
+    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, launch=launch),
+                             launch)
 
 
 #: launches over quant.block_order's tables (`blocked`), each against float64
-BLOCKED_CHOICES = {"rule": {}, "split1": {"split": 1}, "rounds": {"x_stage": True, "rounds": True},
-                   "four": {"x_stage": False}, "long": {"gate_up_tiles": 2, "n_tiles": 2, "split": 1, "stages": 4}}
+BLOCKED_CHOICES = {"op": {}, "split1": {"split": 1}, "split2_tiles2": {"split": 2, "n_tiles": 2}}
 
 
 def _blocked_args(experts, a, ids) -> tuple:
@@ -387,18 +320,18 @@ def _blocked_args(experts, a, ids) -> tuple:
 @pytest.mark.parametrize("choice", list(BLOCKED_CHOICES))
 @pytest.mark.parametrize("T", [1, 2, 5, 17, 64])
 def test_blocked_tables_against_float64(experts, T, choice):
-    """The launches over quant.block_order's tables (a block's step one contiguous piece), both modes where the
-    choice has them, NaN-poisoned, crowded experts at 17 tokens."""
+    """The launches over quant.block_order's tables (a block's step one contiguous piece), both modes,
+    NaN-poisoned, crowded experts at 17 tokens."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
     a, ids = tokens(T, seed=700 + T, crowded=T == 17)
     ref = experts.reference(a, ids)
-    pairwise_only = any(BLOCKED_CHOICES[choice].get(c) for c in PAIRWISE_ONLY)
-    for pairwise in (True,) if pairwise_only else (True, False):
-        cfg = cute_config(T, E, experts.I, L, K, pairwise=pairwise, blocked=True, **BLOCKED_CHOICES[choice])
-        assert cfg["blocked"], cfg
+    for pairwise in (True, False):
+        launch = _launch(experts, T, pairwise, "blocks", **BLOCKED_CHOICES[choice])
+        assert launch.blocked, launch
         out = torch.full((T * K, L), float("nan"), device=DEV, dtype=BF16)
-        _check(cute_run(*_blocked_args(experts, a, ids), out=out, config=cfg), ref, (experts.I, T, choice, cfg))
+        _check(cute_run(*_blocked_args(experts, a, ids), out=out, launch=launch), ref,
+               (experts.I, T, choice, launch))
 
 
 @pytest.mark.parametrize("T", [1, 2, 64])
@@ -406,59 +339,44 @@ def test_blocked_graph_replays_against_float64(experts, T):
     """The op's launch over quant.block_order's tables under 1000 CUDA-graph replays on changing inputs."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, blocked=True)
+    launch = _launch(experts, T, layout="blocks")
     _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*_blocked_args(experts, a, ids), out=z,
-                                                                     config=cfg), cfg)
+                                                                     launch=launch), launch)
 
 
-def test_x_stage_leaves_out_expert_ids_outside_the_table(experts):
+def test_pairwise_leaves_out_expert_ids_outside_the_table(experts):
     """Pairs whose expert id is outside [0, E) are left out by both staged launches (the down never
     reads their unwritten partials into a stored row); the others are right."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    left = _ids_outside_the_table(experts, cute_config(2, E, experts.I, L, K, x_stage=True), 12, [1, 6, 18, 30])
+    left = _ids_outside_the_table(experts, _launch(experts, 2, pairwise=True), 12, [1, 6, 18, 30])
     assert torch.isnan(left).all()  # nothing stored for them
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["balanced", "balanced_pdl"])
-@pytest.mark.parametrize("T", [1, 2])
-def test_balanced_graph_replays_against_float64(experts, T, pdl):
-    """The balanced gate/up (one wave of equal shares, a block's parts in their own partial slots and zeros
-    in the rest, every slot written each launch) under 1000 CUDA-graph replays on changing tokens and
-    experts."""
+def test_grouped_leaves_out_expert_ids_outside_the_table(experts):
+    """Grouped mode (the grouping drops the pairs, the down reads the SiTU-GLU's h after its grid): pairs whose
+    expert id is outside [0, E) are left out; the others are right."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    cfg = cute_config(T, E, experts.I, L, K, balanced=True, pdl=pdl)
-    assert cfg["gate_up_shares"] > 0
-    _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z, config=cfg),
-                             cfg)
-
-
-def test_balanced_leaves_out_expert_ids_outside_the_table(experts):
-    """Pairs whose expert id is outside [0, E) are left out by the balanced gate/up's shares and the down;
-    the others are right."""
-    if (why := _cute_missing(experts)) is not None:
-        pytest.skip(why)
-    left = _ids_outside_the_table(experts, cute_config(2, E, experts.I, L, K, balanced=True), 13, [2, 7, 19, 29])
+    left = _ids_outside_the_table(experts, _launch(experts, 2, pairwise=False), 13, [2, 7, 19, 29])
     assert torch.isnan(left).all()  # nothing stored for them
 
 
-def test_tuned_launches_graph_replays_against_float64(experts):
-    """The op's own launch where the tuned table has a launch for this format and width (cute_run's config
-    from the table, not the rule's), at each such entry's token count, under 1000 CUDA-graph replays."""
-    from k3fuse.kernels.lib.cute.routed_experts_w4a16_tuned import TUNED
+def test_unsplit_launches_graph_replays_against_float64(experts):
+    """The launches measured faster without the rule's K split (MXFP4 at I = 1536 / 1 token and I = 384 /
+    2 tokens: UNSPLIT_MXFP4), as the op takes them, under 1000 CUDA-graph replays."""
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import UNSPLIT_MXFP4
 
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
-    shape = (experts.fmt, E, experts.I, L, K)
-    counts = [key[-1] for key, choices in TUNED.items() if key[:-1] == shape and choices]
+    counts = [key[-1] for key in UNSPLIT_MXFP4 if experts.fmt == "mxfp4" and key[:-1] == (E, experts.I, L, K)]
     if not counts:
-        pytest.skip(f"the tuned table has no launch for {experts.fmt} at I={experts.I}")
+        pytest.skip(f"no unsplit launch for {experts.fmt} at I={experts.I}")
     for T in counts:
-        cfg = cute_config(T, E, experts.I, L, K, format=experts.fmt)
-        assert cfg != cute_config(T, E, experts.I, L, K), (T, cfg)  # a launch other than the rule's
+        launch = _launch(experts, T)
+        assert launch.split == 1, launch
         _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*experts.args(a, ids), out=z),
-                                 f"tuned {cfg}")
+                                 f"unsplit {launch}")
 
 
 def test_op_strict_counts_the_kernel(experts):
@@ -475,8 +393,8 @@ def test_op_strict_counts_the_kernel(experts):
 
 @pytest.mark.parametrize("T", [1, 2, 8, 64])
 def test_op_over_block_ordered_tables_strict_and_under_replays(experts, T):
-    """The op as a block-ordered model calls it (layout "blocks", its own launch: the tuned table's choices
-    and `blocked`): strict, on the CuTe kernel, against float64; then 1000 CUDA-graph replays of that launch."""
+    """The op as a block-ordered model calls it (layout "blocks", its own launch with `blocked`): strict, on
+    the CuTe kernel, against float64; then 1000 CUDA-graph replays of that launch."""
     if (why := _cute_missing(experts)) is not None:
         pytest.skip(why)
     a, ids = tokens(T, seed=7)
@@ -485,10 +403,10 @@ def test_op_over_block_ordered_tables_strict_and_under_replays(experts, T):
         z = torch.ops.k3fuse.routed_experts_w4a16(*_blocked_args(experts, a, ids))
     assert runtime.stats()["routed_experts_w4a16"] == {"cute.routed_experts_w4a16": 1} and runtime.fallbacks() == {}
     _check(z, experts.reference(a, ids), (experts.fmt, experts.I, T, "op, blocks"))
-    cfg = cute_config(T, E, experts.I, L, K, format=experts.fmt, layout="blocks")
-    assert cfg == {**cute_config(T, E, experts.I, L, K, format=experts.fmt), "blocked": True}
+    launch = _launch(experts, T, layout="blocks")
+    assert launch == dataclasses.replace(_launch(experts, T), blocked=True)
     _replays_against_float64(experts, T, lambda a, ids, z: cute_run(*_blocked_args(experts, a, ids), out=z),
-                             f"op, blocks {cfg}")
+                             f"op, blocks {launch}")
 
 
 @pytest.mark.parametrize("T", [1, 8, 64])
@@ -523,8 +441,7 @@ def test_cuda_graph_1000_replays_on_changing_inputs(experts, T, impl):
 def _replays_against_float64(experts, T: int, run, what: str) -> None:
     """A CUDA graph of run(a, ids, z) replayed 1000 times on changing tokens and experts (NaN-poisoned
     z, every 97th crowded), a sample of the replays and every crowded one against float64. Warmed up
-    on the capture's own stream, so that what a call keeps per stream (the one-launch state) exists
-    before the capture and the graph holds no zeroing of it."""
+    (compiled) on the capture's own stream."""
     a_static, e_static = tokens(T, seed=0)
     z_static = torch.empty(T * K, L, device=DEV, dtype=BF16)
     stream = torch.cuda.Stream()

@@ -9,10 +9,25 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
 from .arms import STOCK
+
+#: the floor's denominator: a card's nominal HBM bandwidth in bytes/s, by a pattern of its device name (first
+#: match wins). A measured copy rate is no floor: a copy counts its bytes once, and a read-only kernel beats it
+NOMINAL_HBM_BPS: tuple[tuple[str, float], ...] = (
+    (r"\bH100 PCIe\b", 2.0e12),
+    (r"\bH100 NVL\b", 3.9e12),
+    (r"\bH100\b", 3.35e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    (r"\bH200\b", 4.8e12),  # SXM and NVL
+)
+
+
+def nominal_bandwidth(gpu: str | None) -> float | None:
+    """The nominal HBM bandwidth (bytes/s) of the card named `gpu`, None for a CPU or a card not listed."""
+    return next((bps for pattern, bps in NOMINAL_HBM_BPS if gpu and re.search(pattern, gpu)), None)
 
 
 def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -38,8 +53,11 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
     except Exception:
         cond["cutlass_dsl"] = None
     if cfg.device == "cuda" and torch.cuda.is_available():
-        cond["gpu"] = torch.cuda.get_device_name(0)
+        cond["gpu"] = reports[0].get("gpu") or torch.cuda.get_device_name(0)
         cond["cuda"] = torch.version.cuda
+        nominal = nominal_bandwidth(cond["gpu"])
+        cond["nominal_bandwidth_TBps"] = nominal / 1e12 if nominal else None
+        cond["read_bandwidth_TBps"] = round(reports[0].get("read_bandwidth_Bps", 0) / 1e12, 3)
         cond["copy_bandwidth_TBps"] = round(reports[0].get("copy_bandwidth_Bps", 0) / 1e12, 3)
         cond["multicast"] = reports[0].get("multicast")
         from ...dist import MULTICAST_OFF
@@ -50,17 +68,23 @@ def conditions(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _settings_set() -> dict[str, str]:
     """The K3FUSE_* variables set in this run's environment, as set (a kernel choice such as
-    K3FUSE_W4A16_ONE_LAUNCH changes what the figures measure)."""
+    K3FUSE_W4A16_CUTE_INT4 changes what the figures measure)."""
     from k3fuse import settings
 
     return {v.env: os.environ[v.env] for v in settings.VARIABLES if v.env in os.environ}
+
+
+def _w4a16_launch(config: dict[str, Any]) -> str:
+    """A CuTe W4A16 launch (runner.w4a16_launches' config) in words: its mode, K split and down row tiles."""
+    mode = "pairwise" if config["pairwise"] else "grouped"
+    return f"{mode}, split {config['split']}, {config['n_tiles']} row tiles a down CTA"
 
 
 def merge(cfg: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One result: per arm and token count the slower rank's µs, ratio to stock, kernels, stats."""
     r0 = reports[0]
     stock = {row["tokens"]: row.get("us") for row in r0["arms"].get(STOCK, {}).get("rows", [])}
-    bandwidth = r0.get("copy_bandwidth_Bps")
+    bandwidth = nominal_bandwidth(r0.get("gpu"))
     arms: dict[str, Any] = {}
     for name, entry in r0["arms"].items():
         rows = []
@@ -151,6 +175,8 @@ def print_tables(result: dict[str, Any]) -> None:
     floor = result["weight_read_floor"]
     table.add_row("weight-read floor", *[_fmt(floor.get(T, {}).get("us")) for T in tokens])
     table.add_row("  + KDA state r/w", *[_fmt(floor.get(T, {}).get("us_with_state")) for T in tokens])
+    table.add_row("  GB (weights + state)", *[_fmt((floor[T]["bytes"] + floor[T].get("state_bytes", 0)) / 1e9, ".3f")
+                                             if T in floor else "-" for T in tokens])
     distinct = result.get("distinct_experts", {})
     table.add_row("distinct experts/step", *[
         "-" if T not in distinct else f"{distinct[T]['mean']:.0f} ({distinct[T]['min']}-{distinct[T]['max']})"
@@ -158,11 +184,12 @@ def print_tables(result: dict[str, Any]) -> None:
     table.add_row("  uniform expectation", *[_fmt(floor.get(T, {}).get("experts_touched_uniform"), ".0f")
                                              for T in tokens])
     console.print(table)
+    console.print(_floor_line(c), highlight=False)
     if result.get("w4a16_launch"):
         layouts = {w.get("layout", "rows") for w in result["w4a16_launch"].values()}
         console.print(f"4-bit routed experts' CuTe launch over {'/'.join(sorted(layouts))} tables (where the op runs "
                       "on CuTe): " + "; ".join(
-            f"T={T} " + ("error" if "error" in w else "the rule" if not w["tuned"] else f"tuned {w['tuned']}")
+            f"T={T} " + ("error" if "error" in w else _w4a16_launch(w["config"]))
             for T, w in sorted(result["w4a16_launch"].items())), highlight=False)
 
     first_t = f"T={tokens[0]}" if tokens else "no measured batch"
@@ -192,6 +219,18 @@ def print_tables(result: dict[str, Any]) -> None:
         applied = "  ".join(f"{r}:{s['applied']}" for r, s in (arm.get("rewrites") or {}).items() if s["applied"])
         rw.add_row(name, (applied or "none") + (f"\n[red]error: {arm['error']}[/]" if arm.get("error") else ""))
     console.print(rw)
+
+
+def _floor_line(c: dict[str, Any]) -> str:
+    """What the floor divides by, and the read a kernel measured beside it (a floor is no measured rate)."""
+    if c.get("device") != "cuda":
+        return "floor: none on CPU (bytes in the JSON)"
+    measured = (f"a read-only kernel measured {c.get('read_bandwidth_TBps')} TB/s here "
+                f"(a copy {c.get('copy_bandwidth_TBps')})")
+    if not c.get("nominal_bandwidth_TBps"):
+        return (f"floor: none: no nominal HBM bandwidth is listed for {c.get('gpu')} (add it to "
+                f"k3fuse.tools.bench.report.NOMINAL_HBM_BPS; bytes in the JSON); {measured}")
+    return f"floor: bytes at the {c.get('gpu')}'s nominal {c['nominal_bandwidth_TBps']} TB/s; {measured}"
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -237,7 +276,7 @@ def plot(result: dict[str, Any], directory: str | os.PathLike[str]) -> tuple[lis
                                 [r["us_p10_p90_rank0"][1] for r in spread], color=line.get_color(), alpha=0.15)
     floor = sorted(result["weight_read_floor"].items())
     if floor and floor[0][1].get("us"):
-        ax.plot([T for T, _ in floor], [f["us"] for _, f in floor], "k--", label="weight-read floor")
+        ax.plot([T for T, _ in floor], [f["us"] for _, f in floor], "k--", label="weight-read floor (nominal HBM)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per decode step")
     ax.set_ylabel("µs per step (slower rank)")
@@ -280,4 +319,4 @@ def plot(result: dict[str, Any], directory: str | os.PathLike[str]) -> tuple[lis
     return written, skipped
 
 
-__all__ = ["merge", "print_tables", "write_json", "plot", "conditions"]
+__all__ = ["merge", "print_tables", "write_json", "plot", "conditions", "nominal_bandwidth", "NOMINAL_HBM_BPS"]

@@ -163,20 +163,22 @@ def _time_tokens(compiled: Any, model: Any, T: int, cfg: BenchConfig, device: to
 
 
 def w4a16_launches(model_cfg: Any, tp: int, tokens: tuple[int, ...]) -> dict[int, dict[str, Any]] | None:
-    """Per token count, the CuTe W4A16 launch the routed-experts op picks for this model's 4-bit experts at
-    TP `tp` (the op's own cute_config): the tuned table's entry ("tuned"; {} the rule's launch measured best,
-    None no entry) and the configuration. None for bf16 experts."""
+    """Per token count, the CuTe W4A16 launch the routed-experts op takes for this model's 4-bit experts at
+    TP `tp` (W4A16Launch.for_call: its mode, gate/up K split and down row tiles) and the tables' layout. None
+    for bf16 experts."""
     if not model_cfg.quantized_experts:
         return None
-    from k3fuse.kernels.ops.routed_experts_w4a16 import cute_config, tuned_choices
+    import dataclasses
+
+    from k3fuse.kernels.lib.composite.routed_experts_w4a16 import W4A16Launch
 
     fmt, layout = model_cfg.expert_format, model_cfg.expert_layout
     shape = (model_cfg.n_experts, model_cfg.moe_inter // tp, model_cfg.latent, model_cfg.top_k)
     launches: dict[int, dict[str, Any]] = {}
     for T in tokens:
         try:
-            launches[T] = {"tuned": tuned_choices(fmt, T, *shape), "layout": layout,
-                           "config": cute_config(T, *shape, format=fmt, layout=layout)}
+            launches[T] = {"layout": layout,
+                           "config": dataclasses.asdict(W4A16Launch.for_call(fmt, T, *shape, layout=layout))}
         except ValueError as exc:  # widths off the CuTe kernel's steps: the op runs Triton there
             launches[T] = {"error": str(exc)}
     return launches
@@ -206,7 +208,9 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
                               "distinct_experts": experts,
                               "floor": {T: weight_floor(model, T, experts[T]["mean"]) for T in cfg.tokens}}
     if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
         report["copy_bandwidth_Bps"] = timing.copy_bandwidth(device)
+        report["read_bandwidth_Bps"] = timing.read_bandwidth(device)
         ctx = k3fuse.DecodeContext.from_process_group() if world_size > 1 else k3fuse.DecodeContext()
         status = ctx.multicast_status()
         report["multicast"] = {"available": status.available, "reason": status.reason}

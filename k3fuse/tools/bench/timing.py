@@ -112,26 +112,40 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def copy_seconds(src: torch.Tensor, dst: torch.Tensor, reps: int = 10) -> float:
-    """Median seconds of `dst.copy_(src)` on the device (CUDA events, after one warm-up copy)."""
-    dst.copy_(src)
+def _device_seconds(work: Callable[[], object], reps: int) -> float:
+    """Median seconds of `work()` on the current stream (CUDA events, after one warm-up call)."""
+    work()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
-        dst.copy_(src)
+        work()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
 
 
+def copy_seconds(src: torch.Tensor, dst: torch.Tensor, reps: int = 10) -> float:
+    """Median seconds of `dst.copy_(src)` on the device (CUDA events, after one warm-up copy)."""
+    return _device_seconds(lambda: dst.copy_(src), reps)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), the floor's denominator."""
+    """Device-to-device copy bandwidth in bytes/s (read + write): a copy counts its bytes once, so a
+    read-only kernel beats it; the floor is the nominal bandwidth (report.NOMINAL_HBM_BPS), not this."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
     return 2 * src.numel() / copy_seconds(src, torch.empty_like(src), reps)
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Bytes/s a read-only kernel streams (a sum over `nbytes` of fp32, median of `reps` after a warm-up):
+    what the card gives a step that only reads, printed beside the floor."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    out = torch.empty((), dtype=torch.float32, device=device)
+    return src.numel() * src.element_size() / _device_seconds(lambda: torch.sum(src, out=out), reps)
+
+
 __all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_seconds",
-           "copy_bandwidth"]
+           "copy_bandwidth", "read_bandwidth"]

@@ -113,17 +113,6 @@ if HAVE_CUTE:
              "st.release.sys.global.s32 [$0], $1;", "l,r")
 
     @dsl_user_op
-    def ld_acquire_gpu_s32(ptr, *, loc=None, ip=None) -> Int32:
-        """Acquire load at GPU scope: what another CTA released before its flag is visible after."""
-        return Int32(_asm(T.i32(), [_addr(ptr, loc, ip)], "ld.acquire.gpu.global.s32 $0, [$1];", "=r,l"))
-
-    @dsl_user_op
-    def st_release_gpu_s32(ptr, val, *, loc=None, ip=None) -> None:
-        """Release store at GPU scope: publishes this thread's (and, after a barrier, its CTA's) writes."""
-        _asm(None, [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
-             "st.release.gpu.global.s32 [$0], $1;", "l,r")
-
-    @dsl_user_op
     def st_relaxed_gpu_s32(ptr, val, *, loc=None, ip=None) -> None:
         _asm(None, [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
              "st.relaxed.gpu.global.s32 [$0], $1;", "l,r")
@@ -133,12 +122,6 @@ if HAVE_CUTE:
         """Arrival counter: returns the old value; acq_rel so the last arriver sees everyone's work."""
         return Int32(_asm(T.i32(), [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
                           "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
-
-    @dsl_user_op
-    def atom_add_relaxed_gpu_s32(ptr, val, *, loc=None, ip=None) -> Int32:
-        """A ticket counter: returns the old value; no ordering (flags order the work it hands out)."""
-        return Int32(_asm(T.i32(), [_addr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
-                          "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r"))
 
     @dsl_user_op
     def ld_acquire_sys_s64(ptr, *, loc=None, ip=None) -> Int64:
@@ -161,17 +144,6 @@ if HAVE_CUTE:
     def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
         """Orders this thread's peer-memory stores before a later flag store (threadfence_system)."""
         _asm(None, [], "fence.acq_rel.sys;", "")
-
-    @dsl_user_op
-    def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
-        """Orders this thread's stores before a later flag or counter (threadfence), and, after one,
-        its later loads."""
-        _asm(None, [], "fence.acq_rel.gpu;", "")
-
-    @dsl_user_op
-    def trap(*, loc=None, ip=None) -> None:
-        """Abort the kernel: the launch fails with a CUDA error (a wait that can never end)."""
-        _asm(None, [], "trap;", "")
 
     @dsl_user_op
     def globaltimer_ns(*, loc=None, ip=None) -> Int64:
@@ -201,14 +173,6 @@ if HAVE_CUTE:
         """16 read-only bytes (non-coherent path) at addr + offset as four 32-bit words; 16-byte aligned."""
         st = asm_pure(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
                       f"ld.global.nc.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};", "=r,=r,=r,=r,l")
-        return unpack(st, 4, Int32, loc, ip)
-
-    @dsl_user_op
-    def ld_cg_v4(addr, offset: int = 0, *, loc=None, ip=None):
-        """16 bytes at addr + offset through L2 (`.cg`) as four 32-bit words: bytes other CTAs of the launch
-        wrote (after an acquire); side-effecting, so never moved above the wait that orders it."""
-        st = _asm(struct_type(4, "i32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                  f"ld.global.cg.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};", "=r,=r,=r,=r,l")
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
@@ -312,29 +276,11 @@ if HAVE_CUTE:
         return unpack(st, 4, Int32, loc, ip)
 
     @dsl_user_op
-    def ld_shared_v4_if(smem, offset: int = 0, *, pred, loc=None, ip=None):
-        """ld_shared_v4 where `pred` (an Int32) is nonzero, four zero words elsewhere: lanes whose words
-        are never used issue no shared-memory request (the LSU's wavefronts count only active lanes)."""
-        st = _asm(struct_type(4, "i32"), [Int32(smem).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
-                  "{\n.reg .pred p;\nsetp.ne.u32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-                  f"mov.b32 $3, 0;\n@p ld.shared.v4.u32 {{$0, $1, $2, $3}}, {_at(4, offset)};\n}}", "=r,=r,=r,=r,r,r")
-        return unpack(st, 4, Int32, loc, ip)
-
-    @dsl_user_op
     def st_shared_v4(smem, v0, v1, v2, v3, *, loc=None, ip=None) -> None:
         """16 bytes, four 32-bit words, to shared memory; 16-byte aligned."""
         words = [Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)]
         _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip)] + words, "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
              "r,r,r,r,r")
-
-    @dsl_user_op
-    def st_shared_b32(smem, v, *, loc=None, ip=None) -> None:
-        _asm(None, [Int32(smem).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-             "st.shared.b32 [$0], $1;", "r,r")
-
-    @dsl_user_op
-    def ld_shared_b32(smem, *, loc=None, ip=None) -> Int32:
-        return Int32(_asm(T.i32(), [Int32(smem).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];", "=r,r"))
 
     @dsl_user_op
     def ld_shared_u8(smem, offset: int = 0, *, loc=None, ip=None) -> Int32:

@@ -1,7 +1,7 @@
 """GEMV (rows per CTA, threads) measured fastest on H200 by bench/sweep_decode_gemm.py (generated).
 
 Key: (N, K, M) for M in 1, 2, 4. Measured 2026-11-30 on H200, nvidia-cutlass-dsl 4.3.5,
-torch 2.11.0+cu130, driver 580.159.04; timings in docs/perf.md.
+torch 2.11.0+cu130, driver 580.159.04; timings in docs/perf/2026-11-30-decode-gemm-fused-ar.md (section 1).
 """
 TUNED = {
     (896, 7168, 1): (4, 224),

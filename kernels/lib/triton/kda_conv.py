@@ -4,16 +4,17 @@ conv state, in one kernel.
 Why: Inductor compiles the model's spelling (cat of q, k, v; cat onto the state; the state's
 slice; cast, multiply, sum, silu) to three kernels that write and re-read the [T, C, K] window.
 This one reads the state, q, k, v and the weights once and writes the new state and the fp32 conv
-once (docs/perf.md 0m has the figures).
+once (docs/perf/2026-12-04-w4a16-ncu-combine-conv.md 0m has the figures).
 
 One program owns (token, source in {q, k, v}, block of BLOCK channels of that source). Every global
 access is a contiguous run: the block's taps [BLOCK, K], its state [BLOCK * (K-1)] read flat, its
 q, k or v, the fp32 conv, and the new state written flat. The window [BLOCK, K] is assembled on chip
 by a gather from the flat state (and the new state gathered back out of it), so no load or store is
 strided (a per-tap spelling, every 2-byte tap its own load and store, was about 3x slower; so were
-wider blocks and programs that loop over a few tokens to share the taps: docs/perf.md 0m). The taps
-are summed in fp32 within each thread, in one fixed order: deterministic and independent of T. No
-workspace, no atomics: safe under CUDA-graph capture once compiled (`warmup`).
+wider blocks and programs that loop over a few tokens to share the taps:
+docs/perf/2026-12-04-w4a16-ncu-combine-conv.md 0m). The taps are summed in fp32 within each thread, in
+one fixed order: deterministic and independent of T. No workspace, no atomics: safe under CUDA-graph
+capture once compiled (`warmup`).
 
 conv_state [T, C, K-1] (last two dims contiguous, any token stride), q/k/v [T, W] (unit inner
 stride), weight fp32 [C, K] contiguous, C = 3W; state, q, k, v in one 16-bit or fp32 dtype ->

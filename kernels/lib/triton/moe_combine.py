@@ -2,7 +2,8 @@
 
 Why: Inductor compiles the model's `(z.float().view(T, k, L) * w[..., None]).sum(1)` to a
 persistent reduction over the slot dim whose loads stride by L across the slots, far from the
-bandwidth its 7.3 MB (64 tokens at K3's L = 3584, k = 16) would take (docs/perf.md 0m).
+bandwidth its 7.3 MB (64 tokens at K3's L = 3584, k = 16) would take
+(docs/perf/2026-12-04-w4a16-ncu-combine-conv.md 0m).
 
 One program owns (token t, block of BLOCK_L columns): it loops over the k slots in slot order,
 each iteration one contiguous, vectorised row segment z[t*k + j, block] (16-byte loads where L and

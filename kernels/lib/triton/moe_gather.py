@@ -115,7 +115,7 @@ USE_PDL = True
 
 #: push-GEMM configs measured fastest on H200 (bench/bench_moe_front.py --sweep), keyed by
 #: (router rows per rank, latent rows per rank, K, BLOCK_M bucket); other shapes use the heuristic;
-#: the sweep's timings are in docs/perf.md
+#: the sweep's timings are in docs/perf/2026-12-01-moe-front.md (0b, 0b.1)
 TUNED: dict[tuple[int, int, int, int], dict] = {
     # K3 at TP 2 (896 / 2 router rows, 3584 / 2 latent rows, H 7168)
     (448, 1792, 7168, 16): dict(BLOCK_N=64, SPLIT_K=7, BLOCK_K=128, num_warps=4, num_stages=3),

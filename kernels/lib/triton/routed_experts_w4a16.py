@@ -353,7 +353,7 @@ expected_groups = bf16_kernel.expected_groups
 #: mma.sync's 16-row A operand; PACKED (None: wherever it applies) the bf16x2 dequantization;
 #: WORD_ORDER the activations in the dequantized registers' order (word_order), which saves the loop
 #: its byte permutes.
-#: bench/bench_routed_experts.py --formats ... --sweep times the alternatives (docs/perf.md)
+#: bench/bench_routed_experts.py --formats ... --sweep times the alternatives (docs/perf/2026-12-02-w4a16-triton.md)
 GATE_UP = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None,
            "WORD_ORDER": False}
 DOWN = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "STAGES": 4, "WGMMA": True, "PACKED": None, "WORD_ORDER": False}
@@ -472,8 +472,8 @@ def group_in_word_order(a: torch.Tensor, experts: torch.Tensor, E: int,
                         quads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped mode's (rows, groups) as `group` and x = word_order(a, quads), in one launch
     (`_group_in_word_order_kernel`): the copy's programs run beside the grouping's one, which a launch of
-    its own would follow with a gap (docs/perf.md 0z). a [T, K] contiguous, K whole words (quads: whole
-    steps of 128)."""
+    its own would follow with a gap (docs/perf/2026-12-06-w4a16-grouped-launches.md 0z). a [T, K] contiguous,
+    K whole words (quads: whole steps of 128)."""
     T, K = a.shape
     if not a.is_contiguous() or K % (128 if quads else 8):
         raise ValueError(f"group_in_word_order: a contiguous [T, K] with K a multiple of {128 if quads else 8}, "
