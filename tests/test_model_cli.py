@@ -1,6 +1,7 @@
 """The whole-model verbs on CPU: `k3fuse generate`, `k3fuse validate --model`, `k3fuse bench --model`, and the one
 line each bad input gets (TP that does not divide a width, --as-rank outside --of, a context past the cache or
-K3's positions, a batch past 64, the checkpoint flags before the loader exists)."""
+K3's positions, a batch past 64, a checkpoint that is missing or of another model); a written checkpoint read
+back decodes the tokens of the model it was drawn from."""
 from __future__ import annotations
 
 import json
@@ -19,8 +20,7 @@ from k3fuse.tools.cli import main
     (["generate", "--batch", "65"], "--batch 65: the decode rewrites cover 1-64"),
     (["generate", "--prompt-ids", "1,2,x"], "prompt 1 is not token ids"),
     (["generate", "--prompt-ids", "1,99999"], "token id 99999 is outside the vocabulary of 512"),
-    (["generate", "--checkpoint", "/nonexistent"], "--checkpoint: loading a shipped K3 checkpoint is not built yet"),
-    (["generate", "--write-checkpoint", "/tmp/x"], "--write-checkpoint: the checkpoint writer is not built yet"),
+    (["generate", "--checkpoint", "/nonexistent"], "checkpoint config /nonexistent/config.json does not exist"),
     (["validate", "--model", "--preset", "k3", "--as-rank", "2", "--of", "2"], "--as-rank 2 is outside --of 2"),
     (["bench", "--model", "--tp", "2"], "the model bench runs one process"),
     (["bench", "--model", "--arms", "peer,k3fuse"], "the peer takes the model's expert tables over"),
@@ -34,6 +34,30 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_checkpoint_of_another_model_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert main(["generate", "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not Kimi K3" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _tokens(argv: list[str], tmp_path, name: str) -> list:
+    out = tmp_path / f"{name}.json"
+    assert main(argv + ["--json", str(out)]) == 0
+    return json.loads(out.read_text())["ranks"][0]["arms"]["eager"]["tokens"]
+
+
+@pytest.mark.slow
+def test_a_written_checkpoint_decodes_the_tokens_of_its_model(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert main(["generate", "--preset", "tiny", "--seed", "3", "--write-checkpoint", str(ckpt)]) == 0
+    assert (ckpt / "config.json").exists() and (ckpt / "model.safetensors.index.json").exists()
+    run = ["generate", "--tp", "1", "--arms", "eager", "--steps", "4", "--batch", "2", "--seed", "3"]
+    drawn = _tokens(run + ["--preset", "tiny"], tmp_path, "drawn")
+    loaded = _tokens(run + ["--checkpoint", str(ckpt)], tmp_path, "loaded")
+    assert loaded == drawn and len(drawn) == 2 and len(drawn[0]) == 4
 
 
 def test_as_rank_at_tp16_holds_the_experts_in_row_order():

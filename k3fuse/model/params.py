@@ -208,12 +208,14 @@ class TableEntry:
 
 def model_table(cfg: K3Config) -> list[TableEntry]:
     """Every parameter of K3Model(cfg), in module order: what a checkpoint loader iterates."""
+    # the model's own tensors first (the order checkpoints are written in), then the layers
     out = [TableEntry(f"embed.{s.name}", HF_MODEL_PREFIX + s.hf, s, -1) for s in embed_params(cfg)]
+    out += [TableEntry(f"head.{s.name}", HF_MODEL_PREFIX + s.hf, s, -1) for s in head_params(cfg)]
     for i, kind in enumerate(cfg.layer_kinds()):
         for path, specs in layer_params(cfg, kind).items():
             out += [TableEntry(f"layers.{i}.{path}{s.name}", HF_LAYER_PREFIX.format(layer=i) + s.hf, s, i)
                     for s in specs]
-    return out + [TableEntry(f"head.{s.name}", HF_MODEL_PREFIX + s.hf, s, -1) for s in head_params(cfg)]
+    return out
 
 
 def print_table(cfg: K3Config, tp: int = 1) -> str:

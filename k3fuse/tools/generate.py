@@ -228,7 +228,8 @@ def register_generate(sub: Any) -> None:
     p.add_argument("--graph-steps", type=positive_int, default=8, help="decode steps per CUDA graph (GPU)")
     p.add_argument("--no-strict", dest="strict", action="store_false", help="allow k3fuse fallbacks")
     p.add_argument("--write-checkpoint", default=None, metavar="DIR",
-                   help="write a random checkpoint of the preset in the shipped layout (needs the checkpoint writer)")
+                   help="write a random checkpoint of --preset (--layers, --set) in K3's shipped layout into DIR (new "
+                        "or empty), then stop")
     add_rules_flag(p)
     p.add_argument("--log", default=None, help="append the k3fuse arm's rewrite log (JSONL) here")
     p.add_argument("--json", default=None, help="write the per-rank reports here")
@@ -289,9 +290,6 @@ def config_from_args(args: Any) -> GenerateConfig:
     unknown = [a for a in arms if a not in ("stock", "k3fuse", "eager")]
     if unknown or not arms:
         raise UsageError(f"--arms {args.arms!r}: unknown arm(s) {unknown}", "use stock, k3fuse, eager")
-    if args.write_checkpoint is not None:
-        raise UsageError("--write-checkpoint: the checkpoint writer is not built yet (issue 50 item 2)",
-                         "drop --write-checkpoint")
     if ma.device == "cuda":
         import torch
 
@@ -306,11 +304,28 @@ def config_from_args(args: Any) -> GenerateConfig:
                           strict=args.strict, log=args.log)
 
 
+def _write_checkpoint(args: Any) -> int:
+    """`--write-checkpoint DIR`: random weights of the chosen config in the shipped layout, nothing else."""
+    from ..model.checkpoint import write_checkpoint
+
+    if args.checkpoint is not None:
+        raise UsageError("--write-checkpoint with --checkpoint", "write a new checkpoint from --preset, or read one")
+    ma = model_args(args, default_tp=1)
+    t0 = time.perf_counter()
+    files = write_checkpoint(args.write_checkpoint, ma.config(), seed=ma.seed,
+                             device="cuda" if ma.device == "cuda" else "cpu")
+    print(f"k3fuse generate: wrote {ma.config().name} ({ma.config().n_layers} layers) to {args.write_checkpoint}: "
+          f"{len(files)} shard(s), config.json, model.safetensors.index.json ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
 def _cmd_generate(args: Any) -> int:
     import json
 
     from ..fileio import check_append_file, check_output_file, write_text_atomic
 
+    if args.write_checkpoint is not None:
+        return _write_checkpoint(args)
     if args.json:
         check_output_file(args.json, option="--json")
     if args.log:

@@ -6,7 +6,8 @@
                                         local stand-ins of the same shapes, the figures one rank's compute
     --context C                         tokens already in each sequence's cache (random; lengths may differ)
     --kv-dtype auto|fp8 --block-size B  the paged latent cache
-    --checkpoint DIR / --write-checkpoint DIR   the shipped layout (the loader is issue 50 item 2's: not yet)
+    --checkpoint DIR                    the weights of a K3 checkpoint in the shipped layout (k3fuse/model/
+                                        checkpoint.py: its config.json replaces --preset; each rank reads its slice)
 
 Every mistake is one line naming the problem and the fix (UsageError), before any model is built.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..usage_error import UsageError
@@ -55,12 +57,22 @@ class ModelArgs:
         return self.of if self.standin else self.tp  # type: ignore[return-value]
 
     def config(self) -> Any:
+        """The K3Config: the preset's, or the checkpoint's config.json (its first `layers` layers)."""
+        import dataclasses
+
         from ..model import get_config
 
         over = dict(self.overrides)
         if self.layers is not None:
             over["n_layers"] = self.layers
-        return get_config(self.preset, **over)
+        if self.checkpoint is None:
+            return get_config(self.preset, **over)
+        from ..model.checkpoint import read_config
+
+        cfg = read_config(self.checkpoint, expert_layout=over.pop("expert_layout", "rows"))
+        if "n_layers" in over:
+            over["dense_layers"] = min(cfg.dense_layers, over["n_layers"])
+        return dataclasses.replace(cfg, **over)
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
@@ -106,7 +118,8 @@ def add_model_flags(p: argparse.ArgumentParser, preset: str = "small", tp: int =
                    help="latent KV cache: the trunk dtype (bf16 for K3) or FP8 e4m3 with a per-layer scale")
     p.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV cache block")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="load a K3 checkpoint directory (Hugging Face layout); needs the checkpoint loader")
+                   help="a K3 checkpoint directory (Hugging Face layout): its config.json and weights replace --preset's "
+                        "(--layers N: its first N layers)")
 
 
 def model_args(args: argparse.Namespace, default_tp: int) -> ModelArgs:
@@ -122,12 +135,15 @@ def model_args(args: argparse.Namespace, default_tp: int) -> ModelArgs:
         if args.tp not in (None, 1):
             raise UsageError(f"--tp {args.tp} with --as-rank: a stand-in rank runs alone",
                              "drop --tp (or run --tp N without --as-rank)")
+    checkpoint = None
     if args.checkpoint is not None:
-        raise UsageError("--checkpoint: loading a shipped K3 checkpoint is not built yet (issue 50 item 2)",
-                         "run without --checkpoint (random weights of the preset)")
+        from ..fileio import check_input_file
+
+        checkpoint = str(check_input_file(str(Path(args.checkpoint) / "config.json"), "checkpoint config").parent)
     ma = ModelArgs(preset=args.preset, layers=args.layers, overrides=tuple(sorted(args.overrides.items())),
                    tp=1 if args.as_rank is not None else (args.tp or default_tp), as_rank=args.as_rank, of=args.of,
-                   device=args.device, seed=args.seed, kv_dtype=args.kv_dtype, block_size=args.block_size)
+                   device=args.device, seed=args.seed, kv_dtype=args.kv_dtype, block_size=args.block_size,
+                   checkpoint=checkpoint)
     return check_model_args(ma)
 
 
@@ -138,6 +154,8 @@ def check_model_args(ma: ModelArgs) -> ModelArgs:
 
     try:
         cfg = ma.config()
+    except UsageError:  # a checkpoint's config.json that is not K3's: its own one line
+        raise
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc), "see --help for the presets and --set fields") from None
     tp = ma.model_tp

@@ -34,11 +34,18 @@ def build_model(ma: ModelArgs, rank: int, world: int, sampling: SamplingConfig |
                 dtype: torch.dtype | None = None) -> K3Model:
     """This process's model: rank `rank` of `world` ranks, or the stand-in rank ma.as_rank of ma.of."""
     device = device_for(ma, rank)
-    common = dict(seed=ma.seed, device=device, init_on_device=device.type == "cuda", sampling=sampling, dtype=dtype)
-    if ma.standin:
-        return K3Model(ma.config(), tp_size=ma.of, rank=ma.as_rank, standin=True, **common).eval()  # type: ignore[arg-type]
-    group = dist.group.WORLD if world > 1 else None
-    return K3Model(ma.config(), tp_size=world, rank=rank, group=group, **common).eval()  # type: ignore[arg-type]
+    tp, rank_, group = (ma.of, ma.as_rank, None) if ma.standin else (world, rank,
+                                                                     dist.group.WORLD if world > 1 else None)
+    if ma.checkpoint is not None:  # every rank reads its own slices of the files (k3fuse/model/checkpoint.py)
+        from ..model.checkpoint import load_checkpoint
+
+        cfg = ma.config()
+        loaded = load_checkpoint(ma.checkpoint, rank=rank_, tp_size=tp, device=device,  # type: ignore[arg-type]
+                                 layers=list(range(cfg.n_layers)), group=group, standin=ma.standin,
+                                 expert_layout=cfg.expert_layout, dtype=dtype, sampling=sampling)
+        return loaded.model.eval()
+    return K3Model(ma.config(), tp_size=tp, rank=rank_, group=group, standin=ma.standin, seed=ma.seed,  # type: ignore[arg-type]
+                   device=device, init_on_device=device.type == "cuda", sampling=sampling, dtype=dtype).eval()
 
 
 def context_lengths(batch: int, context: int) -> list[int]:

@@ -262,7 +262,8 @@ def add_model_mode_flags(p: Any) -> None:
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto", help="--model: the latent KV cache")
     p.add_argument("--block-size", type=int, default=64, help="--model: tokens per KV cache block")
     p.add_argument("--context", type=int, default=0, help="--model: random tokens already in each cache")
-    p.add_argument("--checkpoint", default=None, metavar="DIR", help="--model: a K3 checkpoint (needs its loader)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR", help="--model: a K3 checkpoint directory (its "
+                                                                     "config.json and weights replace --preset's)")
     p.add_argument("--plots", default=None, metavar="DIR", help="--model: write drift.png into DIR")
 
 

@@ -79,7 +79,8 @@ def add_model_bench_flags(p: Any) -> None:
     p.add_argument("--of", type=int, default=None, metavar="N", help="--model: the TP size of --as-rank")
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto", help="--model: the latent KV cache")
     p.add_argument("--block-size", type=positive_int_arg, default=64, help="--model: tokens per KV cache block")
-    p.add_argument("--checkpoint", default=None, metavar="DIR", help="--model: a K3 checkpoint (needs its loader)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR", help="--model: a K3 checkpoint directory (its "
+                                                                     "config.json and weights replace --preset's)")
     p.add_argument("--no-shares", dest="shares", action="store_false",
                    help="--model: skip the per-region graphs (the KDA / MLA / head shares)")
 
