@@ -364,3 +364,25 @@ def test_standin_rank_and_bad_tp_are_refused():
         K3Model(get_config("k3", n_layers=2), tp_size=16, rank=0, standin=True, device="meta")
     tp = TensorParallel(4, 1, None, standin=True)
     assert tp.all_gather_last(torch.ones(2, 3)).shape == (2, 12) and not tp.collectives
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_the_model_spelling_and_the_mla_decode_op_compute_one_function(kv_dtype):
+    """torch.ops.k3fuse.mla_decode (issue 51's op, built against this cache interface) and the model's plain
+    spelling agree at K3's entry width on a paged cache of mixed lengths."""
+    import k3fuse
+    from k3fuse.spelling import paged_mla_attention
+
+    k3fuse.load()
+    gen = torch.Generator().manual_seed(2)
+    B, H, bs, blocks = 3, 4, 16, 12
+    cache = (torch.randn(blocks, bs, 576, generator=gen) * 0.5).to(
+        torch.float8_e4m3fn if kv_dtype == "fp8" else torch.bfloat16)
+    scale = torch.tensor([0.5 if kv_dtype == "fp8" else 1.0])
+    block_table = torch.randperm(blocks, generator=gen)[:B * 4].view(B, 4).to(torch.int32)
+    seq_lens = torch.tensor([1, 23, 64], dtype=torch.int32)
+    q = torch.randn(B, H, 576, generator=gen).to(torch.bfloat16)
+    ours = paged_mla_attention(q, cache, scale, block_table, seq_lens, 192 ** -0.5, 512)
+    op = torch.ops.k3fuse.mla_decode(q, cache, block_table, seq_lens, 192 ** -0.5,
+                                     scale if kv_dtype == "fp8" else None)
+    torch.testing.assert_close(op.float(), ours.float(), rtol=2e-2, atol=2e-2)
