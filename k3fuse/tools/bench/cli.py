@@ -5,6 +5,7 @@ import argparse
 from typing import Any
 
 from ...usage_error import UsageError
+from ..flags import positive_int
 from ..model_args import MergeOverrides, parse_overrides  # noqa: F401  (validate_cli imports them from here)
 
 #: on GPUs: K3 at published widths with MXFP4 experts, one GPU (`--preset k3_moe_inter128`, or
@@ -24,7 +25,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def register_bench(sub: Any) -> None:
-    from ..flags import add_moved_tokens_flag, add_rules_flag, batches, positive_int
+    from ..flags import add_moved_tokens_flag, add_rules_flag, batches
 
     p = sub.add_parser("bench", help="the compiled K3 layer: stock torch.compile vs k3fuse, same run",
                        description="Layer benchmark: CUDA-graph replays of multi-step graphs, the slower "
@@ -78,17 +79,11 @@ def add_model_bench_flags(p: Any) -> None:
                    help="--model: rank R's slice of a TP --of model, alone on one device (stand-in collectives)")
     p.add_argument("--of", type=int, default=None, metavar="N", help="--model: the TP size of --as-rank")
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto", help="--model: the latent KV cache")
-    p.add_argument("--block-size", type=positive_int_arg, default=64, help="--model: tokens per KV cache block")
+    p.add_argument("--block-size", type=positive_int, default=64, help="--model: tokens per KV cache block")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="--model: a K3 checkpoint directory (its "
                                                                      "config.json and weights replace --preset's)")
     p.add_argument("--no-shares", dest="shares", action="store_false",
                    help="--model: skip the per-region graphs (the KDA / MLA / head shares)")
-
-
-def positive_int_arg(text: str) -> int:
-    from ..flags import positive_int
-
-    return positive_int(text)
 
 
 def model_config_from_args(args: argparse.Namespace) -> Any:
@@ -106,7 +101,9 @@ def model_config_from_args(args: argparse.Namespace) -> Any:
     if args.plots is not None:
         raise UsageError("--plots is the layer bench's (bench --model prints its table and writes --json)",
                          "drop --plots")
-    args.device = args.device or "cpu"
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.preset = args.preset or ("k3" if args.device == "cuda" else "small")
     args.overrides = {**(args.overrides or {}), **({"residual": args.residual} if args.residual else {})}
     ma = model_args(args, default_tp=1)
@@ -123,11 +120,8 @@ def model_config_from_args(args: argparse.Namespace) -> Any:
     bad = [c for c in args.context if not 0 <= c <= MAX_CONTEXT]
     if bad:
         raise UsageError(f"--context {bad[0]} is outside 0..{MAX_CONTEXT} (K3's positions)", "pass e.g. 4096,32768")
-    if ma.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda but this torch sees no CUDA GPU", "use --device cpu")
+    if ma.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but this torch sees no CUDA GPU", "use --device cpu")
     use_rules(args.rules)
     return ModelBenchConfig(model=ma, batches=tuple(args.batch), contexts=tuple(args.context), arms=arms,
                             steps=args.steps or 4, replays=args.replays or 10, profile=args.profile,
