@@ -112,12 +112,15 @@ def test_validate_model_runs_every_check(tmp_path, capfd):
 def test_validate_model_verdict_names_far_flips_and_missing_rules():
     from k3fuse.tools.validate_model import verdict
 
-    report = {"tie_tol": 0.1, "greedy": {"stock": [], "k3fuse": [
+    flip = {"step": 2, "layer": 1, "sequence": 1, "gap": 0.3, "near_tie": False, "carried": False}
+    report = {"tie_tol": 0.1, "route_tie": 0.02, "greedy": {"stock": [], "k3fuse": [
         {"step": 7, "sequence": 0, "tokens": [3, 4], "margin": 0.5, "explained": False}], "k3fuse_vs_stock": []},
+        "routing_flips": {"stock": [dict(flip, carried=True)], "k3fuse": [flip]},
         "sampled": {"stock": [], "k3fuse": []}, "missing_rules": ["kda_delta_rule"], "fallbacks": {}}
     problems = verdict(report)
-    assert "first at step 7 (tokens [3, 4], float32 margin 0.5)" in problems[0]
-    assert "did not fire: ['kda_delta_rule']" in problems[1]
+    assert problems[0].startswith("k3fuse: 1 sequence(s) whose first routing flip is far from a tie")
+    assert "first at step 7 (tokens [3, 4], float32 margin 0.5)" in problems[1]
+    assert "did not fire: ['kda_delta_rule']" in problems[2] and len(problems) == 3
 
 
 @pytest.mark.slow

@@ -64,8 +64,10 @@ def fill_context(model: K3Model, state: ModelState, lengths: list[int], seed: in
         for kv, scale in zip(state.kv, state.kv_scale):
             for chunk in kv.split(max(1, (64 << 20) // max(1, kv[0].numel())), 0):  # bounded fp32 temporaries
                 chunk.copy_((torch.randn(chunk.shape, generator=gen, device=kv.device) / scale).to(kv.dtype))
+        started = torch.tensor([n > 0 for n in lengths], device=model.device)  # a new sequence's KDA state is 0
         for t, scale in [(r, 0.05) for r in state.recurrent] + [(c, 1.0) for c in state.conv]:
-            t.copy_(torch.randn(t.shape, generator=gen, device=t.device) * scale)
+            draw = torch.randn(t.shape, generator=gen, device=t.device) * scale
+            t.copy_(draw * started.view(-1, *([1] * (t.dim() - 1))))
         state.seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
 
 

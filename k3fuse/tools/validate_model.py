@@ -6,10 +6,17 @@ experts keep their bytes and dequantize exactly in fp32), `stock` (torch.compile
 Every path is fed the reference's greedy token at every step (teacher forcing), so the paths stay comparable
 for the whole run and every step's comparison means something:
 
-* greedy tokens, step by step: a path disagrees where its argmax is not the reference's; each disagreement is
+* the routed experts each path selects, per layer, step and sequence, against the reference's: a different
+  top-k set is a routing flip, near a tie when the swapped experts' reference selection scores differ by at
+  most the dtype's tie margin (bf16: 2e-2); a flip far from a tie is a bug. A flip changes that layer's output
+  by a whole expert's share, and the state carries it (the KDA state, the KV cache): random-weight routers sit
+  near ties often, so in bf16 flips, not rounding, drive the divergence from the float32 copy. A sequence's
+  first flip must be near a tie; its later flips follow from the state the first one changed;
+* greedy tokens, step by step: a path disagrees where its argmax is not the reference's; a disagreement is
   explained when the float32 logit margin between the two tokens (reference logit of its token minus
-  reference logit of the path's) is at most `--tie-tol` (a near tie), unexplained otherwise; the first
-  disagreement is reported with its step, tokens and margin;
+  reference logit of the path's) is at most `--tie-margin` (a near tie of the logits), or when that sequence
+  had a near-tie routing flip at this or an earlier step; unexplained otherwise. The first disagreement is
+  reported with its step, tokens and margin;
 * temperature sampling with a fixed seed (sampling.py: the same random number for every path): each path's
   sampled token against the reference's; a difference is explained when the number falls within the two
   distributions' total-variation distance of an edge of the reference token's CDF interval;
@@ -29,6 +36,8 @@ from .model_args import ModelArgs
 
 #: default near-tie tolerance of a greedy flip, in fp32 logit units (the logits of these models have std ~1)
 TIE_TOL = {"bfloat16": 0.1, "float16": 0.02, "float32": 1e-3}
+#: default near-tie tolerance of a routing flip, in selection-score units (k3fuse validate's, by dtype)
+ROUTE_TIE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
 #: the rules expected on the whole model: every default rule that applies at TP 1, and the collective ones at TP >= 2
 EXPECTED_TP1 = ("fused_routing", "routed_experts", "moe_combine", "shared_expert_stream", "kda_short_conv",
                 "kda_delta_rule", "decode_gemm")
@@ -79,6 +88,40 @@ def _sample_check(logits_ref: Any, logits_path: Any, u: Any, cfg: Any) -> list[t
     return out
 
 
+def _routers(model: Any) -> list[Any]:
+    return [layer.mlp.routed.router for layer in model.layers if hasattr(layer.mlp, "routed")]
+
+
+def _record_routing(model: Any, store: list, scores: bool) -> list:
+    """Forward hooks on every router: each call appends (layer, expert ids [, selection scores]) to `store`
+    (compiled steps trace the hook; its append is replayed after the graph)."""
+    handles = []
+    for i, router in enumerate(_routers(model)):
+        def hook(mod: Any, args: Any, out: Any, i: int = i) -> None:
+            if scores:
+                import torch
+
+                store.append((i, out[1], torch.sigmoid(mod.logits(args[0])) + mod.b_corr))
+            else:
+                store.append((i, out[1]))
+        handles.append(router.register_forward_hook(hook))
+    return handles
+
+
+def _routing_flips(ref: list, path: list, margin: float, step: int) -> list[dict[str, Any]]:
+    """Per layer and sequence where the path's top-k set is not the reference's: the largest reference selection-
+    score gap between a swapped pair (a near tie when <= margin)."""
+    flips = []
+    for (layer, idx_ref, score), (_, idx_path) in zip(ref, path):
+        for b in range(idx_ref.shape[0]):
+            a, c = set(idx_ref[b].tolist()), set(idx_path[b].tolist())
+            if a == c:
+                continue
+            gap = max(abs(float(score[b, e]) - float(score[b, f])) for e in a - c for f in c - a)
+            flips.append({"step": step, "layer": layer, "sequence": b, "gap": gap, "near_tie": gap <= margin})
+    return flips
+
+
 def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict[str, Any]:
     import torch
 
@@ -95,6 +138,7 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
     ref = build_model(cfg.model, rank, world, dtype=torch.float32)
     ref.load_state_dict(model.state_dict())  # the same weights upcast (packed experts: the same bytes)
     tie_tol = cfg.tie_tol if cfg.tie_tol is not None else TIE_TOL.get(cfg.dtype, 0.1)
+    route_tie = ROUTE_TIE.get(cfg.dtype, 2e-2)
     rlog = RewriteLog(cfg.log, rank=rank)
     steps = {"ref": compile_step(ref, "eager"), "stock": compile_step(model, "stock" if cfg.stock == "compile"
                                                                       else "eager"),
@@ -117,13 +161,29 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
                                       for what in ("logits", "recurrent", "conv", "kv")}
     greedy: dict[str, list[dict[str, Any]]] = {"stock": [], "k3fuse": [], "k3fuse_vs_stock": []}
     sampled: dict[str, list[dict[str, Any]]] = {"stock": [], "k3fuse": []}
+    flips: dict[str, list[dict[str, Any]]] = {"stock": [], "k3fuse": []}
+    first_flip: dict[str, dict[int, int]] = {"stock": {}, "k3fuse": {}}  # sequence -> step of its first near tie
+    ref_routes: list = []
+    model_routes: list = []  # stock and k3fuse share the model: split after each call
+    hooks = _record_routing(ref, ref_routes, scores=True) + _record_routing(model, model_routes, scores=False)
     k3fuse.reset_stats()
     with torch.no_grad():
         for s in range(cfg.steps):
-            logits = {}
+            logits, routes = {}, {}
             for name, step in steps.items():
                 with k3fuse.strict(cfg.strict and name == "k3fuse"):
                     logits[name] = step(tokens, states[name])[1].float()
+                if name != "ref":
+                    routes[name] = list(model_routes)
+                    model_routes.clear()
+            for path in ("stock", "k3fuse"):
+                for f in _routing_flips(ref_routes, routes[path], route_tie, s):  # in layer order
+                    # a sequence's first flip must be a near tie; later ones follow from the state it changed
+                    f["carried"] = f["sequence"] in first_flip[path]
+                    flips[path].append(f)
+                    if f["near_tie"]:
+                        first_flip[path].setdefault(f["sequence"], s)
+            ref_routes.clear()
             if model.tp_size > 1 and not model.standin:
                 k3fuse.check_collectives()  # a failed fused collective raises here, not as NaN
             want = logits["ref"].argmax(-1)
@@ -133,8 +193,11 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
                 base_tok = want if base == "ref" else logits["stock"].argmax(-1)
                 for b in torch.nonzero(got != base_tok).flatten().tolist():
                     margin = float(logits["ref"][b, base_tok[b]] - logits["ref"][b, got[b]])
+                    routed = first_flip.get(got_path, {}).get(b) if base == "ref" else None
+                    why = ("logit near tie" if margin <= tie_tol else
+                           f"routing near tie at step {routed}" if routed is not None else None)
                     greedy[path].append({"step": s, "sequence": b, "tokens": [int(base_tok[b]), int(got[b])],
-                                         "margin": margin, "explained": margin <= tie_tol})
+                                         "margin": margin, "explained": why is not None, "why": why})
             for path in ("stock", "k3fuse"):
                 st, sr = states[path], states["ref"]
                 curves[f"{path}_logits"].append(_rel(logits[path], logits["ref"]))
@@ -155,11 +218,14 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
                 print(f"validate --model: step {s + 1}/{cfg.steps}: greedy disagreements k3fuse "
                       f"{len(greedy['k3fuse'])}, stock {len(greedy['stock'])}; kv drift k3fuse "
                       f"{curves['k3fuse_kv'][-1]:.2e}", file=sys.stderr, flush=True)
+    for h in hooks:
+        h.remove()
     expected = EXPECTED_TP2 if model.tp_size > 1 and not model.standin else EXPECTED_TP1
     active = rlog.active_rules()
     report: dict[str, Any] = {
         "rank": rank, "model": asdict(model.config), "tp": model.tp_size, "standin": model.standin,
-        "tie_tol": tie_tol, "curves": curves, "greedy": greedy, "sampled": sampled,
+        "tie_tol": tie_tol, "route_tie": route_tie, "curves": curves, "greedy": greedy, "sampled": sampled,
+        "routing_flips": flips,
         "stats": k3fuse.stats(), "fallbacks": k3fuse.runtime.fallbacks(), "active_rules": active,
         "missing_rules": [r for r in expected if r not in active],
         "applied": {r: s["applied"] for r, s in rlog.summary().items()},
@@ -173,12 +239,19 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
 def verdict(report: dict[str, Any]) -> list[str]:
     """What fails the run (empty: it passed)."""
     problems = []
-    for path in ("stock", "k3fuse", "k3fuse_vs_stock"):
+    for path in ("stock", "k3fuse"):  # k3fuse against stock is shown, not judged: each is judged by the copy
+        far = [f for f in report["routing_flips"][path] if not f["near_tie"] and not f["carried"]]
+        if far:
+            f = far[0]
+            problems.append(f"{path}: {len(far)} sequence(s) whose first routing flip is far from a tie (selection-"
+                            f"score gap > {report['route_tie']:g}); first at step {f['step']}, layer {f['layer']}, "
+                            f"sequence {f['sequence']} (gap {f['gap']:.3g})")
         bad = [d for d in report["greedy"][path] if not d["explained"]]
         if bad:
             d = bad[0]
-            problems.append(f"{path}: {len(bad)} greedy disagreement(s) past the tie tolerance {report['tie_tol']:g}; "
-                            f"first at step {d['step']} (tokens {d['tokens']}, float32 margin {d['margin']:.3g})")
+            problems.append(f"{path}: {len(bad)} greedy disagreement(s) past the tie tolerance {report['tie_tol']:g} "
+                            f"without an earlier routing near tie; first at step {d['step']} (tokens {d['tokens']}, "
+                            f"float32 margin {d['margin']:.3g})")
     for path in ("stock", "k3fuse"):
         bad = [d for d in report["sampled"][path] if not d["explained"]]
         if bad:
@@ -230,6 +303,12 @@ def print_validate_model(cfg: ValidateModelConfig, reports: list[dict[str, Any]]
                  f"margin {ds[0]['margin']:.3g}" if ds else "-")
         t.add_row(path, f"{1 - len(ds) / n:.4f}", f"{len(ds)} ({sum(d['explained'] for d in ds)})", first)
     console.print(t)
+    for path in ("stock", "k3fuse"):
+        ds, fl = r0["greedy"][path], r0["routing_flips"][path]
+        console.print(f"{path}: routing flips {len(fl)} ({sum(f['near_tie'] for f in fl)} near a tie of "
+                      f"{r0['route_tie']:g}, {sum(f['carried'] for f in fl)} after the sequence's first); disagreements explained by a logit near tie "
+                      f"{sum(d.get('why') == 'logit near tie' for d in ds)}, by an earlier routing near tie "
+                      f"{sum(str(d.get('why', '')).startswith('routing') for d in ds)}")
     if cfg.temperature > 0:
         console.print(f"sampled tokens (temperature {cfg.temperature}, fixed seed): " + "; ".join(
             f"{p} differs at {len(r0['sampled'][p])} of {n} ({sum(d['explained'] for d in r0['sampled'][p])} "
@@ -337,6 +416,7 @@ def plot_validate_model(reports: list[dict[str, Any]], directory: str) -> list[s
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("relative error vs float32 copy")
     axes[0].legend()
+    Path(directory).mkdir(parents=True, exist_ok=True)
     path = Path(directory) / "drift.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)
