@@ -103,5 +103,5 @@ def test_validate_model_on_the_rank_slice():
     ma = check_model_args(ModelArgs(preset="k3", layers=LAYERS, as_rank=0, of=16, device="cuda"))
     report = validate_model_rank(0, 1, ValidateModelConfig(model=ma, batch=4, steps=100, context=512,
                                                            progress_every=50))
-    assert report["verdict"] == [], report["verdict"]
-    assert max(report["curves"]["k3fuse_kv"]) < 0.05
+    assert report["verdict"] == [], report["verdict"]  # every token difference a near tie (logits or routing)
+    assert 0 < max(report["curves"]["k3fuse_kv"]) < 0.5 and report["fallbacks"] == {}
