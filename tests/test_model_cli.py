@@ -25,6 +25,7 @@ from k3fuse.tools.cli import main
     (["bench", "--model", "--tp", "2"], "the model bench runs one process"),
     (["bench", "--model", "--arms", "peer,k3fuse"], "the peer takes the model's expert tables over"),
     (["bench", "--as-rank", "0", "--of", "2"], "--as-rank is a flag of the whole-model bench"),
+    (["validate", "--as-rank", "0", "--of", "2"], "--as-rank is a flag of validate --model"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys):
     try:

@@ -10,7 +10,7 @@ from .bench.cli import MergeOverrides, parse_overrides
 from .flags import (BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, check_moved_tokens, non_negative_float,
                     positive_float, positive_int, use_rules)
 from .validate_config import ValidateConfig
-from .validate_model import add_model_mode_flags, cmd_validate_model
+from .validate_model import add_model_mode_flags, cmd_validate_model, refuse_model_flags
 
 
 def register_validate(sub: Any) -> None:
@@ -76,6 +76,7 @@ def _cmd_validate(args: Any) -> int:
     check_moved_tokens(args, "validate")
     if args.model:
         return cmd_validate_model(args)
+    refuse_model_flags(args)
     d = ValidateConfig()
     args.layers, args.residual = args.layers or d.layers, args.residual or d.residual
     args.tp, args.steps = args.tp or d.tp, args.steps or d.steps

@@ -8,13 +8,13 @@ for the whole run and every step's comparison means something:
 
 * the routed experts each path selects, per layer, step and sequence, against the reference's: a different
   top-k set is a routing flip, near a tie when the swapped experts' reference selection scores differ by at
-  most the dtype's tie margin (bf16: 2e-2); a flip far from a tie is a bug. A flip changes that layer's output
+  most `--tie-margin` (validate's flag; default by dtype, bf16: 2e-2); a flip far from a tie is a bug. A flip changes that layer's output
   by a whole expert's share, and the state carries it (the KDA state, the KV cache): random-weight routers sit
   near ties often, so in bf16 flips, not rounding, drive the divergence from the float32 copy. A sequence's
   first flip must be near a tie; its later flips follow from the state the first one changed;
 * greedy tokens, step by step: a path disagrees where its argmax is not the reference's; a disagreement is
   explained when the float32 logit margin between the two tokens (reference logit of its token minus
-  reference logit of the path's) is at most `--tie-margin` (a near tie of the logits), or when that sequence
+  reference logit of the path's) is at most `--logit-tie` (a near tie of the logits), or when that sequence
   had a near-tie routing flip at this or an earlier step; unexplained otherwise. The first disagreement is
   reported with its step, tokens and margin;
 * temperature sampling with a fixed seed (sampling.py: the same random number for every path): each path's
@@ -51,7 +51,8 @@ class ValidateModelConfig:
     steps: int = 1000
     dtype: str = "bfloat16"
     temperature: float = 0.8
-    tie_tol: float | None = None
+    tie_tol: float | None = None  # greedy: the float32 logit margin of a near tie (--logit-tie)
+    route_tie: float | None = None  # routing: the selection-score gap of a near tie (--tie-margin)
     context: int = 0
     strict: bool = True
     log: str | None = None
@@ -138,7 +139,7 @@ def validate_model_rank(rank: int, world: int, cfg: ValidateModelConfig) -> dict
     ref = build_model(cfg.model, rank, world, dtype=torch.float32)
     ref.load_state_dict(model.state_dict())  # the same weights upcast (packed experts: the same bytes)
     tie_tol = cfg.tie_tol if cfg.tie_tol is not None else TIE_TOL.get(cfg.dtype, 0.1)
-    route_tie = ROUTE_TIE.get(cfg.dtype, 2e-2)
+    route_tie = cfg.route_tie if cfg.route_tie is not None else ROUTE_TIE.get(cfg.dtype, 2e-2)
     rlog = RewriteLog(cfg.log, rank=rank)
     steps = {"ref": compile_step(ref, "eager"), "stock": compile_step(model, "stock" if cfg.stock == "compile"
                                                                       else "eager"),
@@ -344,6 +345,21 @@ def add_model_mode_flags(p: Any) -> None:
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="--model: a K3 checkpoint directory (its "
                                                                      "config.json and weights replace --preset's)")
     p.add_argument("--plots", default=None, metavar="DIR", help="--model: write drift.png into DIR")
+    p.add_argument("--logit-tie", type=float, default=None,
+                   help="--model: the float32 logit margin under which a greedy token difference is a near tie "
+                        "(default by dtype; bf16 0.1)")
+
+
+def refuse_model_flags(args: Any) -> None:
+    """A `--model` flag given without --model: one line (it would be ignored)."""
+    from ..usage_error import UsageError
+
+    for flag, given in (("--as-rank", args.as_rank is not None), ("--of", args.of is not None),
+                        ("--checkpoint", args.checkpoint is not None), ("--plots", args.plots is not None),
+                        ("--logit-tie", args.logit_tie is not None), ("--context", args.context != 0),
+                        ("--kv-dtype", args.kv_dtype != "auto"), ("--block-size", args.block_size != 64)):
+        if given:
+            raise UsageError(f"{flag} is a flag of validate --model", "add --model (the whole model)")
 
 
 def cmd_validate_model(args: Any) -> int:
@@ -375,7 +391,8 @@ def cmd_validate_model(args: Any) -> int:
     use_rules(args.rules)
     cfg = ValidateModelConfig(model=ma, batch=args.batch, steps=args.steps or 1000, dtype=args.dtype or "bfloat16",
                               temperature=args.temperature if args.temperature > 0 else 0.8,
-                              tie_tol=args.tie_margin, context=args.context, strict=args.strict, log=args.log,
+                              tie_tol=args.logit_tie, route_tie=args.tie_margin, context=args.context,
+                              strict=args.strict, log=args.log,
                               compiler=args.compiler, stock=args.stock)
     reports = run_validate_model(cfg)
     print_validate_model(cfg, reports)
@@ -426,4 +443,4 @@ def plot_validate_model(reports: list[dict[str, Any]], directory: str) -> list[s
 
 __all__ = ["ValidateModelConfig", "validate_model_rank", "run_validate_model", "print_validate_model",
            "plot_validate_model", "verdict", "TIE_TOL", "EXPECTED_TP1", "EXPECTED_TP2", "add_model_mode_flags",
-           "cmd_validate_model"]
+           "cmd_validate_model", "refuse_model_flags"]
