@@ -6,17 +6,19 @@ Three doors into one rewrite pipeline:
       (SGLang: k3fuse.engines.sglang.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
   new_ep, log = k3fuse.apply(exported_program, ctx)            (k3fuse.offline)
 
-`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: they are set when k3fuse finds vLLM
-already imported (vLLM resolves `inductor_passes` names through the module's __dict__, not
-__getattr__) and otherwise on first access; importing k3fuse never imports vLLM.
+`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: vLLM's general-plugin entry point
+(`k3fuse.vllm_plugin`, run in every vLLM process) puts them into the module's __dict__ (vLLM
+resolves `inductor_passes` names there, not through __getattr__), and otherwise they load on first
+access; importing k3fuse never imports vLLM.
 
-`import k3fuse` imports torch and registers the torch.ops.k3fuse.* ops, so saved programs load
-anywhere it has run. The `k3fuse` command is the exception: it must answer `--help` in well under a
-second, and importing torch takes seconds, so there the public names load on first use instead.
+`import k3fuse` is light and does the same in every process, whatever launched it: it imports
+neither torch nor the reference model. The public names load on first use (`k3fuse.load()`:
+torch, its version check, the K3FUSE_* settings check, the torch.ops.k3fuse.* ops, the K3 rules);
+every door and the `k3fuse` command run it. Before loading a saved program with plain
+torch.export.load, call `k3fuse.load()` (k3fuse.offline.load_program does).
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -50,16 +52,14 @@ if TYPE_CHECKING:
 
 
 def load() -> None:
-    """Import torch, check its version, register the k3fuse ops and the reference model's
-    checkpoint types, and wire the K3 rules and the kernel registry into the framework
-    (k3fuse.plugins; idempotent; `import k3fuse` calls it except inside the `k3fuse` command)."""
-    from . import compat
-
-    compat.check_torch_version()  # fail here, clearly, rather than deep inside tracing
-    from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
+    """Import torch, check its version and the K3FUSE_* settings, register the k3fuse ops and the
+    types saved programs of the reference model hold, and wire the K3 rules and the kernel
+    registry into the framework (k3fuse.plugins). Idempotent; the first use of any public name
+    calls it."""
     from .plugins import install_plugins
 
-    install_plugins()  # registers torch.ops.k3fuse.* (needed to load saved programs), installs the K3 rules
+    install_plugins()  # torch's version, the settings, torch.ops.k3fuse.* (to load saved programs), the K3 rules
+    from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
 
     module = sys.modules[__name__]
     for name, sub in _LAZY.items():
@@ -110,23 +110,6 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, **kwargs: A
 
     return _inductor_pass(ctx, **kwargs)
 
-
-def _running_as_cli() -> bool:
-    """True inside the `k3fuse` command: the console script (argv[0] named k3fuse) or
-    `python -m k3fuse.tools.cli`; its `main` checks the settings itself and reports them in one line."""
-    arg0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    name = os.path.basename(arg0)
-    as_script = name.split(".")[0] == "k3fuse" and not name.endswith(".py")
-    orig = list(getattr(sys, "orig_argv", []))
-    as_module = any(a == "-m" and b == "k3fuse.tools.cli" for a, b in zip(orig, orig[1:]))
-    return as_script or as_module
-
-
-if not _running_as_cli():
-    from . import settings as _settings
-
-    _settings.check_environment()  # every K3FUSE_* variable, once, where the process starts
-    load()
 
 __all__ = [
     "DecodeContext",

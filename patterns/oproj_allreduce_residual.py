@@ -78,9 +78,6 @@ class OProjAllReduceResidual(Rule):
     description = ("row-parallel out-projection -> all_reduce -> residual add [-> next RMSNorm] (KDA "
                    "out-projection, AttnRes prefix add, MoE final reduction + residual) -> "
                    "k3fuse.gemm_ar_residual[_rmsnorm]")
-    # the exchange is an NVLink collective: policy "require" rejects it where multicast is unavailable
-    # (the kernel itself is the unicast one-shot; a multicast variant is out of scope)
-    uses_multicast = True
     # near misses are reported from each all_reduce: the closest one and where it left the pattern
     site_op = compat.ALL_REDUCE
 
@@ -124,11 +121,6 @@ class OProjAllReduceResidual(Rule):
         return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        status = ctx.multicast_status()
-        why = ("multicast available, but this build has no multicast kernel" if status.available
-               else f"multicast {status.reason}")
-        match.note(f"unicast one-shot all-reduce: {why}", path="unicast_one_shot",
-                   multicast=status.reason, policy=ctx.multicast)
         ops = torch.ops.k3fuse
         addend = match.inputs.get("addend")
         head = (match["x"], match["weight"], match["residual"], addend)

@@ -26,7 +26,7 @@ from k3fuse.usage_error import UsageError
     ({"dtype": "bf16"}, "dtype must be a floating torch.dtype"),
     ({"dtype": torch.int32}, "dtype must be a floating torch.dtype"),
     ({"group_name": 0}, "group_name must be the c10d group name"),
-    ({"multicast_info": "yes"}, "multicast_info must be a MulticastStatus"),
+    ({"agreed_settings": "yes"}, "agreed_settings must be (name, value) pairs"),
 ])
 def test_wrong_types_are_clear_errors(kwargs, fragment):
     with pytest.raises(ContextError) as exc:

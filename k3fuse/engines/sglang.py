@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import torch.distributed as dist
 
-from .. import normalize
+from .. import doors, normalize
 from .base import Engine, EngineError
 
 #: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18-0.5.21
@@ -62,6 +62,7 @@ def c10d_group_name(group_name: str) -> str:
     return coordinator.device_group.group_name
 
 
+doors.register_engine_group(doors.EngineGroup("sglang", ENGINE.name, ENGINE.module, tp_group))
 normalize.register_engine_spelling(normalize.AllReduceSpelling(OUTPLACE_ALL_REDUCE, "SGLang", c10d_group_name))
 normalize.register_fp32_residual_norm("SGLang")
 normalize.register_engine_spelling(normalize.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,
