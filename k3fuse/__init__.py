@@ -6,13 +6,13 @@ Three doors into one rewrite pipeline:
       (SGLang: k3fuse.engines.sglang.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
   new_ep, log = k3fuse.apply(exported_program, ctx)            (k3fuse.offline)
 
-`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: vLLM's general-plugin entry point
-(`k3fuse.vllm_plugin`, run in every vLLM process) puts them into the module's __dict__ (vLLM
-resolves `inductor_passes` names there, not through __getattr__), and otherwise they load on first
-access; importing k3fuse never imports vLLM.
+`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: vLLM resolves `inductor_passes` names
+in the module's __dict__, not through __getattr__, so they are put there when k3fuse is imported
+with vLLM already imported and by vLLM's general-plugin entry point (`k3fuse.vllm_plugin`, run in
+every vLLM process), and otherwise load on first access; importing k3fuse never imports vLLM.
 
-`import k3fuse` is light and does the same in every process, whatever launched it: it imports
-neither torch nor the reference model. The public names load on first use (`k3fuse.load()`:
+`import k3fuse` is light and does the same in every process, whatever launched it (the one
+exception above: with vLLM imported, `load()` runs): it imports neither torch nor the reference model. The public names load on first use (`k3fuse.load()`:
 torch, its version check, the K3FUSE_* settings check, the torch.ops.k3fuse.* ops, the K3 rules);
 every door and the `k3fuse` command run it. Before loading a saved program with plain
 torch.export.load, call `k3fuse.load()` (k3fuse.offline.load_program does).
@@ -87,9 +87,13 @@ def _load_vllm_pass() -> None:
 
 
 def vllm_plugin() -> None:
-    """vLLM's `vllm.general_plugins` entry point: define `k3fuse.vllm_pass` in every vLLM process,
-    so that `inductor_passes` can name it."""
+    """vLLM's `vllm.general_plugins` entry point, run in every vLLM process: define
+    `k3fuse.vllm_pass` (so that `inductor_passes` can name it) and check the collectives after
+    every worker step (k3fuse.engines.step_check)."""
+    from .engines import step_check
+
     _load_vllm_pass()
+    step_check.install_vllm()
 
 
 def __getattr__(name: str) -> Any:
@@ -110,6 +114,12 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, **kwargs: A
 
     return _inductor_pass(ctx, **kwargs)
 
+
+# vLLM resolves `inductor_passes` names ("k3fuse.vllm_pass") as __import__("k3fuse").__dict__[name],
+# possibly before its plugins ran (LLM(compilation_config=...) builds the config first): when vLLM is
+# what imports k3fuse, the names it looks up must already be there
+if "vllm" in sys.modules:
+    load()
 
 __all__ = [
     "DecodeContext",

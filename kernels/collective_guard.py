@@ -249,7 +249,7 @@ class GroupState:
         runtime.record_collective_error(op, kind)
         if self.board is not None:
             try:
-                self.board.post(f"k3fuse.{op}: {reason}"[:400])
+                self.board.post((reason if reason.startswith("k3fuse.") else f"k3fuse.{op}: {reason}")[:400])
             except Exception:
                 pass
         # a failure outside the fused workspaces (e.g. before dispatch reached a kernel) still
