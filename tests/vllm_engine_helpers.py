@@ -60,14 +60,16 @@ def _inject_device_timeout(rank: int, flag: str) -> None:
     state = {"done": False, "calls": 0}
 
     def run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
-        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
-                                                         world_size)
         state["calls"] += 1
-        if rank == 1 and not state["done"] and os.path.exists(flag) and state["calls"] % FUSED_PER_FORWARD == 0:
+        failing = rank == 1 and not state["done"] and os.path.exists(flag) and state["calls"] % FUSED_PER_FORWARD == 0
+        if failing:   # recorded before the sum completes anywhere, as the device words of a timed-out call are
             state["done"] = True
             collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
                                   f"k3fuse.gemm_ar_residual_rmsnorm: rank {rank} of group {group_name!r}: {INJECTED}",
                                   "timeout")
+        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
+                                                         world_size)
+        if failing:
             return torch.full_like(out, float("nan")), torch.full_like(normed, float("nan"))
         return out, normed
 
