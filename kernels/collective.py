@@ -123,6 +123,10 @@ def staged(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def dist_ready() -> bool:
     """A process group exists (a call-time fact: a rewrite is made for a group that will exist)."""
     return dist.is_available() and dist.is_initialized()
@@ -329,7 +333,7 @@ class ArWorkspace:
         state = collective_guard.group_state(self.group_name)
         if state is not None:
             state.raise_if_failed(op)
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return   # no sync / host read inside capture
         if sync:
             torch.cuda.synchronize(self.device)
@@ -355,7 +359,7 @@ class ArWorkspace:
         if first:
             self.failed = message
         collective_guard.fail(self.group_name, op, message, kind)
-        if not first or torch.cuda.is_current_stream_capturing():
+        if not first or _capturing():
             return
         try:   # on a side stream: never queued behind a kernel of this rank that still spins
             if self.notify_stream is None:
@@ -374,7 +378,7 @@ class ArWorkspace:
         rank has compiled it, so the spin bound never covers a peer's compile. On the failure board
         (collective_guard.barrier): a peer whose compile failed makes this rank raise at once,
         naming it. Eager only (a captured call was warmed up eagerly first)."""
-        if variant in self.variants or torch.cuda.is_current_stream_capturing():
+        if variant in self.variants or _capturing():
             return
         collective_guard.barrier(self.group_name, str(variant[0]), f"the first push of {variant}", self.device)
         self.variants.add(variant)
@@ -385,7 +389,7 @@ class ArWorkspace:
         doc). Call it inside `run_collective`, so that its own errors fail the group too."""
         self.raise_if_failed(op)
         self.last_op = op
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return
         cur = torch.cuda.current_stream(self.device)
         if self.stream is None or cur == self.stream:
@@ -403,7 +407,7 @@ class ArWorkspace:
 
     def after_call(self) -> None:
         """Eager calls: mirror the error words to pinned memory and mark the call's end."""
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return
         self.mirror()
 
@@ -446,7 +450,7 @@ def get_workspace(group_name: str, world_size: int, max_tokens: int, hidden: int
     key = (group_name, device.index, max_tokens, hidden, lane, protocol())
     ws = _workspaces.get(key)
     if ws is None or ws.world_pg is not dist.group.WORLD:
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise RuntimeError("one-shot all-reduce workspace first needed during CUDA-graph capture; "
                                "warm the op up before capturing")
         with _lock:
@@ -478,5 +482,5 @@ def check_errors(sync: bool = True) -> None:
     the words copied at its previous run (or after the last eager call) and queues a new copy."""
     for ws in _live_workspaces():
         ws.raise_if_failed(ws.last_op, sync=sync)
-        if not sync and not torch.cuda.is_current_stream_capturing():
+        if not sync and not _capturing():
             ws.mirror()

@@ -57,3 +57,20 @@ def test_dtype_takes_part_in_the_site_guard():
     rej = wrong.rejected("decode_gemm")
     assert rej and all(e.guard == "dtype" for e in rej)
     assert rej[0].values == {"x": str(trunk), "expected": str(other)}
+
+
+@pytest.mark.parametrize("argv0", ["serve.py", "/usr/local/bin/k3fuse", "-c"])
+def test_import_k3fuse_is_the_same_however_the_process_was_launched(argv0):
+    """Issue 49.7: `import k3fuse` reads no sys.argv and imports neither torch nor the reference
+    model; `k3fuse.load()` (every entry point's first step) registers the ops and the model's types."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nsys.argv[0] = " + repr(argv0) + "\nimport k3fuse\n"
+            "heavy = ('torch', 'k3fuse.model', 'k3fuse.model.stack', 'k3fuse.kernels')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            "k3fuse.load()\nimport torch\n"
+            "print(hasattr(torch.ops.k3fuse, 'decode_gemm'), 'k3fuse.model.stack' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[:2] == ["[]", "True True"], res.stdout
