@@ -3,19 +3,20 @@
 Three doors into one rewrite pipeline:
   torch.compile(model, backend="k3fuse")                      (k3fuse.backend)
   torch._inductor.config.post_grad_custom_post_pass = k3fuse.inductor_pass(ctx)
-      (SGLang: k3fuse.engines.sglang.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
+      (SGLang: k3fuse.engines.sglang_hook.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
   new_ep, log = k3fuse.apply(exported_program, ctx)            (k3fuse.offline)
 
-`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: vLLM resolves `inductor_passes` names
-in the module's __dict__, not through __getattr__, so they are put there when k3fuse is imported
-with vLLM already imported and by vLLM's general-plugin entry point (`k3fuse.vllm_plugin`, run in
-every vLLM process), and otherwise load on first access; importing k3fuse never imports vLLM.
+`import k3fuse` never imports torch, vLLM or the reference model, and reads nothing about how the
+process was launched. `k3fuse.load()` imports torch, checks its version and the K3FUSE_* settings,
+registers the torch.ops.k3fuse.* ops (so saved programs load) and installs the K3 rules; the first
+use of a public name and every door run it, and `import k3fuse` runs it at once where torch is
+already imported (registering then costs nothing more). So the `k3fuse` command answers `--help`
+without torch, and code that imports torch before k3fuse finds the ops registered.
 
-`import k3fuse` is light and does the same in every process, whatever launched it (the one
-exception above: with vLLM imported, `load()` runs): it imports neither torch nor the reference model. The public names load on first use (`k3fuse.load()`:
-torch, its version check, the K3FUSE_* settings check, the torch.ops.k3fuse.* ops, the K3 rules);
-every door and the `k3fuse` command run it. Before loading a saved program with plain
-torch.export.load, call `k3fuse.load()` (k3fuse.offline.load_program does).
+`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: vLLM resolves `inductor_passes` names
+in the module's __dict__, not through __getattr__, so `load()` puts them there when vLLM is
+imported, as does vLLM's general-plugin entry point (`k3fuse.vllm_plugin`, run in every vLLM
+process); otherwise they load on first access.
 """
 from __future__ import annotations
 
@@ -52,14 +53,12 @@ if TYPE_CHECKING:
 
 
 def load() -> None:
-    """Import torch, check its version and the K3FUSE_* settings, register the k3fuse ops and the
-    types saved programs of the reference model hold, and wire the K3 rules and the kernel
-    registry into the framework (k3fuse.plugins). Idempotent; the first use of any public name
-    calls it."""
+    """Import torch, check its version and the K3FUSE_* settings, register the k3fuse ops and wire
+    the K3 rules and the kernel registry into the framework (k3fuse.plugins). Idempotent; the first
+    use of any public name calls it."""
     from .plugins import install_plugins
 
     install_plugins()  # torch's version, the settings, torch.ops.k3fuse.* (to load saved programs), the K3 rules
-    from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
 
     module = sys.modules[__name__]
     for name, sub in _LAZY.items():
@@ -115,10 +114,10 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, **kwargs: A
     return _inductor_pass(ctx, **kwargs)
 
 
-# vLLM resolves `inductor_passes` names ("k3fuse.vllm_pass") as __import__("k3fuse").__dict__[name],
-# possibly before its plugins ran (LLM(compilation_config=...) builds the config first): when vLLM is
-# what imports k3fuse, the names it looks up must already be there
-if "vllm" in sys.modules:
+# torch already loaded: registering the ops now costs nothing more. With vLLM imported this also
+# defines k3fuse.vllm_pass, which vLLM may look up in this module's __dict__ before its plugins ran
+# (LLM(compilation_config=...) builds its config first)
+if "torch" in sys.modules:
     load()
 
 __all__ = [

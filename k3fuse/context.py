@@ -219,10 +219,11 @@ class DecodeContext:
         if "device_capability" not in kw:
             kw["device_capability"] = (torch.cuda.get_device_capability(torch.cuda.current_device())
                                        if torch.cuda.is_available() else None)
-        if size > 1:
+        peers = size > 1 and dist.get_backend(group) != "fake"   # torch's test-only group has none to agree with
+        if peers:
             kw.setdefault("agreed_settings", tuple(sorted(rewrite_settings().items())))
         ctx = cls(tp_size=size, rank=dist.get_rank(group), group_name=group_name_of(group), **kw)
-        if size > 1:
+        if peers:
             agree_rewrite_settings(group, ctx)
         return ctx
 
@@ -231,11 +232,7 @@ class DecodeContext:
         """A context from a context, a dict of fields, or None (from the process group if any)."""
         if isinstance(value, DecodeContext):
             return value
-        if value is not None and not isinstance(value, dict):
-            raise ContextError(f"a decode context must be a DecodeContext or a dict of its fields, got "
-                               f"{type(value).__name__} {value!r}"[:200], "pass DecodeContext(tp_size=..., ...) or "
-                               "{'tp_size': ..., 'tokens': (1, 64)}")
-        kw = dict(value or {})
+        kw = context_fields(value)
         if dist.is_available() and dist.is_initialized():
             return cls.from_process_group(**kw)
         return cls(**kw)
@@ -289,6 +286,15 @@ class DecodeContext:
             "rule_settings": {name: repr(s) for name, s in self.rule_settings},
             "agreed_settings": dict(self.agreed_settings) if self.agreed_settings is not None else None,
         }
+
+
+def context_fields(value: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields a context is built with, from a dict of them or None; anything else is an error."""
+    if value is not None and not isinstance(value, dict):
+        raise ContextError(f"a decode context must be a DecodeContext or a dict of its fields, got "
+                           f"{type(value).__name__} {value!r}"[:200], "pass DecodeContext(tp_size=..., ...) or "
+                           "{'tp_size': ..., 'tokens': (1, 64)}")
+    return dict(value or {})
 
 
 def _agreed_settings(value: Any) -> tuple[tuple[str, Any], ...]:
@@ -365,5 +371,5 @@ def agree_rewrite_settings(group: dist.ProcessGroup, ctx: DecodeContext) -> None
                            f"({'; '.join(diffs)})", "run every rank with the same configuration")
 
 
-__all__ = ["DecodeContext", "MulticastPolicy", "ContextError", "KILL_SWITCH", "rewrite_settings",
+__all__ = ["DecodeContext", "MulticastPolicy", "ContextError", "KILL_SWITCH", "rewrite_settings", "context_fields",
            "agree_rewrite_settings", "AGREE_TIMEOUT_S"]

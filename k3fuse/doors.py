@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.fx as fx
 
-from .context import ContextError, DecodeContext
+from .context import ContextError, DecodeContext, context_fields
 from .graph_facts import mark_static
 from .usage_error import UsageError
 
@@ -110,9 +110,7 @@ def context_for(given: DecodeContext | dict[str, Any] | None, source: str = "aut
     """
     if isinstance(given, DecodeContext):
         return given
-    if given is not None and not isinstance(given, dict):
-        raise ContextError(f"ctx must be a DecodeContext, a dict of its fields or None, got {type(given).__name__}")
-    fields = dict(given or {})
+    fields = context_fields(given)
     found = find_tp_group(source)
     if found.group is None:
         return DecodeContext(**fields)
