@@ -117,7 +117,10 @@ class _HostWorkspace(sw.ArWorkspace):
     def __init__(self, group_name: str, world: int, rank: int):   # noqa: D107 - no device allocation
         import torch.distributed as dist
 
-        self.group_name, self.world, self.rank, self.lane = group_name, world, rank, "main"
+        from k3fuse.compat import resolve_group
+
+        self.group, self.group_name, self.world, self.rank, self.lane = (resolve_group(group_name), group_name, world,
+                                                                         rank, "main")
         self.world_pg = dist.group.WORLD
         self.variants, self.failed, self.last_op = set(), None, "?"
         self.errs, self.notify_stream, self.device = [], None, torch.device("cpu")
@@ -150,7 +153,8 @@ def _start_up_failure(rank: int, group, what: str) -> tuple:
         return _HostWorkspace(group_name, world_size, rank)
 
     impl = dispatch.Impl("test.run_collective", lambda spec: None, run, priority=10_000, device_types=("cpu",))
-    saved = sw.get_workspace, sw.ArWorkspace
+    saved = sw.get_workspace, sw.ArWorkspace, torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: False   # a CPU build's raises: nothing is ever captured here
     if what == "compile":
         sw.get_workspace = lambda *a, **k: _HostWorkspace(name, 2, rank)
     else:
@@ -161,7 +165,7 @@ def _start_up_failure(rank: int, group, what: str) -> tuple:
         later = _error(lambda: _tail(torch.ones(2, H), group))
     finally:
         dispatch.unregister_impl(op, impl.name)
-        sw.get_workspace, sw.ArWorkspace = saved
+        sw.get_workspace, sw.ArWorkspace, torch.cuda.is_current_stream_capturing = saved
     return first, later
 
 

@@ -134,10 +134,7 @@ def _sglang_worker(rank: int, world: int, src: str, inplace: bool, log_path: str
 def _scenario(scenario: str, rank: int, model: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> dict:
     import time
 
-    from sglang.srt.plugins import hook_registry
     from torch._inductor import config as inductor_config
-
-    from k3fuse.engines import step_check
 
     compiled = torch.compile(model)
     if scenario == "rules-differ":   # the ranks disagree: the compile raises on each, never hangs
@@ -154,6 +151,10 @@ def _scenario(scenario: str, rank: int, model: torch.nn.Module, x: torch.Tensor,
     # step-failure: SGLang's registry holds k3fuse's hook on its worker step (put there by the plugin
     # SGLang loaded); its own wrapper puts it around a step (TpModelWorker itself needs SGLang's
     # CUDA-only dependencies to import)
+    from sglang.srt.plugins import hook_registry
+
+    from k3fuse.engines import step_check
+
     hooks = hook_registry.HookRegistry._hooks.get(step_check.SGLANG_STEP, [])
     registered = [(hook_type.value, hook.__qualname__) for hook_type, hook, _ in hooks]
 

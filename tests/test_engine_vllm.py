@@ -319,6 +319,8 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0}
 #: vLLM's CPU workers on this machine: no NUMA binding (one node), a small KV cache
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+#: the reason rank 1's injected device timeout records (tests/vllm_engine_helpers.py)
+INJECTED = "injected device timeout (test)"
 
 
 def _run_engine(tmp_path: Path, mode: str, timeout_s: float = 900) -> tuple[dict, str]:
@@ -329,7 +331,7 @@ def _run_engine(tmp_path: Path, mode: str, timeout_s: float = 900) -> tuple[dict
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3FUSE_")}
     env.update(ENGINE_ENV, PYTHONPATH=str(TESTS_DIR), K3FUSE_LOG=str(tmp_path / "rw.jsonl"))
     proc = subprocess.Popen([sys.executable, str(TESTS_DIR / "vllm_engine_helpers.py"), str(model), mode,
-                             str(tmp_path / "flag")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                             str(tmp_path / "flag"), INJECTED], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -353,8 +355,6 @@ def test_vllm_engine_step_surfaces_a_collective_failure_without_check_collective
     code runs in the step) and the user never calls check_collectives(). The adapters' post-step
     check raises on both workers at the end of that step, naming rank 1 and its reason, and the
     engine stops: no second generation is served."""
-    from vllm_engine_helpers import INJECTED
-
     result, out = _run_engine(tmp_path, "step-failure")
     print("\nengine:", json.dumps(result))
     assert result["phase"] == "step" and len(result["first"]) == 4, (result, out[-4000:])

