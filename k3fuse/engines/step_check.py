@@ -12,9 +12,10 @@ the rank and the peer; the engine then stops as it does on any worker error.
   HookRegistry, registered by k3fuse's SGLang plugin (`k3fuse.engines.sglang_hook.plugin`).
 
 The check reads the failure board and the device error words without a device sync (the words'
-copy is queued after each step and read after the next one): a failure raises at the end of the
-step after it at the latest, for one 16-byte copy per fused workspace per step. Nothing runs while
-no collective op has run in the process.
+copy is queued after each step and read at the next check): a device failure raises at the end of
+the step after it where the engine reads each step's tokens back before the next step (one more
+step where it runs a step ahead), for one 16-byte copy per fused workspace per step; a failure on
+the board raises at the end of its own step. Nothing runs while no collective op has run here.
 """
 from __future__ import annotations
 
