@@ -6,8 +6,9 @@ Three doors into one rewrite pipeline:
       (SGLang: k3fuse.engines.sglang_hook.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
   new_ep, log = k3fuse.apply(exported_program, ctx)            (k3fuse.offline)
 
-`import k3fuse` never imports torch, vLLM or the reference model, and reads nothing about how the
-process was launched. `k3fuse.load()` imports torch, checks its version and the K3FUSE_* settings,
+`import k3fuse` never imports torch, vLLM or the reference model; it checks every K3FUSE_* setting
+(but in the `k3fuse` command, which checks them after parsing its arguments: see k3fuse_cli).
+`k3fuse.load()` imports torch, checks its version and the K3FUSE_* settings,
 registers the torch.ops.k3fuse.* ops (so saved programs load) and installs the K3 rules; the first
 use of a public name and every door run it, and `import k3fuse` runs it at once where torch is
 already imported (registering then costs nothing more). So the `k3fuse` command answers `--help`
@@ -114,15 +115,22 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, **kwargs: A
     return _inductor_pass(ctx, **kwargs)
 
 
+# Every K3FUSE_* setting is checked where the process imports k3fuse (K3FUSE_RULES against the rule
+# names, which need no torch): a bad value stops the process here, not inside a compiled forward. The
+# `k3fuse` command is the exception: its entry point (the top-level module k3fuse_cli) checks them
+# itself after parsing its arguments, so that `k3fuse --help` answers whatever the environment holds.
+if "k3fuse_cli" not in sys.modules:
+    from . import settings as _settings
+    from .patterns import RULE_NAMES as _RULE_NAMES
+
+    _settings.check_environment()
+    _settings.check_rule_names(list(_RULE_NAMES))
+
 # torch already loaded: registering the ops now costs nothing more. With vLLM imported this also
 # defines k3fuse.vllm_pass, which vLLM may look up in this module's __dict__ before its plugins ran
 # (LLM(compilation_config=...) builds its config first)
 if "torch" in sys.modules:
     load()
-    from . import settings as _settings
-    from .pipeline import all_rules as _all_rules
-
-    _settings.check_rule_names([_rule.name for _rule in _all_rules()])  # K3FUSE_RULES, now that the rules are known
 
 __all__ = [
     "DecodeContext",

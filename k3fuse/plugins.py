@@ -27,7 +27,7 @@ def install_plugins() -> None:
         from . import compat, settings
 
         compat.check_torch_version()  # fail here, clearly, rather than deep inside tracing
-        settings.check_environment()
+        settings.check_environment(warn=False)  # unknown names: said once, at import or by the command
         from . import engines, guards, pipeline  # noqa: F401  engines: their spellings and TP groups
         from .kernels import dispatch  # importing k3fuse.kernels registers torch.ops.k3fuse.*
         from .patterns import all_rules
