@@ -230,16 +230,22 @@ class _Matcher:
             return
         if any(gn is b for b in st.inputs.values()):
             return
-        gkey, gargs = canonical(gn)
         pkey, pargs = canonical(pn)
-        if gkey != pkey or len(gargs) != len(pargs):
+        # the folded reading first; then the node as written, for a pattern whose input sits at the
+        # inner node the fold reads through (`vocabulary.FOLDING`)
+        for fold in (True, False):
+            gkey, gargs = canonical(gn, fold)
+            if gkey == pkey and len(gargs) == len(pargs):
+                break
+        else:
             self._fail(st, pn, gn)
             return
         st = st.copy()
         st.nodes[pn] = gn
         st.claimed[gn] = pn
         st.passed.extend(passed)
-        st.passed.extend(absorbed(gn))  # the inner node of a spelling the vocabulary read as one op
+        if fold:
+            st.passed.extend(absorbed(gn))  # the inner node of a spelling the vocabulary read as one op
         orders = [pargs]
         if is_commutative(pn):
             orders.append((pargs[1], pargs[0], *pargs[2:]))
@@ -353,11 +359,12 @@ def _dtype_agreement(pattern: CompiledPattern, st: _State) -> int:
 
 
 def _nodes_by_key(graph: fx.Graph) -> dict[Any, list[fx.Node]]:
-    """The graph's call nodes by canonical op key, in graph order."""
+    """The graph's call nodes by canonical op key, folded and as written (see `match_node`), in graph order."""
     by_key: dict[Any, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op == "call_function":
-            by_key.setdefault(op_key(n), []).append(n)
+            for key in dict.fromkeys((op_key(n), op_key(n, fold=False))):
+                by_key.setdefault(key, []).append(n)
     return by_key
 
 
@@ -461,7 +468,7 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
         for ga in by_key.get(m.keys[start], ()):
             g, depth, miss = ga, 1, None
             for prev_p, pn in zip(path, path[1:]):
-                nxt = [u for u in forward_users(g) if op_key(u) == m.keys[pn]]
+                nxt = [u for u in forward_users(g) if m.keys[pn] in (op_key(u), op_key(u, fold=False))]
                 if not nxt:
                     found = forward_users(g)
                     expected, names = op_names_apart(pn, found)

@@ -19,6 +19,9 @@ these tables and functions:
     any order, so the sorted one is one of its answers (a rewrite may return it);
   - the two decompositions of silu, Inductor's `x / (1 + exp(-x))` and torch.export's core
     `x * sigmoid(x)`, and `silu` itself, are one silu (the inner nodes `absorbed`);
+  these two *fold* an inner node into the outer one, so `canonical(node, fold=False)` also gives the
+  node as written: a pattern input may sit between the two (K3's `kc.unsqueeze(-1)` where the
+  graph's kc is a silu's output), and the matcher tries that reading when the folded one differs;
   - `split(x, n, d)` (chunk) is `split_with_sizes(x, [n, ...], d)` (torch.export's core decomposition).
   Sizes never enter a canonical form (a slice's `-n` stays `-n`): patterns are traced at example
   sizes, so a form that depends on them would match one model and miss the next.
@@ -288,6 +291,8 @@ def _as_split(node: fx.Node) -> Canonical | None:
 #: recognisers of equivalent spellings, tried in order: each names what a node computes or passes
 EQUIVALENCES: tuple[Callable[[fx.Node], Canonical | None], ...] = (_as_transpose, _as_cast, _as_unsqueezed,
                                                                    _as_squeeze, _as_topk, _as_silu, _as_split)
+#: the recognisers that read an inner node into the outer one (`absorbed`); `canonical(fold=False)` skips them
+FOLDING = frozenset({_as_unsqueezed, _as_silu})
 
 
 def absorbed(node: fx.Node) -> list[fx.Node]:
@@ -338,14 +343,17 @@ def _is_default(value: Any, default: Any) -> bool:
     return type(value) is type(default) and value == default
 
 
-def canonical(node: fx.Node) -> Canonical:
+def canonical(node: fx.Node, fold: bool = True) -> Canonical:
     """(op key, arguments) naming what `node` computes, independent of how it was spelled.
 
     Arguments are positional args followed by non-default kwargs as (name, value) pairs; tensor
     arguments stay fx.Nodes. Two call nodes compute the same function of their arguments when
-    their keys are equal and their arguments match.
+    their keys are equal and their arguments match. Without `fold`, no inner node is read into
+    `node` (`FOLDING`): the node as written, its direct inputs its arguments.
     """
     for recognise in EQUIVALENCES:
+        if not fold and recognise in FOLDING:
+            continue
         found = recognise(node)
         if found is not None:
             return found
@@ -356,9 +364,9 @@ def canonical(node: fx.Node) -> Canonical:
     return (node.target,), _normalised_args(node) + tuple(sorted(kwargs.items()))
 
 
-def op_key(node: fx.Node) -> tuple[Any, ...]:
-    """The op key of `canonical(node)`."""
-    return canonical(node)[0]
+def op_key(node: fx.Node, fold: bool = True) -> tuple[Any, ...]:
+    """The op key of `canonical(node, fold)`."""
+    return canonical(node, fold)[0]
 
 
 def is_commutative(node: fx.Node) -> bool:
@@ -492,7 +500,7 @@ def _fake_mm(x: Any, w: Any) -> torch.Tensor | None:
 
 
 __all__ = ["VIEW_LIKE", "COPY_OPS", "CAST_OPS", "TRANSPOSES", "COMMUTATIVE", "DEFAULT_KWARGS", "METADATA_CHECKS",
-           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "TRANSPOSE_LAST2", "CAST", "SQUEEZE", "UNSQUEEZED",
+           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "FOLDING", "TRANSPOSE_LAST2", "CAST", "SQUEEZE", "UNSQUEEZED",
            "SILU", "SPLIT", "Canonical", "canonical", "absorbed", "op_key", "cast_dtype", "copied_value",
            "is_commutative", "is_transparent", "is_layout_only", "is_metadata_check", "skip_transparent", "value_root",
            "forward_users", "op_name", "op_names_apart", "split_addmm", "restore_addmm", "strip_transparent"]

@@ -34,7 +34,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3fuse
 from k3fuse import runtime, vocabulary
-from k3fuse.matcher import decomposition_table, trace_aten
+from k3fuse.matcher import compile_pattern, decomposition_table, find_matches, trace_aten
+from k3fuse.rewrite_site import PatternSpec
 from k3fuse.spelling import delta_rule
 
 T, H, HEADS, D = 3, 32, 2, 8
@@ -365,6 +366,29 @@ def test_unsqueeze_pair_and_silu_chain_are_absorbed_into_the_outer_node():
         return e.unsqueeze(-1), e * 2
 
     assert _form(shared, X)[2] == []  # exp read elsewhere too: it stays its readers'
+
+
+def _bound(pattern, graph_fn, *examples: torch.Tensor) -> list[dict[str, str]]:
+    """The inputs each match of `pattern` binds in `graph_fn`'s ATen graph, by node name."""
+    spec = PatternSpec("p", pattern, lambda: examples)
+    gm = trace_aten(graph_fn, list(examples))
+    return [{name: n.name for name, n in m.inputs.items()} for m in find_matches(gm.graph, [compile_pattern(spec)])]
+
+
+def test_a_pattern_input_at_the_inner_node_of_a_fold_binds_it():
+    """K3's `kc.unsqueeze(-1)` with kc a pattern input, where the graph's kc is exp / silu of something:
+    the unary + unsqueeze fold would read through the input, so the node as written is tried too."""
+    def outer(k, e):
+        return k.unsqueeze(-1) * e.unsqueeze(-2)
+
+    assert _bound(outer, lambda x, e: outer(x.exp(), e), X, X.clone()) == [{"k": "exp", "e": "e_1"}]
+    # silu decomposed as x / (exp(-x) + 1): k is the div
+    assert _bound(outer, lambda x, e: outer(F.silu(x), e), X, X.clone()) == [{"k": "div", "e": "e_1"}]
+
+    def gated(a, b):  # a * sigmoid(b) with a and b one value is silu's spelling: the mul still binds both
+        return a * torch.sigmoid(b)
+
+    assert _bound(gated, lambda x, unused: gated(x, x), X, X.clone()) == [{"a": "x_1", "b": "x_1"}]
 
 
 def test_sizes_and_semantics_stay_apart():
