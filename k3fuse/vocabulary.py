@@ -500,7 +500,7 @@ def _fake_mm(x: Any, w: Any) -> torch.Tensor | None:
 
 
 __all__ = ["VIEW_LIKE", "COPY_OPS", "CAST_OPS", "TRANSPOSES", "COMMUTATIVE", "DEFAULT_KWARGS", "METADATA_CHECKS",
-           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "FOLDING", "TRANSPOSE_LAST2", "CAST", "SQUEEZE", "UNSQUEEZED",
-           "SILU", "SPLIT", "Canonical", "canonical", "absorbed", "op_key", "cast_dtype", "copied_value",
+           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "FOLDING", "TRANSPOSE_LAST2", "CAST", "SQUEEZE",
+           "UNSQUEEZED", "SILU", "SPLIT", "Canonical", "canonical", "absorbed", "op_key", "cast_dtype", "copied_value",
            "is_commutative", "is_transparent", "is_layout_only", "is_metadata_check", "skip_transparent", "value_root",
            "forward_users", "op_name", "op_names_apart", "split_addmm", "restore_addmm", "strip_transparent"]
