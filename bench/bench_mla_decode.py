@@ -248,9 +248,9 @@ def _warm_task(task: tuple) -> str:
             kernel.run(q, cache, table, lens, SCALE, kv_scale, config=kernel.config_for(cache_dtype, variant),
                        splits=splits)
         elif kind == "combine":
-            S, wide, pdl = spec
+            S, pdl = spec
             kernel.combine(torch.zeros(1, 6, S, 512, device="cuda"), torch.zeros(1, 6, S, device="cuda"),
-                           out_dtype=torch.bfloat16, wide=wide, pdl=pdl)
+                           out_dtype=torch.bfloat16, pdl=pdl)
         elif kind == "vllm":
             cache_name, heads, ctx = spec
             q, cache, table, lens, kv_scale = make_inputs(1, heads, ctx, CACHE_DTYPES[cache_name], copies=1)[0]
@@ -269,7 +269,7 @@ def _warm_task(task: tuple) -> str:
 def warm(jobs: int, with_peers: bool) -> None:
     """Compile, `jobs` processes at once, what the tests and the timed arms launch (every variant on both
     caches, pages of 16 and 64, one split and several; the combines of 2-512 splits, plain and behind
-    PDL, wide and narrow; vLLM's kernels at every split count its rule picks for heads 6; FlashInfer's two
+    PDL; vLLM's kernels at every split count its rule picks for heads 6; FlashInfer's two
     MLA modules) into Triton's and FlashInfer's on-disk caches: one process compiles one kernel at a time."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
@@ -279,7 +279,7 @@ def warm(jobs: int, with_peers: bool) -> None:
     tasks = [("flashinfer", c) for c in CACHE_DTYPES] if with_peers else []
     tasks += [("split", v, c, page, splits) for v in kernel.VARIANTS for c in CACHE_DTYPES for page in (64, 16)
               for splits in (3, 1)]
-    tasks += [("combine", 1 << k, wide, pdl) for k in range(1, 10) for wide in (True, False) for pdl in (True, False)]
+    tasks += [("combine", 1 << k, pdl) for k in range(1, 10) for pdl in (True, False)]
     if with_peers:
         tasks += [("vllm", c, 6, 512 * (1 << k)) for c in CACHE_DTYPES for k in range(9)]
     t0 = time.perf_counter()

@@ -2,17 +2,18 @@
 
 * batch 1 at 128K tokens, batch 8 mixed up to 32K, batch 64 mixed up to 4K (lengths 0 and 1
   included), heads 3 / 6 / 12, pages 16 and 64, bf16 and fp8 (e4m3 + scale) caches, into
-  NaN-poisoned outputs over caches whose rows no sequence owns hold NaN, every kernel variant made
-  for the cache (kernels/lib/triton/mla_decode.py CACHE_VARIANTS): within the roundings of p and of
-  the output of the float64 attention; every split count from 1 to the chosen one's double, and
-  every variant on either cache, gives that too; deterministic;
+  NaN-poisoned outputs over caches whose rows no sequence owns hold NaN, both kernel variants made
+  for the cache (kernels/lib/triton/mla_decode.py CACHE_VARIANTS: the Gluon default, as itself on
+  pages of 64 and as the Triton fallback on pages of 16, and the Triton fallback): within the
+  roundings of p and of the output of the float64 attention; every split count from 1 to the chosen
+  one's double, and every variant on either cache, gives that too; deterministic;
 * the combine alone against a float64 merge (empty parts: NaN behind a -inf lse), one step and two,
-  wide and round 1's narrow, plain and behind PDL;
+  plain and behind PDL;
 * the op through the dispatcher in strict mode: k3fuse.stats() shows the Triton kernel; the kill
   switch runs the plain spelling; a call no kernel takes (fp32 q) falls back to it, strict raises;
-* one CUDA graph replayed 1000 times over changing lengths (and queries), the default variant (its
-  combine behind PDL), 200 times for every other variant: each replay against the plain spelling,
-  every 100th against float64.
+* one CUDA graph replayed 1000 times over changing lengths (and queries), the default variant through
+  the op (its combine behind PDL), 200 times for the fallback: each replay against the plain
+  spelling, every 100th against float64.
 
     python -m pytest -m gpu tests/gpu/test_mla_decode_gpu.py -q
 """
@@ -121,7 +122,7 @@ def test_against_float64_up_to_128k(lengths, heads, page, cache_dtype):
     ref, mag = f64_attention(*case[:4], case[4])
     for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]:
         cfg = kernel.VARIANTS[variant]
-        # a Gluon variant runs as itself on an H100 wherever a page holds whole tiles (else the default)
+        # a Gluon variant runs as itself on an H100 wherever a page holds whole tiles (else the Triton fallback)
         assert kernel.resolve(cfg, cache_dtype, case[0].device, page).gluon == (cfg.gluon and page % cfg.block_n == 0)
         out = poisoned(*case, config=cfg)
         check(out, ref, mag, (variant, len(lengths), max(lengths), heads, page, cache_dtype))
@@ -164,9 +165,9 @@ def test_combine_alone_against_a_float64_merge(S):
     assert not torch.isnan(out).any() and not out[2, 3].any() and lse_out[2, 3] == float("-inf")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_out.double(), lse64, rtol=1e-6, atol=1e-5)
-    for wide, pdl in ((False, False), (True, True)):  # round 1's narrow combine; the wide one behind PDL
+    for pdl in (False, True):  # launched plainly and behind PDL (no primary before it here: it waits on none)
         out.fill_(float("nan"))
-        kernel.combine(pout, plse, out=out, wide=wide, pdl=pdl)
+        kernel.combine(pout, plse, out=out, pdl=pdl)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
