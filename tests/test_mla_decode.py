@@ -300,9 +300,11 @@ def test_each_cache_takes_its_gluon_variant_and_one_triton_variant_where_gluon_c
         assert K.CACHE_VARIANTS[cache_dtype.itemsize] == (default, fallback)
         for where in (torch.device("cpu"), torch.device("meta")):  # no sm_90 GPU here, nor the interpreter's Gluon
             assert K.resolve(K.config_for(cache_dtype), cache_dtype, where, 64) is K.fallback_for(cache_dtype)
-        assert K.resolve(K.fallback_for(cache_dtype), cache_dtype, torch.device("cpu"), 16) is K.fallback_for(cache_dtype)
-    # every variant is a cache's default or its fallback: what lost everywhere was deleted (git keeps it)
-    assert sorted(K.VARIANTS) == sorted(v for pair in K.CACHE_VARIANTS.values() for v in pair)
+        fallback = K.fallback_for(cache_dtype)
+        assert K.resolve(fallback, cache_dtype, torch.device("cpu"), 16) is fallback
+    # every variant is a cache's default or its fallback, or a trial not yet measured: what lost was deleted
+    made = [v for names in (*K.CACHE_VARIANTS.values(), *K.TRIAL_VARIANTS.values()) for v in names]
+    assert sorted(K.VARIANTS) == sorted(made)
 
 
 SWEEP_JSON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
@@ -350,7 +352,8 @@ def test_split_model_rates_are_the_sweeps_fit():
         doc = json.load(f)
     sms, rows = doc["sms"], doc["rows"]
     fitted = {}
-    for name, cfg in K.VARIANTS.items():
+    for name in (v for pair in K.CACHE_VARIANTS.values() for v in pair):  # the measured ones
+        cfg = K.VARIANTS[name]
         entry = 576 * next(size for size, names in K.CACHE_VARIANTS.items() if name in names)
         points = _sweep_points(rows, name)
         assert len(points) == 10, name  # B1 and B8 at five contexts
@@ -526,7 +529,8 @@ def _ptxas_report(ptx: str) -> dict:
     finally:
         os.remove(path)
     return {"registers": int(re.search(r"Used (\d+) registers", err).group(1)),
-            "spill": int(re.search(r"(\d+) bytes spill stores", err).group(1))}
+            "spill": int(re.search(r"(\d+) bytes spill stores", err).group(1)),
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in err}
 
 
 def _compile_split(variant: str, cache: str, single: bool):
@@ -568,10 +572,12 @@ def _compile_gluon(variant: str, cache: str, single: bool):
 
     cfg = K.VARIANTS[variant]
     fp8 = cache == "fp8e4nv"
-    names = G._mla_split_gluon.arg_names
+    fn = G._mla_split_gluon_fp8_ahead if cfg.widen_ahead and fp8 else G._mla_split_gluon  # as launch() picks
+    names = fn.arg_names
     constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, SINGLE=single,
                       NBUF=min(cfg.num_stages, G.MAX_RING[1 if fp8 else 2]), PDL=cfg.pdl and not single,
-                      num_warps=G.NUM_WARPS)
+                      BESIDE_VALUES=cfg.widen_ahead == 2, num_warps=G.NUM_WARPS)
+    constexprs = {k: v for k, v in constexprs.items() if k in names}
     part = "*bf16" if single else "*fp32"
     types = {"q_ptr": "*bf16", "kv_ptr": f"*{cache}", "bt_ptr": "*i32", "lens_ptr": "*i32",
              "kv_scale_ptr": "*fp32" if fp8 else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
@@ -580,14 +586,15 @@ def _compile_gluon(variant: str, cache: str, single: bool):
     divisible = [n for n in names if n.endswith("_ptr")] + ["q_sb", "q_sh", "kv_sblk", "kv_stok", "o_sb", "o_sh",
                                                             "po_sb", "po_sh", "po_ss"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = GluonASTSource(fn=G._mla_split_gluon, signature=sig, attrs=attrs, constexprs=constexprs)
+    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
     return cfg, triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": G.NUM_WARPS})
 
 
 def _variants_by_cache():
     from k3fuse.kernels.lib.triton import mla_decode as K
 
-    return [(v, "bf16" if size == 2 else "fp8e4nv") for size, names in K.CACHE_VARIANTS.items() for v in names]
+    pairs = [(v, "bf16" if size == 2 else "fp8e4nv") for size, names in K.CACHE_VARIANTS.items() for v in names]
+    return pairs + [(v, "bf16" if size == 2 else "fp8e4nv") for size, names in K.TRIAL_VARIANTS.items() for v in names]
 
 
 @pytest.mark.parametrize("single", [False, True], ids=["split", "single"])
@@ -596,17 +603,24 @@ def test_split_kernel_compiles_for_sm90_as_designed(variant, cache, single):
     """Each variant's claims (kernels/lib/triton/mla_decode.py VARIANTS) hold in its sm_90 compile: how
     tiles travel (cp.async buffers, or 16-byte loads into registers), which dots score them (wgmma,
     mma.sync in bf16 or fp16), one table lookup a tile, the PDL signal, and that programs_per_sm of
-    its programs fit an SM's registers and shared memory without spilling."""
+    its programs fit an SM's registers and shared memory without spilling; ptxas keeps the Gluon kernels'
+    wgmma asynchronous (no C7514 / C7515 serialisation)."""
     cfg = _variant(variant)
     cfg, kernel = (_compile_gluon if cfg.gluon else _compile_split)(variant, cache, single)
     ptx = kernel.asm["ptx"]
     tile = cfg.block_n * 576 * (1 if cache == "fp8e4nv" else 2)
-    if cfg.gluon:  # both dots wgmma from shared memory, the ring by cp.async, fp8 widened once (one cvt a pair)
+    cvts_a_tile = 64 * 576 // 2 // (32 * cfg.num_warps)  # a thread's share of a tile, one cvt a pair: 144
+    if cfg.gluon and cfg.widen_ahead:  # tiles into registers, widened once (the prologue's tile and the loop's)
+        assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16" in ptx and "mma.sync" not in ptx
+        assert "ld.global.v4.b32" in ptx and "cp.async" not in ptx and "fence.proxy.async.shared::cta" in ptx
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * cvts_a_tile
+        assert kernel.metadata.shared >= 2 * 64 * 576 * 2  # two fp16 staging tiles
+    elif cfg.gluon:  # both dots wgmma from shared memory, the ring by cp.async, fp8 widened once (one cvt a pair)
         assert "wgmma.mma_async.sync.aligned.m64n16k16.f32" in ptx and "mma.sync" not in ptx
         assert "cp.async.cg.shared.global" in ptx and "fence.proxy.async.shared::cta" in ptx
         if cache == "fp8e4nv":
             assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16" in ptx
-            assert ptx.count("cvt.rn.f16x2.e4m3x2") == 64 * 576 // 2 // (32 * cfg.num_warps)  # 144 a thread a tile
+            assert ptx.count("cvt.rn.f16x2.e4m3x2") == cvts_a_tile
     elif cfg.prefetch:
         assert "ld.global.v4.b32" in ptx and "cp.async" not in ptx  # tiles into registers, 16 bytes a load
     else:
@@ -629,6 +643,7 @@ def test_split_kernel_compiles_for_sm90_as_designed(variant, cache, single):
     assert report["registers"] * cfg.num_warps * 32 * cfg.programs_per_sm <= 65536, report
     # 255 registers at 8 warps (prefetch) or 4 (Gluon fp8): a few words on the stack (L1)
     assert report["spill"] <= (64 if cfg.prefetch or (cfg.gluon and cache == "fp8e4nv") else 0), report
+    assert not (cfg.gluon and report["wgmma_serialized"]), report
 
 
 def _variant(name):

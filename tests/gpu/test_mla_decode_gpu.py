@@ -4,7 +4,8 @@
   included), heads 3 / 6 / 12, pages 16 and 64, bf16 and fp8 (e4m3 + scale) caches, into
   NaN-poisoned outputs over caches whose rows no sequence owns hold NaN, both kernel variants made
   for the cache (kernels/lib/triton/mla_decode.py CACHE_VARIANTS: the Gluon default, as itself on
-  pages of 64 and as the Triton fallback on pages of 16, and the Triton fallback): within the
+  pages of 64 and as the Triton fallback on pages of 16, and the Triton fallback) and the trial
+  variants (TRIAL_VARIANTS: the fp8 kernel that widens a tile ahead): within the
   roundings of p and of the output of the float64 attention; every split count from 1 to the chosen
   one's double, and every variant on either cache, gives that too; deterministic;
 * the combine alone against a float64 merge (empty parts: NaN behind a -inf lse), one step and two,
@@ -12,7 +13,7 @@
 * the op through the dispatcher in strict mode: k3fuse.stats() shows the Triton kernel; the kill
   switch runs the plain spelling; a call no kernel takes (fp32 q) falls back to it, strict raises;
 * one CUDA graph replayed 1000 times over changing lengths (and queries), the default variant through
-  the op (its combine behind PDL), 200 times for the fallback: each replay against the plain
+  the op (its combine behind PDL), 200 times for the fallback and each trial: each replay against the plain
   spelling, every 100th against float64.
 
     python -m pytest -m gpu tests/gpu/test_mla_decode_gpu.py -q
@@ -98,6 +99,11 @@ def check(out, ref, mag, where):
     assert excess <= 0, (where, excess)
 
 
+def variants_for(cache_dtype):
+    """The variants a call on this cache can take (its Gluon default, its Triton fallback), and the trials."""
+    return kernel.CACHE_VARIANTS[cache_dtype.itemsize] + kernel.TRIAL_VARIANTS[cache_dtype.itemsize]
+
+
 def poisoned(q, cache, table, lens, kv_scale, **kw):
     out = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=q.dtype, device=DEV)
     assert kernel.run(q, cache, table, lens, SCALE, kv_scale, out=out, **kw) is out
@@ -120,7 +126,7 @@ def test_against_float64_up_to_128k(lengths, heads, page, cache_dtype):
     spec = mla_op.MLADecodeSpec.from_call(*case[:4], SCALE, case[4])
     assert mla_op.accepts(spec) is None
     ref, mag = f64_attention(*case[:4], case[4])
-    for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]:
+    for variant in variants_for(cache_dtype):
         cfg = kernel.VARIANTS[variant]
         # a Gluon variant runs as itself on an H100 wherever a page holds whole tiles (else the Triton fallback)
         assert kernel.resolve(cfg, cache_dtype, case[0].device, page).gluon == (cfg.gluon and page % cfg.block_n == 0)
@@ -195,8 +201,7 @@ def test_op_strict_counts_the_kernel_disable_and_fallback_run_the_plain_spelling
 
 
 def _graph_cases():
-    return [(cache_dtype, variant) for cache_dtype in (torch.bfloat16, FP8)
-            for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]]
+    return [(cache_dtype, variant) for cache_dtype in (torch.bfloat16, FP8) for variant in variants_for(cache_dtype)]
 
 
 @pytest.mark.parametrize("cache_dtype,variant", _graph_cases())

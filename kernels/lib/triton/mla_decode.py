@@ -78,6 +78,9 @@ class LaunchConfig:
       cp.async ring, fp8 widened once through shared memory; num_stages is its ring's depth); a call it
       cannot serve (a page not holding whole tiles, not sm_90, the CPU interpreter) takes the cache's
       Triton variant (`resolve`);
+    widen_ahead: Gluon on an fp8 cache: two fp16 staging tiles and no fp8 ring, tile i + 1 widened from
+      registers while the wgmma score tile i (1), or half then and half while they add its values (2)
+      (`_mla_split_gluon_fp8_ahead`);
     pdl: the combine launched as the split kernel's programmatic dependent;
     programs_per_sm, program_rate: what one SM holds of these programs (registers, shared memory)
       and the bytes/s split_count's model lets one program stream (fitted to a split sweep: below).
@@ -90,6 +93,7 @@ class LaunchConfig:
     prefetch: bool = False
     fp16_dots: bool = False
     gluon: bool = False
+    widen_ahead: int = 0
     pdl: bool = True
     programs_per_sm: int = 1
     program_rate: float = 12e9
@@ -116,7 +120,17 @@ VARIANTS: dict[str, LaunchConfig] = {
     # 0.090 warp instructions a byte of cache against Triton's 0.19-0.38
     "gluon64_fp8": LaunchConfig(block_n=64, num_warps=4, num_stages=3, gluon=True, fp16_dots=True,
                                 programs_per_sm=1, program_rate=23e9),
+    # Gluon, fp8, the widening beside the tensor cores: two fp16 staging tiles, the next tile in registers;
+    # beside the score dot alone (250 registers) or half beside each dot (254 registers); 168 KB, 0.080 warp
+    # instructions a byte; not yet measured (program_rate: gluon64_fp8's)
+    "gluon64_fp8ahead": LaunchConfig(block_n=64, num_warps=4, num_stages=2, gluon=True, fp16_dots=True,
+                                     widen_ahead=2, programs_per_sm=1, program_rate=23e9),
+    "gluon64_fp8ahead1": LaunchConfig(block_n=64, num_warps=4, num_stages=2, gluon=True, fp16_dots=True,
+                                      widen_ahead=1, programs_per_sm=1, program_rate=23e9),
 }
+#: per cache element size, variants made but not yet measured on a GPU: benchmark arms (--variants-fp8),
+#: tested like the rest, taken by no call unless named; each is kept or deleted once it has run beside the others
+TRIAL_VARIANTS: dict[int, tuple[str, ...]] = {2: (), 1: ("gluon64_fp8ahead", "gluon64_fp8ahead1")}
 #: per cache element size: (the variant a call takes, the Triton variant it takes where that one cannot run);
 #: the benchmark's default arms. From the H100 runs of 2026-12-07 (docs/perf.md): the Gluon kernels are the
 #: fastest at 79 of 90 points (the rest: B1 at 1K-4K, within 1.0 µs), the two Triton ones the fastest without.
@@ -437,7 +451,7 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
         gluon_kernel.launch(grid, q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S,
                             kv_args, (out.stride(0), out.stride(1)), part_strides, page=page, block_h=BLOCK_H,
                             block_n=cfg.block_n, latent=LATENT, rope=ROPE, is_fp8=is_fp8, single=single,
-                            nbuf=cfg.num_stages, pdl=pdl)
+                            nbuf=cfg.num_stages, pdl=pdl, widen_ahead=cfg.widen_ahead)
         return out if single else combine(pout, plse, out=out, pdl=pdl)
     if S == 1:
         _mla_split_kernel[grid](q, kv_cache, block_table, seq_lens, scale_arg, out, out, out, qk_scale, H, 1,
