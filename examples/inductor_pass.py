@@ -28,7 +28,9 @@ def worker(rank: int, world_size: int, layers: int, tokens: int, log_path: str |
     log = k3fuse.RewriteLog(log_path, rank=rank)
     k3fuse_pass = k3fuse.inductor_pass(ctx, log=log)
     torch._dynamo.reset()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=k3fuse_pass, force_disable_caches=True):
+    # no compile cache: a cache hit would skip the pass, and this example shows its decisions
+    with torch._inductor.config.patch(post_grad_custom_post_pass=k3fuse_pass, fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         compiled = torch.compile(model)
         with torch.no_grad():
             y, _ = compiled(x, state)

@@ -4,7 +4,8 @@
 
 Each rank exports its TP shard of the reference K3 decode model, saves the export as
 `<out>/export_rank<r>.pt2`, rewrites it with `k3fuse.apply(ep, ctx)`, saves `<out>/rank<r>.pt2`,
-loads it back (the k3fuse ops are registered by `import k3fuse`) and checks it against the eager
+loads it back with `k3fuse.offline.load_program` (which runs no code from the file, unlike
+torch.export.load; the k3fuse ops are registered by `import k3fuse`) and checks it against the eager
 model. Both are saved with `k3fuse.offline.save_program`, which records the size of the live
 process group on every collective (an all-reduce names its group, not its size), so the export
 can be rewritten from the command line too, with the TP size read from the graph and any
@@ -22,7 +23,7 @@ import k3fuse
 from k3fuse.tools.cli import print_rewrite_summary
 from k3fuse.dist import launch
 from k3fuse.model import K3DecodeStack, get_config
-from k3fuse.offline import save_program
+from k3fuse.offline import load_program, save_program
 
 
 def worker(rank: int, world_size: int, layers: int, tokens: int, out_dir: str,
@@ -37,7 +38,7 @@ def worker(rank: int, world_size: int, layers: int, tokens: int, out_dir: str,
     new_ep, log = k3fuse.apply(ep, ctx, log=log_path)
     path = os.path.join(out_dir, f"rank{rank}.pt2")
     save_program(new_ep, path)
-    loaded = torch.export.load(path)
+    loaded = load_program(path)
     k3fuse.reset_stats()
     with torch.no_grad():
         y, _ = loaded.module()(x, state)

@@ -127,6 +127,9 @@ if not _running_as_cli():
 
     _settings.check_environment()  # every K3FUSE_* variable, once, where the process starts
     load()
+    from .pipeline import all_rules as _all_rules
+
+    _settings.check_rule_names([_rule.name for _rule in _all_rules()])  # K3FUSE_RULES, now that the rules are known
 
 __all__ = [
     "DecodeContext",

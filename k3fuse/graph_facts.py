@@ -1,19 +1,21 @@
 """Facts about the ATen FX graph every door hands to the pipeline, defined once.
 
 Qualified op names, what a collective, its handle and a synchronisation point are, the marker the
-doors put on static placeholders, and node order. Ops declare their own traits (`OpTraits`: a
-synchronisation point, an anchor that only orders itself inside a collective's window, argument
-positions taken only for ordering) with `declare_op_traits`; k3fuse's fused ops do so where they
-are declared (kernels/ops/), so the verifier and the rules know no op by name.
+doors put on static placeholders, node order and node values (traced, or computed on fake tensors
+for a new node), whether a node was erased, and the recipe that rebuilds an erased one. Ops
+declare their own traits (`OpTraits`: a synchronisation point, an op that only orders itself
+inside a collective's window, argument positions taken only for ordering, a side-stream bracket)
+with `declare_op_traits`; k3fuse's fused ops do so where they are declared (kernels/ops/), so the
+verifier and the rules know no op by name.
 
 A leaf over torch.fx: imports nothing from k3fuse.
 """
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -34,11 +36,16 @@ class OpTraits:
     sync: data written elsewhere is valid after the call (a wait, a fused collective, a join).
     collective_window: takes a collective handle only to sit inside the collective's window (never reads it).
     ordering_args: argument positions taken only to be ordered after them, never read.
+    side_stream: the op brackets a region of nodes that runs on a side stream: "fork" opens it (the
+    region reads the main stream's values only through the fork's output), "end" closes it (its
+    argument 0 is the region's output), "join" orders the main stream after it (argument 0 the same
+    output). A marker's last argument is its region's site number. `verify.check_side_streams`.
     """
 
     sync: bool = False
     collective_window: bool = False
     ordering_args: frozenset[int] = frozenset()
+    side_stream: Literal["fork", "end", "join"] | None = None
 
 
 _TRAITS: dict[str, OpTraits] = {WAIT_TENSOR: OpTraits(sync=True)}
@@ -131,6 +138,64 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def is_erased(node: Any) -> bool:
+    """True once `graph.erase_node` removed `node` (torch.fx keeps no public flag for it)."""
+    return bool(getattr(node, "_erased", False))
+
+
+def fake_call(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run `target` on the meta values of its arguments (fake tensors), or None if unknown."""
+    from torch._guards import detect_fake_mode
+
+    def val(n: fx.Node) -> Any:
+        return n.meta.get("val")
+
+    vargs = fx.node.map_arg(args, val)
+    vkwargs = fx.node.map_arg(kwargs, val)
+    leaves = [v for v in torch.utils._pytree.tree_leaves((vargs, vkwargs)) if isinstance(v, torch.Tensor)]
+    try:
+        mode = detect_fake_mode(leaves)
+        if mode is None:
+            return None
+        with mode:
+            return target(*vargs, **vkwargs)
+    except Exception:  # a shape the fake impl cannot handle: the offline door re-propagates
+        return None
+
+
+def fill_fake_values(nodes: Sequence[fx.Node]) -> None:
+    """Give each new node without one its meta value, computed by `fake_call`."""
+    for n in nodes:
+        if "val" not in n.meta:
+            val = fake_call(n.target, n.args, n.kwargs)
+            if val is not None:
+                n.meta["val"] = val
+
+
+@dataclass(frozen=True)
+class NodeRecipe:
+    """What rebuilds a call node a reversible rewrite erased: its name, target, arguments and meta."""
+
+    name: str
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    meta: dict[str, Any]
+
+    @classmethod
+    def of(cls, node: fx.Node) -> NodeRecipe:
+        return cls(node.name, node.target, tuple(node.args), dict(node.kwargs), dict(node.meta))
+
+    def rebuild(self, graph: fx.Graph, args: tuple[Any, ...] | None = None,
+                kwargs: dict[str, Any] | None = None) -> fx.Node:
+        """The node again at the graph's insertion point (with `args` / `kwargs` where given)."""
+        node = graph.create_node("call_function", self.target, self.args if args is None else args,
+                                 self.kwargs if kwargs is None else kwargs, name=self.name)
+        node.meta.update(self.meta)
+        return node
+
+
 __all__ = ["STATIC_META", "WAIT_TENSOR", "OpTraits", "declare_op_traits", "op_traits", "op_qualname", "COLLECTIVE_NAMESPACE",
            "is_sync", "is_wait", "is_collective", "is_handle", "mark_static", "is_static_placeholder",
-           "is_static_value", "node_order", "node_value", "tensor_value", "leading_tokens"]
+           "is_static_value", "node_order", "node_value", "tensor_value", "leading_tokens", "is_erased", "fake_call",
+           "fill_fake_values", "NodeRecipe"]

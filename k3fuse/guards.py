@@ -204,7 +204,7 @@ def divisible(value: int | torch.SymInt, by: int, what: str, level: GuardLevel =
 
 def static_weight(node: Any, what: str = "weight", level: GuardLevel = "site") -> GuardFailure | None:
     """`node` is a static placeholder, so the rewrite may read it early (prefetch, fuse)."""
-    from .normalize import value_root
+    from .vocabulary import value_root
 
     root = value_root(node)
     if is_static(root):

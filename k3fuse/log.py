@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter, defaultdict
@@ -26,7 +27,10 @@ DECISIONS: tuple[Decision, ...] = ("applied", "rejected", "not_matched")
 
 
 def _plain(value: Any) -> Any:
-    """JSON-safe version of a guard value (dtypes, SymInts, tuples...)."""
+    """JSON-safe version of a guard value (dtypes, SymInts, tuples...); a non-finite float becomes its
+    name ("nan", "inf", "-inf"): NaN and Infinity are not JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, dict):
@@ -113,23 +117,56 @@ class LogReading:
     malformed: list[MalformedLine]
 
 
+#: deepest nesting of lists and objects a log line may hold (k3fuse's own lines hold 3 or 4)
+MAX_DEPTH = 32
+
+
+def _too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """`value` nests lists/objects deeper than `limit` (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> LogReading:
     """Read a JSONL rewrite log line by line: a truncated last line (a process killed mid-write),
-    binary junk or a line of another schema is reported, never fatal to the rest."""
+    binary junk, NaN or Infinity (not JSON), nesting deeper than MAX_DEPTH or a line of another
+    schema is reported, never fatal to the rest. `path` must be a regular file (a FIFO or a device
+    is refused: k3fuse.fileio.NotAFile)."""
+    from .fileio import open_regular
+
     log = RewriteLog(path=None)
     log.path = None
     malformed: list[MalformedLine] = []
-    with open(path, "rb") as f:
+    with open_regular(path, "a rewrite log") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
             try:
-                data = json.loads(raw.decode("utf-8"))
+                data = json.loads(raw.decode("utf-8"), parse_constant=_not_json)
             except UnicodeDecodeError:
                 malformed.append(MalformedLine(lineno, "not UTF-8 text"))
                 continue
             except json.JSONDecodeError as exc:
                 malformed.append(MalformedLine(lineno, f"not JSON ({exc.msg})"))
+                continue
+            except ValueError as exc:  # NaN / Infinity
+                malformed.append(MalformedLine(lineno, f"not JSON ({exc})"))
+                continue
+            except RecursionError:
+                malformed.append(MalformedLine(lineno, f"nested deeper than {MAX_DEPTH} levels"))
+                continue
+            if _too_deep(data):
+                malformed.append(MalformedLine(lineno, f"nested deeper than {MAX_DEPTH} levels"))
                 continue
             why = event_schema_error(data)
             if why is not None:
@@ -232,16 +269,23 @@ class RewriteLog:
 
     @staticmethod
     def _append(path: Path, events: Iterable[RewriteEvent]) -> None:
+        """Append one line per event. The directory must exist (a log never creates directories);
+        a symlink is followed only where k3fuse.fileio trusts it, a FIFO is refused."""
+        from .fileio import NotAFile, UntrustedLink, open_append
+
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                for e in events:  # one write per line: lines from several ranks never interleave
-                    os.write(fd, (json.dumps(e.to_dict(), sort_keys=True) + "\n").encode())
-            finally:
-                os.close(fd)
+            fd = open_append(path)
+        except (UntrustedLink, NotAFile):
+            raise
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot append to the rewrite log: {exc.strerror}", str(path)) from exc
+        try:
+            for e in events:  # one write per line: lines from several ranks never interleave
+                os.write(fd, (json.dumps(e.to_dict(), sort_keys=True, allow_nan=False) + "\n").encode())
         except OSError as exc:  # name the log, not the errno alone (os.write's error has no filename)
             raise OSError(exc.errno, f"cannot append to the rewrite log: {exc.strerror}", str(path)) from exc
+        finally:
+            os.close(fd)
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str], *, skip_malformed: bool = False) -> RewriteLog:

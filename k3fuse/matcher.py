@@ -2,9 +2,9 @@
 
 A `PatternSpec` function is traced with make_fx (fake tensors) and the same decomposition table
 the doors use (Inductor's `select_decomp_table()`), then stripped of transparent nodes and
-addmm-split (normalize.py). Matching walks backwards from the pattern's outputs:
+addmm-split (vocabulary.py). Matching walks backwards from the pattern's outputs:
 
-* a pattern op matches a graph op when `normalize.canonical` keys agree; view-like graph nodes in
+* a pattern op matches a graph op when `vocabulary.canonical` keys agree; view-like graph nodes in
   between are walked through and become part of the match;
 * commutative ops (add, mul) try both operand orders, so every operand-order variant of a
   pattern is covered without listing it;
@@ -34,10 +34,11 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import normalize
 from .guards import GuardFailure
 from .graph_facts import node_order
 from .rewrite_site import Match, PatternSpec
+from .vocabulary import (canonical, forward_users, is_commutative, is_layout_only, is_metadata_check, op_key, op_name,
+                         skip_transparent, split_addmm, strip_transparent, value_root)
 
 
 class HasPatterns(Protocol):
@@ -122,8 +123,8 @@ def compile_pattern(spec: PatternSpec) -> CompiledPattern:
     with torch._guards.tracing(None), unset_fake_temporarily():
         gm = make_fx(call, decomposition_table=decomposition_table(), tracing_mode="fake")(*traced_args)
     graph = gm.graph
-    normalize.strip_transparent(graph)
-    normalize.split_addmm(graph)
+    strip_transparent(graph)
+    split_addmm(graph)
     graph.eliminate_dead_code()
     # make_fx keeps one placeholder per argument, in order (dead-code elimination keeps placeholders)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -191,7 +192,7 @@ class _State:
 class _Matcher:
     def __init__(self, pattern: CompiledPattern, trace: list[tuple[int, fx.Node, Any]] | None = None):
         self.p = pattern
-        self.keys = {n: normalize.canonical(n)[0] for n in pattern.graph.nodes if n.op == "call_function"}
+        self.keys = {n: op_key(n) for n in pattern.graph.nodes if n.op == "call_function"}
         self.free_names = {name for name, _ in pattern.spec.free_sizes}
         #: near-miss search: (pattern nodes matched so far, pattern node, graph value it failed on)
         self.trace = trace
@@ -208,7 +209,7 @@ class _Matcher:
             name = self.p.placeholder_names[pn]
             bound = st.inputs.get(name)
             if bound is not None:
-                if bound is gn or normalize.value_root(bound) is normalize.value_root(gn):
+                if bound is gn or value_root(bound) is value_root(gn):
                     yield st
                 return
             if gn in st.claimed:
@@ -217,7 +218,7 @@ class _Matcher:
             st.inputs[name] = gn
             yield st
             return
-        gn, passed = normalize.skip_transparent(gn)
+        gn, passed = skip_transparent(gn)
         if pn in st.nodes:
             if st.nodes[pn] is gn:
                 yield st
@@ -226,8 +227,8 @@ class _Matcher:
             return
         if any(gn is b for b in st.inputs.values()):
             return
-        gkey, gargs = normalize.canonical(gn)
-        pkey, pargs = normalize.canonical(pn)
+        gkey, gargs = canonical(gn)
+        pkey, pargs = canonical(pn)
         if gkey != pkey or len(gargs) != len(pargs):
             self._fail(st, pn, gn)
             return
@@ -236,7 +237,7 @@ class _Matcher:
         st.claimed[gn] = pn
         st.passed.extend(passed)
         orders = [pargs]
-        if normalize.is_commutative(pn):
+        if is_commutative(pn):
             orders.append((pargs[1], pargs[0], *pargs[2:]))
         for order in orders:
             yield from self.match_args(list(zip(order, gargs)), st)
@@ -315,19 +316,14 @@ def _literal_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _layout_only(node: fx.Node) -> bool:
-    """Views and transposes: free to keep alive for an outside user next to the fused op."""
-    return normalize.is_transparent(node) or normalize.canonical(node)[0] == ("transpose_last2",)
-
-
 def _interior_escape(st: _State, outputs: set[fx.Node]) -> GuardFailure | None:
     """The first interior node with a user outside the match (layout-only nodes excepted)."""
     matched = set(st.claimed) | set(st.passed)
     for node in matched:
-        if node in outputs or _layout_only(node):
+        if node in outputs or is_layout_only(node):
             continue
         for user in node.users:
-            if user not in matched and not normalize.is_metadata_check(user):
+            if user not in matched and not is_metadata_check(user):
                 return GuardFailure(
                     "site", "interior_used_outside",
                     f"{node.name} is inside the match but also used by {user.name}",
@@ -338,7 +334,7 @@ def _interior_escape(st: _State, outputs: set[fx.Node]) -> GuardFailure | None:
 
 def _exclusive(st: _State) -> set[fx.Node]:
     """Matched nodes one match owns; layout-only nodes (a shared weight transpose) can be shared."""
-    return {n for n in (*st.claimed, *st.passed) if not _layout_only(n)}
+    return {n for n in (*st.claimed, *st.passed) if not is_layout_only(n)}
 
 
 def _dtype_agreement(pattern: CompiledPattern, st: _State) -> int:
@@ -352,6 +348,15 @@ def _dtype_agreement(pattern: CompiledPattern, st: _State) -> int:
     return score
 
 
+def _nodes_by_key(graph: fx.Graph) -> dict[Any, list[fx.Node]]:
+    """The graph's call nodes by canonical op key, in graph order."""
+    by_key: dict[Any, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function":
+            by_key.setdefault(op_key(n), []).append(n)
+    return by_key
+
+
 def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overlap: bool = False) -> list[Match]:
     """Matches of `patterns` in `graph`, earliest output first.
 
@@ -362,10 +367,7 @@ def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overla
     match. Refused matches (interior used outside) are returned too, with `refused` set.
     """
     order = node_order(graph)
-    by_key: dict[Any, list[fx.Node]] = {}
-    for n in graph.nodes:
-        if n.op == "call_function":
-            by_key.setdefault(normalize.canonical(n)[0], []).append(n)
+    by_key = _nodes_by_key(graph)
     accepted: list[tuple[tuple[int, int, int], CompiledPattern, _State]] = []
     refusals: dict[fx.Node, tuple[tuple[int, int, int], CompiledPattern, _State, GuardFailure]] = {}
     for index, pattern in enumerate(patterns):
@@ -400,40 +402,6 @@ def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overla
 
 
 # --- near misses ---------------------------------------------------------------------------------
-
-
-def op_name(node: Any) -> str:
-    """Short name of what a node computes, for reasons: `aten.view`, `_c10d_functional.wait_tensor`."""
-    if not isinstance(node, fx.Node):
-        return repr(node)
-    if node.op != "call_function":
-        return node.op
-    key = normalize.canonical(node)[0]
-    if key in (("transpose_last2",), ("cast",)):
-        return key[0]
-    target = node.target
-    name = getattr(target, "__name__", str(target))
-    if isinstance(target, torch._ops.OpOverload):
-        name = str(target.overloadpacket)
-    return name
-
-
-def forward_users(node: fx.Node) -> list[fx.Node]:
-    """The non-transparent readers of `node`'s value: views, casts and in-place copies of it are
-    walked through (the matcher's view of who consumes a value), metadata checks dropped."""
-    out: list[fx.Node] = []
-    todo = [(user, node) for user in node.users]
-    seen: set[fx.Node] = set()
-    while todo:
-        user, parent = todo.pop(0)
-        if user in seen or normalize.is_metadata_check(user):
-            continue
-        seen.add(user)
-        if normalize.is_transparent(user) or normalize.copied_value(user) is parent:
-            todo += [(u, user) for u in user.users]
-        else:
-            out.append(user)
-    return out
 
 
 def _pattern_path(pattern: CompiledPattern, start: fx.Node) -> list[fx.Node]:
@@ -474,10 +442,7 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
     """
     if not patterns:
         return None  # a structural rule without patterns: nothing to compare against
-    by_key: dict[Any, list[fx.Node]] = {}
-    for n in graph.nodes:
-        if n.op == "call_function":
-            by_key.setdefault(normalize.canonical(n)[0], []).append(n)
+    by_key = _nodes_by_key(graph)
     best: tuple[int, str, dict[str, Any]] | None = None
     site_op_name = ""
     for pattern in patterns:
@@ -492,7 +457,7 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
         for ga in by_key.get(m.keys[start], ()):
             g, depth, miss = ga, 1, None
             for prev_p, pn in zip(path, path[1:]):
-                nxt = [u for u in forward_users(g) if normalize.canonical(u)[0] == m.keys[pn]]
+                nxt = [u for u in forward_users(g) if op_key(u) == m.keys[pn]]
                 if not nxt:
                     found = forward_users(g)
                     miss = (f"{pattern.variant}: {op_name(g)} ({g.name}) feeds "
@@ -542,5 +507,5 @@ def _to_match(graph: fx.Graph, pattern: CompiledPattern, st: _State, order: dict
     )
 
 
-__all__ = ["trace_aten", "CompiledPattern", "compile_pattern", "int_sentinel", "compiled_patterns", "find_matches", "decomposition_table",
-           "near_miss", "forward_users", "op_name"]
+__all__ = ["trace_aten", "CompiledPattern", "compile_pattern", "int_sentinel", "compiled_patterns", "find_matches",
+           "decomposition_table", "near_miss"]

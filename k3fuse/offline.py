@@ -7,10 +7,11 @@ torch.export.save/load (the k3fuse ops are registered by `import k3fuse`) and ca
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import logging
 import os
-import zipfile
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ _STATIC_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSO
 
 def written_placeholders(graph: fx.Graph) -> set[str]:
     """Placeholders an in-place op writes (non-functional IR, before run_decompositions)."""
-    from .normalize import value_root
+    from .vocabulary import value_root
 
     written = set()
     for node in graph.nodes:
@@ -217,34 +218,39 @@ def strip_group_sizes(ep: ExportedProgram) -> ExportedProgram:
     return ep
 
 
-class _DropLoaderNoise(logging.Filter):
-    """Two warnings torch.export.load logs on its way: "Fallback to weights_only=False" has a broken
-    format string (two %s, one argument), so logging prints a 50-line "--- Logging error ---" block;
-    "Ran into the following error when deserializing" is a traceback logged before the same error
-    is raised (the caller reports it)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        return not msg.startswith(("Fallback to weights_only=False", "Ran into the following error"))
-
-
 def load_program(path: str | os.PathLike[str]) -> ExportedProgram:
-    """torch.export.load with the k3fuse ops and the reference model's types registered (see
-    `k3fuse.load`), without torch's logging-error block for example inputs of custom types."""
-    from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
+    """Load a .pt2 that may come from anyone: nothing in it runs (k3fuse.archive says what it may hold).
+
+    The file must be a regular file; it is opened once, checked through that one open file (every
+    entry's CRC, no pickle, no compiled library, no symbolic expression that is more than numbers and
+    symbols, sample inputs that load with weights_only=True) and the same open file is handed to
+    torch's loader, so a file swapped after the check is never read. Raises
+    `k3fuse.archive.ProgramRefused` (a ValueError naming the entry) for a file k3fuse will not load,
+    and `k3fuse.fileio.NotAFile` for a FIFO, a device or a directory. The k3fuse ops and the
+    reference model's types are registered first (see `k3fuse.load`)."""
+    from .archive import ProgramRefused, check_archive
+    from .fileio import open_regular
+    from .model import stack  # noqa: F401  DecodeState is a safe global for the sample inputs
 
     install_plugins()
-    if not zipfile.is_zipfile(path):
-        raise ValueError(f"{path} is not a zip archive")
-    loggers = [logging.getLogger(name) for name in ("torch._export.serde.serialize", "torch.export")]
-    quiet = _DropLoaderNoise()
-    for lg in loggers:
-        lg.addFilter(quiet)
+    with open_regular(path, "a program") as f:
+        models = check_archive(f, path)
+        if "model" not in models:
+            raise ProgramRefused(path, None, f"holds the programs {models}, none named 'model' (what "
+                                             "torch.export.save writes)")
+        f.seek(0)
+        return _load_checked(f)
+
+
+def _load_checked(f: Any) -> ExportedProgram:
+    """torch's loader on an archive check_archive admitted: load_pt2 where torch has it, since
+    torch.export.load retries a failed archive as the older format (whose entries are pickles) after
+    logging a traceback."""
     try:
-        return torch.export.load(path)
-    finally:
-        for lg in loggers:
-            lg.removeFilter(quiet)
+        from torch.export.pt2_archive._package import load_pt2
+    except ImportError:  # an older torch: the checks above already keep the retry from unpickling
+        return torch.export.load(f)
+    return load_pt2(f).exported_programs["model"]
 
 
 def save_program(ep: ExportedProgram, path: str | os.PathLike[str], *,
@@ -299,7 +305,8 @@ class ProgramTypeError(UsageError, TypeError):
     def __init__(self, value: Any):
         if isinstance(value, (str, os.PathLike)):
             super().__init__(f"k3fuse.apply takes an ExportedProgram, got the path {str(value)!r}",
-                             "load it first (torch.export.load) or run `k3fuse apply PATH -o OUT.pt2`")
+                             "load it first (k3fuse.offline.load_program: nothing in the file runs) or run "
+                             "`k3fuse apply PATH -o OUT.pt2`")
         elif isinstance(value, torch.nn.Module):
             super().__init__(f"k3fuse.apply takes an ExportedProgram, got the module {type(value).__name__}",
                              "export it first: k3fuse.apply(torch.export.export(model, args), ctx), or compile it: "
@@ -326,10 +333,12 @@ def apply(
     if not isinstance(exported_program, ExportedProgram):
         raise ProgramTypeError(exported_program)
     ctx = DecodeContext.coerce(ctx)
-    if decompose:  # a fresh graph module; weights are shared, never written
-        ep = exported_program.run_decompositions(decomposition_table())
-    else:
-        ep = exported_program._update(copy.deepcopy(exported_program.graph_module), exported_program.graph_signature)
+    with _quiet_torch_internals():
+        if decompose:  # a fresh graph module; weights are shared, never written
+            ep = exported_program.run_decompositions(decomposition_table())
+        else:
+            ep = exported_program._update(copy.deepcopy(exported_program.graph_module),
+                                          exported_program.graph_signature)
     gm = ep.graph_module
     mark_static_placeholders(gm.graph, static_placeholder_names(ep))
     install_plugins()
@@ -339,7 +348,19 @@ def apply(
     _fill_missing_vals(gm)
     sig = type(ep.graph_signature)(input_specs=list(ep.graph_signature.input_specs),
                                    output_specs=_rebuild_output_specs(ep, gm))
-    return ep._update(gm, sig), rlog
+    with _quiet_torch_internals():
+        return ep._update(gm, sig), rlog
+
+
+@contextlib.contextmanager
+def _quiet_torch_internals() -> Iterator[None]:
+    """torch's ExportedProgram deep-copies its own pytree specs (run_decompositions, _update), which
+    trips torch's own deprecation of LeafSpec: a warning about torch's internals, nothing the caller
+    can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 __all__ = ["apply", "ProgramTypeError", "load_program", "save_program", "collective_group_sizes", "record_group_sizes",

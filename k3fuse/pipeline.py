@@ -1,13 +1,14 @@
 """The rewrite pipeline every door runs: ordered rules, guards, rewrites, log, verifier, cleanup.
 
-    normalize -> for rule in order: [kill switch] -> [enabled?] -> contract guards -> find
+    translate engine ops -> split addmm -> for rule in order: [kill switch] -> [enabled?] -> contract guards -> find
               -> per match: site guards -> rewrite -> log  -> verifier
-              -> restore normalisation -> lint -> dead-code elimination -> recompile
+              -> restore the translations and the split -> lint -> dead-code elimination -> recompile
 
 Rules come from the installed provider (k3fuse.plugins installs the K3 rules of k3fuse.patterns)
 unless the caller passes its own. Each can be switched by the context (enabled_rules / disabled_rules) and by the environment variable
 K3FUSE_RULES: "a,b" runs only a and b, "-a" runs all but a, "+a" adds a rule that is off by
-default (Rule.default_on False); the forms can be mixed.
+default (Rule.default_on False); "-a" and "+b" combine, a list of bare names stands alone (k3fuse.settings
+refuses a mix).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch.fx as fx
 
-from . import normalize, runtime, settings, verify
+from . import engine_ops, fp32_residual, runtime, settings, verify, vocabulary
 from .context import ContextError, DecodeContext
 from .guards import GuardFailure, kernels_available, multicast_policy
 from .log import RewriteEvent, RewriteLog
@@ -193,9 +194,9 @@ def run_pipeline(
         return rlog
 
     active = [r for r, why in selection if why is None]
-    translated = normalize.translate_engine_ops(graph, trace_aten) if active else []
-    fp32_residuals = normalize.translate_fp32_residual_norms(graph, {t.engine for t in translated})
-    split = normalize.split_addmm(graph) if active else 0
+    translated = engine_ops.translate_engine_ops(graph, trace_aten) if active else []
+    fp32_residuals = fp32_residual.translate_fp32_residual_norms(graph, {t.engine for t in translated})
+    split = vocabulary.split_addmm(graph) if active else 0
     changed = False
     for rule, why in selection:
         t0 = time.perf_counter()
@@ -221,10 +222,10 @@ def run_pipeline(
                     " (not matched)" if counts["matches"] == 0 else "", elapsed)
 
     if split:
-        normalize.restore_addmm(graph)
-    rebuilt = normalize.restore_fp32_residual_norms(graph, fp32_residuals) if fp32_residuals else set()
+        vocabulary.restore_addmm(graph)
+    rebuilt = fp32_residual.restore_fp32_residual_norms(graph, fp32_residuals) if fp32_residuals else set()
     if translated:
-        normalize.restore_engine_ops(graph, translated, rebuilt)
+        engine_ops.restore_engine_ops(graph, translated, rebuilt)
     if translated or fp32_residuals:
         graph.lint()
     if changed:
@@ -308,8 +309,8 @@ def _run_rule(rule: Rule, graph: fx.Graph, ctx: DecodeContext, event) -> Counter
 
 def _explain_miss(rule: Rule, graph: fx.Graph, ctx: DecodeContext) -> tuple[str | None, dict[str, object]]:
     """The rule's near-miss report; a failing explanation never fails the rewrite (it is logged).
-    Sites an engine's own fusion already took (normalize.PriorFusion) are named first."""
-    taken = normalize.prior_fusions(graph, rule.site_op) if rule.site_op is not None else []
+    Sites an engine's own fusion already took (engine_ops.PriorFusion) are named first."""
+    taken = engine_ops.prior_fusions(graph, rule.site_op) if rule.site_op is not None else []
     try:
         miss = rule.explain_miss(graph, ctx)
     except Exception as exc:  # diagnostics only

@@ -1,37 +1,44 @@
 """What one occurrence of a pattern is (`Match`), the pattern spelling a rule declares
-(`PatternSpec`), and how a rewrite inserts and rewires nodes.
+(`PatternSpec`, `Variant`), and how a rewrite inserts and rewires nodes (`Match.replace_with` for
+the common case: one op takes the site's place).
 
 Shared by the matcher (which builds Matches) and the rules (which rewrite them); it knows neither.
 """
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_arg
 
 from .guards import GuardFailure
-from .graph_facts import node_order
-from .normalize import fake_call, is_metadata_check
+from .graph_facts import fake_call, is_erased, node_order
+from .vocabulary import is_metadata_check
 
 
 class RewriteError(RuntimeError):
     """A rewrite could not be placed in the graph (its inputs come after its outputs' users)."""
 
 
+P = TypeVar("P")
+
+
 @dataclass(frozen=True)
 class Variant:
-    """Which spelling of a rule matched, as data: its form (e.g. "plain+norm") and the trunk dtype a
+    """Which spelling of a rule matched, as data: its form (e.g. "plain+norm"), the trunk dtype a
     spelling with casts was traced for (None: the spelling has no casts, one trace serves every
-    dtype). `str()` is the name the log shows: the form, with the dtype when it is not fp32."""
+    dtype) and the rule's typed parameters of the form (a frozen dataclass the rewrite reads through
+    `Match.params`, so no rule parses a name). `str()` is the name the log shows: the form, with the
+    dtype when it is not fp32."""
 
     form: str
     dtype: torch.dtype | None = None
+    params: Any = None
 
     def __str__(self) -> str:
         if self.dtype is None or self.dtype == torch.float32:
@@ -123,6 +130,13 @@ class Match:
         raise KeyError(f"pattern has no input or scalar named {name!r}; inputs={list(self.inputs)}, "
                        f"scalars={list(self.scalars)}")
 
+    def params(self, kind: type[P]) -> P:
+        """The matched variant's typed parameters (`Variant.params`), checked to be a `kind`."""
+        params = self.key.params if self.key is not None else None
+        if not isinstance(params, kind):
+            raise TypeError(f"variant {self.variant!r} carries {type(params).__name__}, not {kind.__name__}")
+        return params
+
     def val(self, name_or_node: str | fx.Node) -> Any:
         """The meta value (FakeTensor) of an input name or a node; None if unknown."""
         node = self.inputs[name_or_node] if isinstance(name_or_node, str) else name_or_node
@@ -148,7 +162,7 @@ class Match:
 
     def is_stale(self) -> bool:
         """True once another rewrite erased one of this match's nodes or inputs."""
-        return any(getattr(n, "_erased", False) for n in [*self.nodes, *self.inputs.values()])
+        return any(is_erased(n) for n in [*self.nodes, *self.inputs.values()])
 
     # --- rewriting -------------------------------------------------------------------------------
     def note(self, reason: str | None = None, **values: Any) -> None:
@@ -199,6 +213,18 @@ class Match:
         self._new.append(node)
         return node
 
+    def replace_with(self, op: torch._ops.OpOverload, **arguments: Any) -> list[fx.Node]:
+        """The common rewrite: insert `op` called with `arguments` by its schema's names (defaults
+        where left out), send the pattern's outputs to its result (one output, one result) or to its
+        items in order, and erase what is left dead. Returns the new nodes, the op first."""
+        fused = self.insert(op, schema_args(op, arguments))
+        if len(self.outputs) == 1 and len(op._schema.returns) == 1:
+            self.replace([fused])
+            return [fused]
+        items = [self.insert(operator.getitem, (fused, i)) for i in range(len(self.outputs))]
+        self.replace(items)
+        return [fused, *items]
+
     def replace(self, replacements: Sequence[fx.Node]) -> None:
         """Send every outside use of output i to replacements[i]; erase the matched nodes left dead."""
         if len(replacements) != len(self.outputs):
@@ -207,7 +233,7 @@ class Match:
         for old, rep in zip(self.outputs, replacements):
             old.replace_all_uses_with(rep, delete_user_cb=lambda user: user not in new)
         for node in reversed(self.nodes):
-            if getattr(node, "_erased", False):
+            if is_erased(node):
                 continue
             if node.users and all(is_metadata_check(u) for u in node.users):
                 for check in list(node.users):  # a dtype assert on a value that no longer exists
@@ -218,7 +244,7 @@ class Match:
     def discard_new_nodes(self) -> None:
         """Erase what `insert` added (a rewrite that gave up half-way leaves the graph as it was)."""
         for node in reversed(self._new):
-            if not getattr(node, "_erased", False) and not node.users:
+            if not is_erased(node) and not node.users:
                 self.graph.erase_node(node)
         self._new.clear()
 
@@ -227,4 +253,23 @@ class Match:
         return list(self._new)
 
 
-__all__ = ["Variant", "PatternSpec", "Match", "RewriteError", "fake_call"]
+def schema_args(op: torch._ops.OpOverload, arguments: dict[str, Any]) -> tuple[Any, ...]:
+    """`arguments` by name as `op`'s positional arguments, in schema order up to the last one
+    given, the schema's defaults filling the gaps."""
+    schema = op._schema.arguments
+    unknown = sorted(set(arguments) - {a.name for a in schema})
+    if unknown:
+        raise TypeError(f"{op} has no argument(s) {unknown}; its schema: {op._schema}")
+    last = max((i for i, a in enumerate(schema) if a.name in arguments), default=-1)
+    out = []
+    for a in schema[:last + 1]:
+        if a.name in arguments:
+            out.append(arguments[a.name])
+        elif a.has_default_value():
+            out.append(a.default_value)
+        else:
+            raise TypeError(f"{op}: argument {a.name!r} missing; its schema: {op._schema}")
+    return tuple(out)
+
+
+__all__ = ["Variant", "PatternSpec", "Match", "RewriteError", "schema_args"]

@@ -1,27 +1,13 @@
 """What a rule is: patterns traced from plain torch functions, guards, and a rewrite.
 
-A rule author writes::
-
-    class LinearResidual(Rule):
-        name = "linear_residual"
-        description = "residual + x @ w.T -> one fused op"
-
-        def patterns(self):
-            def plain(x, w, residual):
-                return residual + F.linear(x, w)
-            return [PatternSpec("plain", plain, lambda: (torch.randn(4, 8), torch.randn(16, 8), torch.randn(4, 16)))]
-
-        def check_site(self, match, ctx):
-            return failures(static_weight(match["w"]))
-
-        def rewrite(self, match, ctx):
-            out = match.insert(torch.ops.mylib.linear_residual.default,
-                               (match["x"], match["w"], match["residual"]))
-            match.replace([out])
-            return [out]
+A rule author imports what a rule may use from `k3fuse.rule_api`, subclasses `Rule` and fills in
+`patterns()` (plain torch functions: `residual + F.linear(x, w)` and its example inputs),
+`check_site()` (`failures(static_weight(match["w"]))`) and `rewrite()` (usually one
+`match.replace_with(op, x=match["x"], ...)`, the op's arguments by its schema's names); a complete
+small rule is `LinearResidualRule` in tests/engine_helpers.py, the K3 rules are in patterns/.
 
 The engine traces each PatternSpec to ATen with the doors' decomposition table, matches it in
-every spelling (see normalize.py) and hands each match to the guards and then to `rewrite`.
+every spelling (see vocabulary.py) and hands each match to the guards and then to `rewrite`.
 """
 from __future__ import annotations
 
@@ -34,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch.fx as fx
 
 from .guards import GuardFailure
-from .rewrite_site import Match, PatternSpec, RewriteError, Variant, fake_call
+from .rewrite_site import Match, PatternSpec, RewriteError, Variant
 from .matcher import compiled_patterns, find_matches, near_miss
 
 if TYPE_CHECKING:
@@ -42,8 +28,8 @@ if TYPE_CHECKING:
 
 
 #: framework modules whose code shapes every rule's rewrite (matching, normalisation, placement)
-FRAMEWORK_SOURCES = ("k3fuse.guards", "k3fuse.graph_facts", "k3fuse.rewrite_site", "k3fuse.matcher", "k3fuse.normalize",
-                     "k3fuse.rule")
+FRAMEWORK_SOURCES = ("k3fuse.guards", "k3fuse.graph_facts", "k3fuse.rewrite_site", "k3fuse.matcher", "k3fuse.vocabulary",
+                     "k3fuse.engine_ops", "k3fuse.fp32_residual", "k3fuse.rule", "k3fuse.rule_api")
 #: module prefixes a rule's own dependencies are followed into
 _RULE_SIDE = ("k3fuse.patterns", "k3fuse.spelling", "k3fuse.model")
 
@@ -126,7 +112,7 @@ class Rule:
         """Why `find` returned nothing: (reason, values) naming the closest candidate and the first
         node where it diverged from the pattern, or why there was no candidate at all.
 
-        Default: the matcher's near-miss search from the rule's `anchor` op. Structural rules
+        Default: the matcher's near-miss search from the rule's `site_op`. Structural rules
         override it. The pipeline puts the answer on the rule's `not_matched` event.
         """
         return near_miss(graph, compiled_patterns(self), site_op=self.site_op)
@@ -163,4 +149,4 @@ class Rule:
         return f"<Rule {self.name}>"
 
 
-__all__ = ["PatternSpec", "Match", "Rule", "RewriteError", "Variant", "fake_call"]
+__all__ = ["PatternSpec", "Match", "Rule", "RewriteError", "Variant"]

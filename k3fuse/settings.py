@@ -55,6 +55,36 @@ def _text(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def rules_spec_problem(spec: str) -> str | None:
+    """What is wrong with a rule selection in the K3FUSE_RULES / --rules grammar, or None.
+
+    The forms: "a,b" runs only a and b; "-a" all default rules but a; "+a" the default rules and a
+    (an off-by-default rule). "-a" and "+b" may be combined ("-a,+b"); a list of bare names stands
+    alone, since "a,-b" or "a,+b" has no single reading. No item may be empty."""
+    items = [x.strip() for x in spec.split(",")]
+    if not any(items):
+        return "names no rule"
+    if not all(items):
+        return "has an empty item (two commas in a row, or one at an end)"
+    lone = [x for x in items if x in ("-", "+")]
+    if lone:
+        return f"has a bare {lone[0]!r} without a rule name"
+    bare = [x for x in items if x[0] not in "+-"]
+    signed = [x for x in items if x[0] in "+-"]
+    if bare and signed:
+        return (f"mixes bare names {bare} with {signed}: 'a,b' (only these) stands alone, while '-a' (all but a) "
+                f"and '+a' (the defaults and a) may be combined, e.g. '-a,+b'")
+    return None
+
+
+def _rules(name: str, raw: str) -> str:
+    """K3FUSE_RULES: empty or unset is the defaults; otherwise the grammar of rules_spec_problem."""
+    spec = raw.strip()
+    if spec and (problem := rules_spec_problem(spec)) is not None:
+        raise SettingsError(f"{name}={raw!r} {problem}")
+    return spec
+
+
 def _optional_path(name: str, raw: str) -> str | None:
     return raw.strip() or None
 
@@ -111,7 +141,7 @@ def _int64(name: str, raw: str) -> int:
 
 #: every variable k3fuse reads, in the order the README lists them
 VARIABLES: tuple[Variable, ...] = (
-    Variable("K3FUSE_RULES", "rules", _text, "",
+    Variable("K3FUSE_RULES", "rules", _rules, "",
              'which rules run: "a,b" only a and b, "-a" all but a, "+a" adds an off-by-default rule'),
     Variable("K3FUSE_STRICT", "strict", _flag, False,
              "every fallback of a fused op raises K3FuseFallbackError (proves the fast path ran)"),
@@ -198,10 +228,62 @@ def current() -> Settings:
     return Settings(**{v.field: get(v.env) for v in VARIABLES})
 
 
-def check_environment(env: Mapping[str, str] | None = None) -> Settings:
-    """Parse every K3FUSE_* variable now (k3fuse does on import, the CLI before any verb): one
-    SettingsError, one line, naming each bad variable and what it accepts."""
+#: K3FUSE_* names that are not settings on purpose: the test suite's own knobs
+NOT_SETTINGS_PREFIX = "K3FUSE_TEST_"
+
+
+class UnknownSettingWarning(UserWarning):
+    """A K3FUSE_* variable k3fuse does not read (a misspelled setting is otherwise silently ignored)."""
+
+
+def unknown_names(env: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each K3FUSE_* variable of `env` that is not a setting, with the closest setting name (or None);
+    K3FUSE_TEST_* variables (the tests' own) are not reported."""
+    import difflib
+
     env = os.environ if env is None else env
+    out = []
+    for name in sorted(env):
+        if name.startswith("K3FUSE_") and name not in _BY_ENV and not name.startswith(NOT_SETTINGS_PREFIX):
+            # compared without the shared prefix, which would make every name look close
+            close = difflib.get_close_matches(name[len("K3FUSE_"):], [n[len("K3FUSE_"):] for n in _BY_ENV], n=1,
+                                              cutoff=0.6)
+            out.append((name, "K3FUSE_" + close[0] if close else None))
+    return out
+
+
+def unknown_names_message(unknown: list[tuple[str, str | None]]) -> str:
+    """One line for the unknown names (see `unknown_names`)."""
+    parts = [f"{name} (did you mean {close}?)" if close else name for name, close in unknown]
+    return (f"ignoring {', '.join(parts)}: not a k3fuse setting; the settings are listed in the README "
+            f"and k3fuse.settings.VARIABLES")
+
+
+def check_rule_names(known: list[str], env: Mapping[str, str] | None = None) -> None:
+    """K3FUSE_RULES names only rules in `known` (the pipeline's): SettingsError naming the unknown
+    ones, each with its closest known name. `import k3fuse` calls it once its rules are installed."""
+    import difflib
+
+    env = os.environ if env is None else env
+    spec = _parse_one("K3FUSE_RULES", env.get("K3FUSE_RULES"))
+    named = [x.strip().lstrip("+-").strip() for x in spec.split(",") if x.strip()]
+    unknown = sorted(set(named) - set(known))
+    if unknown:
+        hints = [f"{u} -> {c[0]}" for u in unknown if (c := difflib.get_close_matches(u, known, n=1, cutoff=0.6))]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        raise SettingsError(f"K3FUSE_RULES names unknown rule(s) {unknown}{hint}; known rules: {', '.join(known)}")
+
+
+def check_environment(env: Mapping[str, str] | None = None, *, warn: bool = True) -> Settings:
+    """Parse every K3FUSE_* variable now (k3fuse does on import, the CLI before any verb): one
+    SettingsError, one line, naming each bad variable and what it accepts. A K3FUSE_* name that is
+    not a setting is reported with an UnknownSettingWarning (unless `warn` is False: the CLI prints
+    `unknown_names` itself, as one line)."""
+    env = os.environ if env is None else env
+    if warn and (unknown := unknown_names(env)):
+        import warnings
+
+        warnings.warn(unknown_names_message(unknown), UnknownSettingWarning, stacklevel=2)
     errors = []
     for var in VARIABLES:
         try:
@@ -252,4 +334,6 @@ def is_on(env: Mapping[str, str], name: str) -> bool:
 
 
 __all__ = ["Settings", "SettingsError", "Variable", "VARIABLES", "get", "current", "parse", "check_environment",
-           "export", "restored", "is_on", "spin_timeout_s", "DEFAULT_AR_TIMEOUT_S", "AR_TIMEOUT_RANGE_S", "ArProtocol"]
+           "export", "restored", "is_on", "spin_timeout_s", "DEFAULT_AR_TIMEOUT_S", "AR_TIMEOUT_RANGE_S", "ArProtocol",
+           "rules_spec_problem", "check_rule_names", "unknown_names", "unknown_names_message",
+           "UnknownSettingWarning", "NOT_SETTINGS_PREFIX"]

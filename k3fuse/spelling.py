@@ -2,8 +2,7 @@
 
 The reference model (k3fuse/model/layers.py) computes with these functions, the rules trace them
 (patterns/_pattern_tools.py re-exports them; kda_delta_rule traces `delta_rule`, kda_short_conv traces
-`short_conv`, fused_routing traces `route`), the stock sequences run them (kernels/lib/reference/stock.py)
-and the shared-expert reference evaluates SiTU with them (kernels/lib/reference/shared_expert.py). One
+`short_conv`, fused_routing traces `route`) and the stock sequences run them (kernels/lib/reference/stock.py). One
 definition, so the model, the patterns and the fallbacks cannot drift apart: changing a function here
 changes what every rule matches, so change the rules with it.
 
@@ -75,7 +74,7 @@ def short_conv(conv_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
     conv_state [T, C, K-1] (oldest first) in the trunk dtype, q/k/v [T, C/3], conv_weight fp32
     [C, K]. Returns (silu of the K-tap conv, fp32 [T, C]; the new state [T, C, K-1], contiguous).
-    The rule `kda_short_conv` traces this very function (patterns/kda_conv_rule.py).
+    The rule `kda_short_conv` traces this very function (patterns/kda_short_conv.py).
     """
     u = torch.cat([q, k, v], dim=-1)  # [T, C]
     window = torch.cat([conv_state, u.unsqueeze(-1)], dim=-1)  # [T, C, K], newest last

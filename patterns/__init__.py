@@ -30,17 +30,17 @@ when 2 is off).
 """
 from __future__ import annotations
 
-from k3fuse.rule import Rule
+from k3fuse.rule_api import Rule
 
 from .decode_gemm import DecodeGemm
 from .fused_routing import FusedRouting
-from .kda_conv_rule import KDAShortConv
 from .kda_delta_rule import KDADeltaRule
+from .kda_short_conv import KDAShortConv
 from .moe_combine import MoECombine
 from .moe_front_sharded import MoEFrontSharded
-from .moe_tail_rule import MoETailAllReduceNorm
+from .moe_tail_allreduce_norm import MoETailAllReduceNorm
 from .oproj_allreduce_residual import OProjAllReduceResidual
-from .routed_experts_rule import RoutedExperts
+from .routed_experts import RoutedExperts
 from .shared_expert_stream import SharedExpertStream
 from .weight_prefetch import WeightPrefetch
 

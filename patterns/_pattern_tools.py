@@ -15,10 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from k3fuse.guards import GuardFailure
-from k3fuse.graph_facts import node_order
-from k3fuse.normalize import is_metadata_check
-from k3fuse.rule import PatternSpec, Variant
+from k3fuse.rule_api import GuardFailure, PatternSpec, Variant, is_erased, is_metadata_check, node_order
 from k3fuse.spelling import all_reduce_sum, linear, rms_norm, situ_glu
 
 #: trunk dtypes the rules trace patterns for and accept (K3 ships a bf16 trunk; fp32 for tests)
@@ -26,21 +23,22 @@ TRUNK_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 GROUP = "tp"  # example group name: a literal wildcard, the graph's own name is captured
 
 
-def per_dtype(name: str, fn: Callable[..., Any],
-              example: Callable[[torch.dtype], tuple[Any, ...]]) -> list[PatternSpec]:
+def per_dtype(name: str, fn: Callable[..., Any], example: Callable[[torch.dtype], tuple[Any, ...]],
+              params: Any = None) -> list[PatternSpec]:
     """One PatternSpec per trunk dtype, for spellings with casts (`.float()`, `.to(x.dtype)`), whose
-    ATen differs by dtype: `example(dtype)` builds the example inputs."""
+    ATen differs by dtype: `example(dtype)` builds the example inputs; `params`: the variant's typed
+    parameters (`Variant.params`)."""
     specs = []
     for dtype in TRUNK_DTYPES:
-        key = Variant(name, dtype)
+        key = Variant(name, dtype, params)
         specs.append(PatternSpec(str(key), fn, lambda dtype=dtype: example(dtype), key))
     return specs
 
 
-def cast_free(name: str, fn: Callable[..., Any],
-              example: Callable[[torch.dtype], tuple[Any, ...]]) -> list[PatternSpec]:
+def cast_free(name: str, fn: Callable[..., Any], example: Callable[[torch.dtype], tuple[Any, ...]],
+              params: Any = None) -> list[PatternSpec]:
     """A spelling without casts traces to the same ATen in every dtype: one PatternSpec."""
-    return [PatternSpec(name, fn, lambda: example(torch.float32), Variant(name))]
+    return [PatternSpec(name, fn, lambda: example(torch.float32), Variant(name, None, params))]
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -107,7 +105,7 @@ def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
     """Erase `nodes` (reverse graph order) once unused, with any metadata-only asserts on them."""
     order = node_order(graph)
     for node in sorted(nodes, key=lambda n: -order.get(n, -1)):
-        if getattr(node, "_erased", False):
+        if is_erased(node):
             continue
         for user in list(node.users):
             if is_metadata_check(user):

@@ -25,19 +25,15 @@ rewrite can change the experts only where biased scores are exactly equal.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, failures, kernel_covers, shape_of, site_tokens,
-                           static_weight, token_count)
 from k3fuse.kernels.ops.route_topk import RouteTopkSpec
-from k3fuse.matcher import compiled_patterns, near_miss, op_name
-from k3fuse.normalize import skip_transparent
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, compiled_patterns, failures,
+                             kernel_covers, near_miss, op_name, shape_of, site_tokens, skip_transparent,
+                             static_weight, token_count)
 from k3fuse.spelling import route
 
 from ._pattern_tools import dtype_of, numeric_literals
@@ -119,14 +115,11 @@ class FusedRouting(Rule):
         return failures(kernel_covers(ctx, spec, site_tokens(match["logits"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        fused = match.insert(torch.ops.k3fuse.route_topk.default,
-                             (match["logits"], match["b_corr"], match["top_k"], float(match["routed_scaling"]),
-                              float(match["eps"]), ctx.strict))
-        weights = match.insert(operator.getitem, (fused, 0))
-        idx = match.insert(operator.getitem, (fused, 1))
-        match.replace([weights, idx])
+        new = match.replace_with(torch.ops.k3fuse.route_topk.default, logits=match["logits"], b_corr=match["b_corr"],
+                                 top_k=match["top_k"], routed_scaling=float(match["routed_scaling"]),
+                                 eps=float(match["eps"]), strict=ctx.strict)
         match.note(top_k=match["top_k"], routed_scaling=match["routed_scaling"])
-        return [fused, weights, idx]
+        return new
 
 
 __all__ = ["FusedRouting"]

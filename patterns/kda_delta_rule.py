@@ -25,17 +25,12 @@ Needs: every operand fp32, shapes [T, h, dk, dv] / [T, h, dk] / [T, h] / [T, h, 
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
-from k3fuse.context import DecodeContext
-from k3fuse.guards import GuardFailure, failures, kernel_covers, shape_of, token_count
-from k3fuse.graph_facts import node_order, tensor_value
 from k3fuse.kernels.ops.kda_delta import KDADeltaSpec
-from k3fuse.matcher import compiled_patterns, find_matches
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, compiled_patterns, failures,
+                             find_matches, kernel_covers, node_order, shape_of, tensor_value, token_count)
 from k3fuse.spelling import delta_rule
 
 from ._pattern_tools import randn
@@ -108,13 +103,9 @@ class KDADeltaRule(Rule):
         return failures(kernel_covers(ctx, spec, T if isinstance(T, int) else None))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        fused = match.insert(torch.ops.k3fuse.kda_delta_rule.default,
-                             (match["recurrent"], match["g"], match["beta"], match["kc"], match["vc"],
-                              match["qc"], ctx.strict))
-        state = match.insert(operator.getitem, (fused, 0))
-        out = match.insert(operator.getitem, (fused, 1))
-        match.replace([state, out])
-        return [fused, state, out]
+        return match.replace_with(torch.ops.k3fuse.kda_delta_rule.default, recurrent=match["recurrent"],
+                                  g=match["g"], beta=match["beta"], k=match["kc"], v=match["vc"], q=match["qc"],
+                                  strict=ctx.strict)
 
 
 # --- the structural form: same pointwise ops, bmm operands checked view for view ------------------

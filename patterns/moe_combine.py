@@ -31,12 +31,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from k3fuse.context import DecodeContext
-from k3fuse.graph_facts import node_value
-from k3fuse.guards import GuardFailure, failures, kernel_covers, shape_of, site_tokens, token_count
 from k3fuse.kernels.ops.moe_combine import MoECombineSpec
-from k3fuse.normalize import is_transparent
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, failures, is_transparent,
+                             kernel_covers, node_value, shape_of, site_tokens, token_count)
 from k3fuse.spelling import moe_combine
 
 from ._pattern_tools import dtype_of, per_dtype, randn, trunk_dtype
@@ -126,10 +123,10 @@ class MoECombine(Rule):
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         _, k = shape_of(match["weights"])
         z = _z_rows(match)
-        out = match.insert(torch.ops.k3fuse.moe_combine.default, (z, match["weights"], k, ctx.strict))
-        match.replace([out])
+        new = match.replace_with(torch.ops.k3fuse.moe_combine.default, z=z, weights=match["weights"], top_k=k,
+                                 strict=ctx.strict)
         match.note(top_k=k, L=int(shape_of(z)[1]))
-        return [out]
+        return new
 
 
 __all__ = ["MoECombine"]

@@ -25,7 +25,6 @@ E and L divisible by TP; on a GPU, a kernel that covers (E, L, H, dtype, TP) at 
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,17 +33,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
-from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, divisible, failures, kernel_covers, shape_of,
-                           site_tokens, static_weight, token_count, tp_at_least)
-from k3fuse.graph_facts import node_order
 from k3fuse.kernels.ops.moe_front import MoEFrontSpec
-from k3fuse.matcher import CompiledPattern, compile_pattern, find_matches, forward_users, op_name
-from k3fuse.normalize import skip_transparent, value_root
-from k3fuse.rule import Match, PatternSpec, Rule, Variant
+from k3fuse.rule_api import (CompiledPattern, DecodeContext, GuardFailure, Match, PatternSpec, Rule, Variant,
+                             compile_pattern, divisible, failures, find_matches, forward_users, kernel_covers,
+                             node_order, op_name, shape_of, site_tokens, skip_transparent, static_weight, token_count,
+                             tp_at_least, value_root)
 
+from ._mlp_branch import shared_mlp_linears
 from ._pattern_tools import TRUNK_DTYPES, cast_free, collective_weight, dtype_of, linear, per_dtype, randn, trunk_dtype
-from .shared_expert_stream import shared_mlp_linears
 
 T, E, L, H = 4, 6, 8, 16  # example shapes
 
@@ -306,21 +302,17 @@ class MoEFrontSharded(Rule):
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
         down_w = match.inputs.get("down_w")
-        fused = match.insert(torch.ops.k3fuse.moe_front_sharded.default,
-                             (match["x"], match["router_w"], down_w, ctx.group_name, ctx.tp_size,
-                              ctx.tokens[1], ctx.strict))
-        logits = match.insert(operator.getitem, (fused, 0))
+        new = match.replace_with(torch.ops.k3fuse.moe_front_sharded.default, x=match["x"], router_w=match["router_w"],
+                                 down_w=down_w, group_name=ctx.group_name, world_size=ctx.tp_size,
+                                 max_tokens=ctx.tokens[1], strict=ctx.strict)
         rows = {"router": shape_of(match["router_w"])[0] // ctx.tp_size}
         if down_w is None:
-            match.replace([logits])
             match.note("router-only form: the experts read the router input itself (no latent projection)",
                        rows_per_rank=rows)
-            return [fused, logits]
-        latent = match.insert(operator.getitem, (fused, 1))
-        match.replace([logits, latent])
-        rows["latent"] = shape_of(match["down_w"])[0] // ctx.tp_size
-        match.note(rows_per_rank=rows)
-        return [fused, logits, latent]
+        else:
+            rows["latent"] = shape_of(match["down_w"])[0] // ctx.tp_size
+            match.note(rows_per_rank=rows)
+        return new
 
 
 __all__ = ["MoEFrontSharded"]

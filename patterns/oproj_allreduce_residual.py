@@ -18,23 +18,28 @@ Needs from the weights: the projection weight (and the norm weight) are static p
 from __future__ import annotations
 
 import math
-import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import Tensor
 
-from k3fuse import compat
-from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, failures, kernel_covers, same_group, shape_of, site_tokens, static_weight,
-                           token_count, tp_at_least)
 from k3fuse.kernels.ops.oproj_allreduce import OProjNormSpec, OProjSpec
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.rule_api import (ALL_REDUCE, DecodeContext, GuardFailure, Match, PatternSpec, Rule, failures,
+                             kernel_covers, same_group, shape_of, site_tokens, static_weight, token_count, tp_at_least)
 
 from ._pattern_tools import (GROUP, all_reduce_sum, cast_free, collective_weight, dtype_of, linear, per_dtype, randn,
                              rms_norm, trunk_dtype)
 
 T, K, H = 4, 8, 16  # example shapes: tokens, local reduction width, hidden
+
+
+@dataclass(frozen=True)
+class Form:
+    """What a variant fuses besides the projection, its all-reduce and the residual add."""
+
+    addend: bool  # the MoE final reduction: y_routed + AR(...) before the residual add
+    norm: bool  # the next RMSNorm
 
 
 def _residual(x: Tensor, weight: Tensor, residual: Tensor, group_name: str) -> Tensor:
@@ -82,7 +87,7 @@ class OProjAllReduceResidual(Rule):
     # (the kernel itself is the unicast one-shot; a multicast variant is out of scope)
     uses_multicast = True
     # near misses are reported from each all_reduce: the closest one and where it left the pattern
-    site_op = compat.ALL_REDUCE
+    site_op = ALL_REDUCE
 
     def patterns(self) -> list[PatternSpec]:
         def ex(dtype: torch.dtype, addend: bool, norm: bool) -> tuple:
@@ -94,19 +99,19 @@ class OProjAllReduceResidual(Rule):
             return (*args, GROUP)
 
         return [
-            *per_dtype("plain+norm", _residual_norm, lambda d: ex(d, False, True)),
-            *per_dtype("moe+norm", _moe_norm, lambda d: ex(d, True, True)),
-            *cast_free("attnres", _residual, lambda d: ex(d, False, False)),
-            *cast_free("moe", _moe, lambda d: ex(d, True, False)),
+            *per_dtype("plain+norm", _residual_norm, lambda d: ex(d, False, True), Form(addend=False, norm=True)),
+            *per_dtype("moe+norm", _moe_norm, lambda d: ex(d, True, True), Form(addend=True, norm=True)),
+            *cast_free("attnres", _residual, lambda d: ex(d, False, False), Form(addend=False, norm=False)),
+            *cast_free("moe", _moe, lambda d: ex(d, True, False), Form(addend=True, norm=False)),
         ]
 
     def check_contract(self, ctx: DecodeContext) -> list[GuardFailure]:
         return failures(tp_at_least(ctx, 2))
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
-        x_dtype = dtype_of(match["x"])
+        x_dtype, form = dtype_of(match["x"]), match.params(Form)
         weights = [static_weight(match["weight"], "weight"), collective_weight(match["weight"], "weight", x_dtype)]
-        if "norm_weight" in match.inputs:
+        if form.norm:
             weights += [static_weight(match["norm_weight"], "norm_weight"),
                         collective_weight(match["norm_weight"], "norm_weight", x_dtype, dims=1)]
         found = failures(*weights, token_count(match["x"], ctx), trunk_dtype(match["x"], "x", ctx.dtype),
@@ -116,10 +121,9 @@ class OProjAllReduceResidual(Rule):
         # on a GPU, a kernel for this shape at every token count the site can see (the weights'
         # dtypes included), else the site stays stock, with the kernels' reasons in the log
         w_shape = shape_of(match["weight"])
-        norm = "norm_weight" in match.inputs
-        spec = (OProjNormSpec if norm else OProjSpec)(
+        spec = (OProjNormSpec if form.norm else OProjSpec)(
             H=int(w_shape[0]), K=int(w_shape[-1]), dtype=x_dtype, res_dtype=x_dtype, w_dtype=dtype_of(match["weight"]),
-            addend="addend" in match.inputs, norm_dtype=dtype_of(match["norm_weight"]) if norm else None,
+            addend=form.addend, norm_dtype=dtype_of(match["norm_weight"]) if form.norm else None,
             world_size=ctx.tp_size, max_tokens=ctx.tokens[1])
         return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
@@ -129,20 +133,13 @@ class OProjAllReduceResidual(Rule):
                else f"multicast {status.reason}")
         match.note(f"unicast one-shot all-reduce: {why}", path="unicast_one_shot",
                    multicast=status.reason, policy=ctx.multicast)
-        ops = torch.ops.k3fuse
-        addend = match.inputs.get("addend")
-        head = (match["x"], match["weight"], match["residual"], addend)
-        tail = (match["group_name"], ctx.tp_size, ctx.tokens[1], ctx.strict)
-        if match.key.form.endswith("+norm"):
-            fused = match.insert(ops.gemm_ar_residual_rmsnorm.default,
-                                 (*head, match["norm_weight"], match["eps"], *tail))
-            out = match.insert(operator.getitem, (fused, 0))
-            normed = match.insert(operator.getitem, (fused, 1))
-            match.replace([out, normed])
-            return [fused, out, normed]
-        fused = match.insert(ops.gemm_ar_residual.default, (*head, *tail))
-        match.replace([fused])
-        return [fused]
+        operands = dict(x=match["x"], weight=match["weight"], residual=match["residual"],
+                        addend=match.inputs.get("addend"), group_name=match["group_name"], world_size=ctx.tp_size,
+                        max_tokens=ctx.tokens[1], strict=ctx.strict)
+        if match.params(Form).norm:
+            return match.replace_with(torch.ops.k3fuse.gemm_ar_residual_rmsnorm.default, **operands,
+                                      norm_weight=match["norm_weight"], eps=match["eps"])
+        return match.replace_with(torch.ops.k3fuse.gemm_ar_residual.default, **operands)
 
 
 __all__ = ["OProjAllReduceResidual"]

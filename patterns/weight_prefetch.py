@@ -20,12 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from k3fuse import compat
-from k3fuse.context import ContextError, DecodeContext
-from k3fuse.guards import GuardFailure, failures, is_static, token_count
-from k3fuse.graph_facts import is_collective, is_sync, op_qualname
-from k3fuse.normalize import canonical, is_transparent
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.rule_api import (ALL_REDUCE, CAST, TRANSPOSE_LAST2, WAIT_TENSOR, ContextError, DecodeContext,
+                             GuardFailure, Match, PatternSpec, Rule, failures, is_collective, is_static, is_sync,
+                             is_transparent, op_key, op_qualname, token_count)
 
 #: half of an H100/H200 L2 (50 MB): room for the weights without evicting the activations
 DEFAULT_BUDGET_BYTES = 24 << 20
@@ -52,7 +49,7 @@ def static_source(node: fx.Node) -> fx.Node | None:
             return node
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
             return None
-        if not (is_transparent(node) or canonical(node)[0] in (("transpose_last2",), ("cast",))):
+        if not (is_transparent(node) or op_key(node) in (TRANSPOSE_LAST2, CAST)):
             return None
         node = node.args[0]
 
@@ -110,11 +107,11 @@ class WeightPrefetch(Rule):
         budget = self.settings_in(ctx).budget_bytes
         found = []
         for ar in graph.nodes:
-            if ar.target is not compat.ALL_REDUCE:
+            if ar.target is not ALL_REDUCE:
                 continue
             if any(op_qualname(u) == _PREFETCH for u in ar.users):
                 continue  # already prefetching (a second pipeline run)
-            waits = [u for u in ar.users if u.target is compat.WAIT_TENSOR]
+            waits = [u for u in ar.users if u.target is WAIT_TENSOR]
             if len(waits) != 1:
                 continue
             chosen, total = [], 0

@@ -51,6 +51,26 @@ def compiled_door(model, xs, ctx: k3fuse.DecodeContext) -> dict:
     return {"summary": rlog.summary(), **res}
 
 
+def reference_then_stock(op: Any, args: tuple, spelled: Any) -> tuple:
+    """`op` (a torch.ops.k3fuse packet) on CPU in strict mode runs and counts its reference, close to
+    the model's `spelled` function; under the kill switch it runs (counted `fallback:disabled`) the
+    stock sequence, `spelled`'s bits. Returns (the reference's outputs, spelled's)."""
+    name = op._qualified_op_name.split("::")[1]
+    runtime.reset_stats()
+    with runtime.strict():
+        got = op(*args)
+    assert runtime.stats() == {name: {"reference": 1}}
+    want = spelled(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    runtime.reset_stats()
+    with k3fuse.disable():
+        stock = op(*args)
+    assert runtime.stats() == {name: {"fallback:disabled": 1}}
+    assert all(torch.equal(s, w) for s, w in zip(stock, want))
+    return got, want
+
+
 def assert_one_graph_serves_dynamic_tokens(experts: torch.nn.Module, router: torch.Tensor, inputs, rule: str,
                                            op: str) -> None:
     """torch.compile(backend="k3fuse"), strict, with the token dim marked dynamic (as a recompile for

@@ -2,14 +2,15 @@
 from k3fuse.tools.demo import DemoConfig, demo_passed, run_demo
 
 # per layer at TP=2 (plain residual): attention out-proj + MoE final reduction, one sharded MoE
-# front, one shared expert on the side stream, the 8 remaining static-weight projections
-# (q, k, v, g, f_a, f_b, b, W_up), the KDA short conv and delta-rule step; weight_prefetch is off by default
+# front, one shared expert bracketed on the side stream, the 10 remaining static-weight projections
+# (q, k, v, g, f_a, f_b, b, W_up, and the shared expert's gate and up inside its bracket), the KDA
+# short conv and delta-rule step; weight_prefetch is off by default
 # (measured slower in the layer, docs/perf.md), moe_tail_allreduce_norm too (no H200 measurement yet);
 # fused_routing replaces the router tail, routed_experts the routed experts and moe_combine their
 # weighted combine once per layer.
 EXPECTED_PER_LAYER = {"oproj_allreduce_residual": 2, "moe_tail_allreduce_norm": 0, "moe_front_sharded": 1,
                       "fused_routing": 1, "routed_experts": 1, "moe_combine": 1,
-                      "shared_expert_stream": 1, "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 8,
+                      "shared_expert_stream": 1, "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 10,
                       "weight_prefetch": 0}
 
 

@@ -78,7 +78,7 @@ def test_spelling_operand_order_swapped():
 def test_spelling_bias_addmm():
     g = trace(lambda x, w, b, r: r + F.linear(x, w, b), X2, W, torch.randn(16), R2)
     assert any(n.target is aten.addmm.default for n in g.nodes)
-    from k3fuse.normalize import split_addmm
+    from k3fuse.vocabulary import split_addmm
     split_addmm(g)
     assert _one(g, "bias").inputs["b"].name == "b_1"
 
@@ -90,14 +90,14 @@ def test_spelling_bias_mm_plus_add():
 
 def test_spelling_bias_3d():
     g = trace(lambda x, w, b, r: r + F.linear(x, w, b), X3, W, torch.randn(16), R3)
-    from k3fuse.normalize import split_addmm
+    from k3fuse.vocabulary import split_addmm
     split_addmm(g)
     assert _one(g, "bias").variant == "bias"
 
 
 def test_biased_linear_prefers_the_bias_variant():
     g = trace(lambda x, w, b, r: r + F.linear(x, w, b), X2, W, torch.randn(16), R2)
-    from k3fuse.normalize import split_addmm
+    from k3fuse.vocabulary import split_addmm
     split_addmm(g)
     assert [m.variant for m in matches(g)] == ["bias"]
 

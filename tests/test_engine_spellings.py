@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from k3fuse import normalize
+from k3fuse import engine_ops, vocabulary
 from k3fuse.context import DecodeContext
 from k3fuse.log import RewriteLog
 from k3fuse.matcher import trace_aten
@@ -32,7 +32,7 @@ def _ops(graph: torch.fx.Graph) -> list[str]:
 
 
 def test_inplace_all_reduce_becomes_functional_and_goes_back(monkeypatch):
-    monkeypatch.setitem(normalize._ENGINE_SPELLINGS, "k3fuse_spelling_test::inplace_sum", normalize.AllReduceSpelling(
+    monkeypatch.setitem(engine_ops._ENGINE_SPELLINGS, "k3fuse_spelling_test::inplace_sum", engine_ops.AllReduceSpelling(
         "k3fuse_spelling_test::inplace_sum", "test", resolve=lambda name: f"c10d-{name}", mutates=True))
 
     def f(x: torch.Tensor) -> torch.Tensor:
@@ -42,22 +42,22 @@ def test_inplace_all_reduce_becomes_functional_and_goes_back(monkeypatch):
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8))
     before = _ops(gm.graph)
-    done = normalize.translate_engine_ops(gm.graph, trace_aten)
+    done = engine_ops.translate_engine_ops(gm.graph, trace_aten)
     assert len(done) == 1
     after = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
     ar, copy_back = after[torch.ops._c10d_functional.all_reduce.default], after[torch.ops.aten.copy_.default]
     assert ar.args[1:] == ("sum", "c10d-tp:0")
     assert after[torch.ops.aten.add.Tensor].args[0] is copy_back  # the later reader reads the sum
-    assert normalize.copied_value(copy_back).target is torch.ops._c10d_functional.wait_tensor.default
-    assert normalize.restore_engine_ops(gm.graph, done) == 1
+    assert vocabulary.copied_value(copy_back).target is torch.ops._c10d_functional.wait_tensor.default
+    assert engine_ops.restore_engine_ops(gm.graph, done) == 1
     gm.graph.lint()
     assert _ops(gm.graph) == before
 
 
 def test_a_site_an_engine_already_fused_is_named_in_the_not_matched_reason(monkeypatch):
     advice = "the engine's own all-reduce + norm fusion took this site; switch it off"
-    monkeypatch.setitem(normalize._ENGINE_SPELLINGS, "k3fuse_spelling_test::fused_allreduce_norm",
-                        normalize.PriorFusion("k3fuse_spelling_test::fused_allreduce_norm", "test",
+    monkeypatch.setitem(engine_ops._ENGINE_SPELLINGS, "k3fuse_spelling_test::fused_allreduce_norm",
+                        engine_ops.PriorFusion("k3fuse_spelling_test::fused_allreduce_norm", "test",
                                               ("_c10d_functional::all_reduce",), advice))
 
     def f(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor):  # noqa: ANN202
@@ -72,15 +72,15 @@ def test_a_site_an_engine_already_fused_is_named_in_the_not_matched_reason(monke
 
 
 def test_vllms_flashinfer_fusion_is_registered_with_its_switch():
-    spelling = normalize.engine_spellings()["vllm::flashinfer_trtllm_fused_allreduce_norm"]
-    assert isinstance(spelling, normalize.PriorFusion) and "pass_config.fuse_allreduce_rms=false" in spelling.advice
+    spelling = engine_ops.engine_spellings()["vllm::flashinfer_trtllm_fused_allreduce_norm"]
+    assert isinstance(spelling, engine_ops.PriorFusion) and "pass_config.fuse_allreduce_rms=false" in spelling.advice
     assert spelling.takes == (OProjAllReduceResidual.site_op._schema.name,)
 
 
 def test_fp32_residual_norm_is_matched_in_the_trunk_dtype_and_restored(monkeypatch):
     """An engine registered for the fp32-residual norm (SGLang is): its bf16 graph matches the bf16
     pattern (the static-weight guard is what rejects it) and goes back as it came."""
-    monkeypatch.setitem(normalize._ENGINE_SPELLINGS, "k3fuse_spelling_test::outplace_sum", normalize.AllReduceSpelling(
+    monkeypatch.setitem(engine_ops._ENGINE_SPELLINGS, "k3fuse_spelling_test::outplace_sum", engine_ops.AllReduceSpelling(
         "k3fuse_spelling_test::outplace_sum", "SGLang", resolve=lambda name: "tp"))
 
     def f(x, w, residual, norm_w):  # noqa: ANN001, ANN202

@@ -19,6 +19,7 @@ def run_example(name: str, *args: str) -> str:
     res = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
                          timeout=560, cwd=ROOT)
     assert res.returncode == 0, f"{name} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    assert "Warning" not in res.stderr, f"{name} printed a warning:\n{res.stderr[-4000:]}"  # issue 53.10
     return res.stdout
 
 

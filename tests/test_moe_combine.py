@@ -388,7 +388,7 @@ def _stack_model(dtype: str, fmt: str | None, tp_size: int, rank: int):
 def _graph_facts(graph) -> dict:
     """What reads the combine: the latent all-reduce (TP > 1), the fused MoE tail, or the latent norm;
     and that each shared-expert join's anchor is computed from a combine."""
-    from k3fuse.normalize import is_metadata_check, value_root
+    from k3fuse.vocabulary import is_metadata_check, value_root
 
     combines = [n for n in graph.nodes if op_qualname(n) == "k3fuse::moe_combine"]
     readers = sorted({op_qualname(u) or str(u.target) for n in combines for u in n.users if not is_metadata_check(u)})

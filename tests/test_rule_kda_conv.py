@@ -34,7 +34,7 @@ from k3fuse.dist import launch
 from k3fuse.kernels.lib.reference import kda_conv as ref_conv
 from k3fuse.kernels.lib.reference import stock
 from k3fuse.model.layers import short_conv
-from stack_helpers import compiled_door, max_diff, strict_steps, tiny_stack
+from stack_helpers import compiled_door, reference_then_stock, strict_steps, tiny_stack
 from triton_interpreter import run_in_interpreter
 
 RULE = OP = "kda_short_conv"
@@ -89,19 +89,9 @@ def test_stock_is_the_models_short_conv_and_the_reference_agrees():
 
 
 def test_op_strict_on_cpu_counts_the_reference_and_disable_runs_stock():
-    args = _operands(3, 8, dtype=BF16)
-    runtime.reset_stats()
-    with runtime.strict():
-        conv, state = torch.ops.k3fuse.kda_short_conv(*args)
-    assert runtime.stats() == {OP: {"reference": 1}}
-    conv0, state0 = short_conv(*args)
-    torch.testing.assert_close(conv, conv0, rtol=1e-5, atol=1e-6)
-    assert torch.equal(state, state0)
-    runtime.reset_stats()
-    with k3fuse.disable():
-        conv1, state1 = torch.ops.k3fuse.kda_short_conv(*args)
-    assert runtime.stats() == {OP: {"fallback:disabled": 1}}
-    assert torch.equal(conv1, conv0) and torch.equal(state1, state0)
+    (_, state), (_, state0) = reference_then_stock(torch.ops.k3fuse.kda_short_conv, _operands(3, 8, dtype=BF16),
+                                                   short_conv)
+    assert torch.equal(state, state0)  # a copy of the window: the same bits
 
 
 def test_fake_impl_shapes_and_bad_inputs_name_the_shape_or_dtype():
@@ -291,13 +281,10 @@ def _check(out: dict) -> None:
 
 
 @pytest.mark.slow
-def test_three_doors_tp1():
-    _check(_three_doors(1, 0))
-
-
-@pytest.mark.slow
-def test_three_doors_tp2():
-    for out in launch(_tp_worker, 2, backend="gloo", timeout_s=900):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_three_doors(tp):
+    outs = [_three_doors(1, 0)] if tp == 1 else launch(_tp_worker, tp, backend="gloo", timeout_s=900)
+    for out in outs:
         _check(out)
 
 

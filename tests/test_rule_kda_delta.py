@@ -24,6 +24,7 @@ from k3fuse.kernels.lib.reference import kda_delta as ref_kda
 from k3fuse.kernels.lib.reference import stock
 from k3fuse.model import K3DecodeStack, get_config
 from k3fuse.model.layers import delta_rule
+from stack_helpers import reference_then_stock
 
 RULE = "kda_delta_rule"
 N_LAYERS = 2
@@ -69,19 +70,7 @@ def test_stock_is_the_models_delta_rule_bit_for_bit():
 
 
 def test_op_strict_on_cpu_counts_the_reference_and_disable_runs_stock():
-    args = _operands(3, 2, 16, 16)
-    runtime.reset_stats()
-    with runtime.strict():
-        S, o = torch.ops.k3fuse.kda_delta_rule(*args)
-    assert runtime.stats() == {RULE: {"reference": 1}}
-    S0, o0 = delta_rule(*args)
-    torch.testing.assert_close(S, S0, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(o, o0, rtol=1e-5, atol=1e-6)
-    runtime.reset_stats()
-    with k3fuse.disable():
-        S1, o1 = torch.ops.k3fuse.kda_delta_rule(*args)
-    assert runtime.stats() == {RULE: {"fallback:disabled": 1}}
-    assert torch.equal(S1, S0) and torch.equal(o1, o0)
+    reference_then_stock(torch.ops.k3fuse.kda_delta_rule, _operands(3, 2, 16, 16), delta_rule)
 
 
 def test_fake_impl_shapes():
@@ -235,13 +224,9 @@ def _check_doors(out: dict) -> None:
 
 
 @pytest.mark.slow
-def test_three_doors_tp1():
-    _check_doors(_three_doors(1, 0))
-
-
-@pytest.mark.slow
-def test_three_doors_tp2():
-    for out in launch(_tp_worker, 2, backend="gloo", timeout_s=600):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_three_doors(tp):
+    for out in [_three_doors(1, 0)] if tp == 1 else launch(_tp_worker, tp, backend="gloo", timeout_s=600):
         _check_doors(out)
 
 

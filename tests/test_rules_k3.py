@@ -59,28 +59,31 @@ TOL = 2e-5
 def expected_per_layer(tp: int, disabled: str | None = None) -> dict[str, int]:
     """Applied rewrites per K3 layer (KDA + LatentMoE) of the reference stack.
 
-    TP >= 2, all rules:  oproj 2 (KDA out-proj + MoE final reduction), moe_front 1, shared 1 (gate/up/SiTU,
-                         the down projection went into the MoE reduction), kda_short_conv 1, kda_delta_rule 1,
-                         decode_gemm 8 (q, k, v, g, f_a, f_b[+dt_bias], b, W_up), weight_prefetch 1 (the
+    TP >= 2, all rules:  oproj 2 (KDA out-proj + MoE final reduction), moe_front 1, shared 1 (gate/up/SiTU
+                         bracketed on the side stream, the down projection went into the MoE reduction),
+                         kda_short_conv 1, kda_delta_rule 1, decode_gemm 10 (q, k, v, g, f_a, f_b[+dt_bias], b,
+                         W_up, and the shared gate and up inside the bracket), weight_prefetch 1 (the
                          routed-latent all-reduce).
     TP = 1:              oproj 0 and moe_front 0 (contract: tp >= 2), shared 1 (whole MLP), kda_short_conv 1,
-                         kda_delta_rule 1, decode_gemm 11 (+ W_o, router, W_down), prefetch 0 (no collective).
+                         kda_delta_rule 1, decode_gemm 14 (+ W_o, router, W_down, shared down), prefetch 0 (no
+                         collective).
     kda_short_conv and kda_delta_rule touch no projection or collective: 1 per layer whichever other rule is
     disabled; moe_combine (1 per layer at every TP) neither: it reads the routed experts' z and the weights.
+    The shared expert's projections stay in the graph (bracketed or not), so decode_gemm takes them either way.
     Disabling one rule at TP >= 2 hands its projections to decode_gemm:
-      -oproj: decode_gemm +1 (W_o), shared takes the whole MLP, prefetch 3 (KDA, latent, shared all-reduce)
-      -moe_front: decode_gemm +2 (router, W_down);  -shared: decode_gemm +2 (gate, up).
+      -oproj: decode_gemm +2 (W_o, shared down), prefetch 3 (KDA, latent, shared all-reduce)
+      -moe_front: decode_gemm +2 (router, W_down);  -shared: decode_gemm unchanged.
     """
     if tp == 1:
         table = {"oproj_allreduce_residual": 0, "moe_front_sharded": 0, "moe_combine": 1, "shared_expert_stream": 1,
-                 "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 11, "weight_prefetch": 0}
+                 "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 14, "weight_prefetch": 0}
     else:
         table = {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 1,
-                 "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 8, "weight_prefetch": 1}
+                 "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 10, "weight_prefetch": 1}
         if disabled == "oproj_allreduce_residual":
-            table.update(decode_gemm=9, weight_prefetch=3)
-        elif disabled in ("moe_front_sharded", "shared_expert_stream"):
-            table["decode_gemm"] = 10
+            table.update(decode_gemm=12, weight_prefetch=3)
+        elif disabled == "moe_front_sharded":
+            table["decode_gemm"] = 12
     if disabled is not None:
         table[disabled] = 0
     return table
@@ -117,12 +120,15 @@ TOKENS65_REJECTED_PER_LAYER = {"oproj_allreduce_residual": 2, "moe_front_sharded
                                "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 14, "weight_prefetch": 3}
 
 
-def _expected_op_calls(tp: int, residual: str, n_layers: int) -> dict[str, int]:
-    """k3fuse ops per decode step with every rule on (what runtime.stats() counts per step)."""
+def _expected_op_calls(tp: int, residual: str, n_layers: int, markers: bool = True) -> dict[str, int]:
+    """k3fuse ops per decode step with every rule on (what runtime.stats() counts per step). `markers`:
+    the side-stream markers run (a graph executed node by node; Inductor lowers them to nothing)."""
     per = expected_per_layer(tp)
-    calls = {"decode_gemm": per["decode_gemm"], "shared_expert_fork": 1, "shared_expert_join": 1,
-             "kda_short_conv": per["kda_short_conv"], "kda_delta_rule": per["kda_delta_rule"], "route_topk": 1,
-             "routed_experts": 1, "moe_combine": per["moe_combine"]}
+    calls = {"decode_gemm": per["decode_gemm"], "kda_short_conv": per["kda_short_conv"],
+             "kda_delta_rule": per["kda_delta_rule"], "route_topk": 1, "routed_experts": 1,
+             "moe_combine": per["moe_combine"]}
+    if markers:
+        calls.update(shared_expert_fork=1, shared_expert_join=1)
     if tp > 1:
         fused = "gemm_ar_residual_rmsnorm" if residual == "plain" else "gemm_ar_residual"
         calls.update({fused: 2, "moe_front_sharded": 1, "l2_prefetch": 1})
@@ -221,7 +227,8 @@ def _compile_door(model, xs, ctx, compiler: str = "eager") -> dict:
     runtime.reset_stats()
     with runtime.strict():
         out_err, state_err = _run_steps(_contiguous_state(compiled), model, xs)
-    return {"code": code, "summary": _summary(rlog), "out_err": out_err, "state_err": state_err, **_stats_without_fallback()}
+    return {"code": code, "compiler": compiler, "summary": _summary(rlog), "out_err": out_err, "state_err": state_err,
+            **_stats_without_fallback()}
 
 
 class MoEFront(nn.Module):
@@ -366,9 +373,10 @@ def test_rules_fire_as_expected_and_keep_the_numbers(request, tp_name, door, res
         assert res["out_err"] < TOL and res["state_err"] < TOL, (rank, res["out_err"], res["state_err"])
         assert res["fallbacks"] == {}, res["fallbacks"]
         calls = {op: sum(impls.values()) for op, impls in res["stats"].items()}
-        assert calls == {op: n * STEPS for op, n in _expected_op_calls(tp, residual, N_LAYERS).items()}
-        if door == "export":
-            assert dict(res["ops"]) == _expected_op_calls(tp, residual, N_LAYERS)
+        markers = res.get("compiler") != "inductor"
+        assert calls == {op: n * STEPS for op, n in _expected_op_calls(tp, residual, N_LAYERS, markers).items()}
+        if door == "export":  # the graph holds the side-stream end markers too (they count nothing)
+            assert dict(res["ops"]) == {**_expected_op_calls(tp, residual, N_LAYERS), "shared_expert_end": N_LAYERS}
 
 
 @pytest.mark.slow
@@ -439,7 +447,7 @@ def test_bf16_trunk_cast_spellings(tp2):
                             "moe_front_sharded": {"router+latent[bfloat16]": 1},
                             "shared_expert_stream": {"gate_up[bfloat16]": 1},
                             "kda_short_conv": {"window[bfloat16]": 1}, "kda_delta_rule": {"tokens": 1},
-                            "decode_gemm": {"linear": 8}, "weight_prefetch": {"all_reduce": 1},
+                            "decode_gemm": {"linear": 10}, "weight_prefetch": {"all_reduce": 1},
                             "fused_routing": {"sigmoid": 1}, "routed_experts": {"gathered[bfloat16]": 1},
                             "moe_combine": {"combine[bfloat16]": 1}}
         assert max(res["err"]) < 0.05, res["err"]  # bf16: the fused ops round once where the model rounds often
@@ -487,20 +495,12 @@ def test_tp1_counts_guards_and_numbers():
 
 
 @pytest.mark.slow
-def test_inductor_code_forks_the_shared_expert_before_the_routed_experts(tp2):
-    """TP2 plain went through torch.compile(backend="k3fuse") with Inductor: in the generated code each
-    layer runs fork -> sharded front -> routed experts (the routed_experts op) -> join -> fused MoE reduction."""
-    lines = tp2[0][("compile", "plain")]["code"].splitlines()
-
-    def first(key: str, after: int) -> int:
-        return next(i for i, ln in enumerate(lines) if i >= after and key in ln)
-
-    at = 0
-    for _ in range(N_LAYERS):
-        fork = first("k3fuse.shared_expert_fork", at)
-        front = first("k3fuse.moe_front_sharded", fork)
-        experts = first("k3fuse.routed_experts", front)
-        join = first("k3fuse.shared_expert_join", experts)
-        reduction = first("k3fuse.gemm_ar_residual_rmsnorm", join)
-        assert fork < front < experts < join < reduction
-        at = reduction + 1
+def test_inductor_compiles_the_shared_expert_bracket_on_the_main_stream(tp2):
+    """TP2 plain went through torch.compile(backend="k3fuse") with Inductor: Inductor launches a graph's
+    kernels on one stream, so it lowers the side-stream markers to nothing and compiles the bracketed
+    region with the rest (its projections stay decode_gemm calls); the numbers match."""
+    res = tp2[0][("compile", "plain")]
+    assert res["compiler"] == "inductor" and res["summary"]["shared_expert_stream"]["applied"] == N_LAYERS
+    code = res["code"]
+    assert "shared_expert_fork" not in code and "shared_expert_end" not in code and "shared_expert_join" not in code
+    assert code.count("k3fuse.decode_gemm.default(") == expected_total(2, N_LAYERS)["decode_gemm"]

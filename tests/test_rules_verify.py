@@ -149,19 +149,22 @@ def test_side_stream_never_carries_a_collective(k3_program, k3_graph):
     log = run_pipeline(k3_graph, ctx.with_(disabled_rules=frozenset({"oproj_allreduce_residual"})),
                        verify_each_rule=True)
     assert log.applied("shared_expert_stream") == 2
-    joins = [n for n in k3_graph.graph.nodes if op_qualname(n) == "k3fuse::shared_expert_join"]
-    for join in joins:
+    nodes = list(k3_graph.graph.nodes)
+    forks = {n.args[-1]: n for n in nodes if op_qualname(n) == "k3fuse::shared_expert_fork"}
+    ends = {n.args[-1]: n for n in nodes if op_qualname(n) == "k3fuse::shared_expert_end"}
+    joins = {n.args[-1]: n for n in nodes if op_qualname(n) == "k3fuse::shared_expert_join"}
+    assert sorted(forks) == sorted(ends) == sorted(joins) == [0, 1]
+    for site, join in joins.items():
         (ar,) = join.users
         assert ar.target is compat.ALL_REDUCE  # the reduction of the shared partial, main stream
-        fork = join.args[0]
-        assert op_qualname(fork) == "k3fuse::shared_expert_fork"
-        assert not any(op_qualname(a) and op_qualname(a).startswith("_c10d_functional") for a in fork.all_input_nodes)
-        # every other reader of the MoE input reads the fork's x_pass, so the fork comes first
-        x = fork.args[0]
-        # (the join reads x too: it keeps x alive until the side stream is done with it)
-        assert [op_qualname(u) for u in x.users if u is not fork and u is not join
-                and u.target is not torch.ops.aten._assert_tensor_metadata.default] == []
-        assert x in join.args[2]
+        fork, end = forks[site], ends[site]
+        window = nodes[nodes.index(fork) + 1:nodes.index(end)]
+        # the whole MLP (its projections now decode_gemm) and nothing of a collective in the window
+        assert [op_qualname(n) for n in window].count("k3fuse::decode_gemm") == 3
+        assert not any((op_qualname(n) or "").startswith("_c10d_functional") for n in window)
+        assert end.args[0] is join.args[0] and join.args[0] in window
+        # the join keeps the MoE input (what the side stream read) alive until it
+        assert join.args[2] == [fork.args[0]]
 
 
 def test_default_rules_are_the_contract_order():

@@ -1,7 +1,7 @@
 """One source of truth for the K3 decode math: k3fuse.spelling, a leaf module everyone imports.
 
-The model computes with these functions, the rules trace them, the stock sequences and the
-shared-expert reference run them: the same function objects, and no other module restates them.
+The model computes with these functions, the rules trace them, the stock sequences run them: the
+same function objects, and no other module restates them.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from k3fuse import spelling
-from k3fuse.kernels.lib.reference import shared_expert, stock
+from k3fuse.kernels.lib.reference import stock
 from k3fuse.model import layers
 from k3fuse.model.config import get_config
 from k3fuse.patterns import _pattern_tools
@@ -25,8 +25,7 @@ KERNELS = {"kernels/lib/triton/glu_act.py": {"situ_glu"}}  # the one-launch Trit
 
 def test_model_patterns_stock_and_references_share_the_functions():
     assert layers.rms_norm is _pattern_tools.rms_norm is stock.rms_norm is spelling.rms_norm
-    assert layers.situ_glu is _pattern_tools.situ_glu is shared_expert.situ_glu is spelling.situ_glu
-    assert shared_expert.situ is spelling.situ
+    assert layers.situ_glu is _pattern_tools.situ_glu is spelling.situ_glu
     assert layers.delta_rule is spelling.delta_rule  # the KDA rule traces layers.delta_rule
     assert layers.short_conv is stock.short_conv is spelling.short_conv  # kda_short_conv traces it
     assert layers.moe_combine is spelling.moe_combine  # the moe_combine rule traces it (with the model's cast)
@@ -35,10 +34,8 @@ def test_model_patterns_stock_and_references_share_the_functions():
 
 def test_situ_constants_are_the_configs_defaults():
     assert (spelling.K3_SITU_BETA, spelling.K3_SITU_LINEAR_BETA) == (4.0, 25.0)
-    assert shared_expert.K3_SITU_BETA is spelling.K3_SITU_BETA
     cfg = get_config("k3")
     assert (cfg.situ_beta, cfg.situ_linear_beta) == (spelling.K3_SITU_BETA, spelling.K3_SITU_LINEAR_BETA)
-    assert shared_expert.situ_act() == "situ_glu:4.0:25.0"
 
 
 def test_no_other_module_defines_the_math():

@@ -47,15 +47,20 @@ DOORS = ("export", "compile.eager", "compile.inductor", "inductor_pass")
 
 
 def expected_per_layer(kind: str, tp: int) -> dict[str, int]:
+    """The shared expert's projections stay in the graph, bracketed on the side stream: decode_gemm takes
+    them (TP 1: gate, up, down / up, down; TP 2: gate, up / up, the down went into the MoE reduction)."""
     shared = 0 if kind == "softmax" else 1
     if tp == 1:
         return {"oproj_allreduce_residual": 0, "moe_front_sharded": 0, "moe_combine": 1, "shared_expert_stream": shared,
-                "decode_gemm": {"deepseek": 3, "nemotron": 5, "softmax": 3}[kind], "weight_prefetch": 0}
+                "decode_gemm": {"deepseek": 6, "nemotron": 7, "softmax": 3}[kind], "weight_prefetch": 0}
     if kind == "softmax":  # no shared expert: the MoE output is the reduced routed sum (no oproj site)
         return {"oproj_allreduce_residual": 1, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 0,
                 "decode_gemm": 1, "weight_prefetch": 1}
+    # weight_prefetch (opted in here): DeepSeek's routed all-reduce is read next by the shared expert's
+    # join, a sync with no static weight before it (the shared weights were read on the side stream
+    # already), so that site is refused (no_static_weights); Nemotron's feeds fc2_latent_proj's weight
     return {"oproj_allreduce_residual": 2, "moe_front_sharded": 1, "moe_combine": 1, "shared_expert_stream": 1,
-            "decode_gemm": {"deepseek": 1, "nemotron": 2}[kind], "weight_prefetch": 1}
+            "decode_gemm": {"deepseek": 3, "nemotron": 3}[kind], "weight_prefetch": {"deepseek": 0, "nemotron": 1}[kind]}
 
 
 FRONT_VARIANT = {"deepseek": "router", "softmax": "router", "nemotron": "router+latent"}
@@ -116,7 +121,7 @@ def run_door(door: str, model: torch.nn.Module, ctx) -> dict:
     runtime.reset_stats()
     with runtime.strict():
         err = _steps(fn, model)
-    return {"applied": _applied(rlog), "front": _variants(rlog, "moe_front_sharded"),
+    return {"door": door, "applied": _applied(rlog), "front": _variants(rlog, "moe_front_sharded"),
             "oproj": _variants(rlog, "oproj_allreduce_residual"), "err": err, "calls": _calls(),
             "fallbacks": runtime.fallbacks(), "not_matched": [e.to_dict() for e in rlog.select(None, "not_matched")]}
 
@@ -171,7 +176,7 @@ def _check(res: dict, kind: str, tp: int, n_layers: int) -> None:
     fused = expected["oproj_allreduce_residual"] * STEPS
     if fused:
         calls["gemm_ar_residual_rmsnorm"] = fused
-    if expected["shared_expert_stream"]:
+    if expected["shared_expert_stream"] and res["door"] in ("export", "compile.eager"):  # Inductor lowers the markers away
         calls["shared_expert_fork"] = calls["shared_expert_join"] = expected["shared_expert_stream"] * STEPS
     assert res["calls"] == dict(calls)
 

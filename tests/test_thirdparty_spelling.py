@@ -10,7 +10,7 @@ from thirdparty_models import DecodeModel, SingleReductionMoE
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3fuse
-from k3fuse import normalize
+from k3fuse import vocabulary
 from k3fuse.matcher import compiled_patterns, decomposition_table, find_matches
 from k3fuse.patterns import MoEFrontSharded, OProjAllReduceResidual
 from k3fuse.pipeline import run_pipeline
@@ -37,8 +37,8 @@ def _node(graph, target):
 def test_functional_copy_stands_for_the_copied_value_and_oproj_matches_it():
     g = _trace(_inplace_reduce, torch.randn(4, 8), torch.randn(16, 8), torch.randn(4, 16))
     copy = _node(g, aten.copy.default)
-    assert normalize.copied_value(copy) is copy.args[1]  # the reduced value, never the destination
-    assert normalize.value_root(copy).target is torch.ops._c10d_functional.wait_tensor.default
+    assert vocabulary.copied_value(copy) is copy.args[1]  # the reduced value, never the destination
+    assert vocabulary.value_root(copy).target is torch.ops._c10d_functional.wait_tensor.default
     (m,) = find_matches(g, compiled_patterns(OProjAllReduceResidual()))
     assert m.variant == "attnres" and m.refused is None and copy in m.nodes
 
@@ -57,15 +57,15 @@ def test_copy_is_not_followed_when_the_destination_is_read_after_it_or_it_casts(
         return aten.copy.default(d, F.linear(x, w)) + 1
 
     g = _trace(later_read, torch.randn(4, 8), torch.randn(16, 8), torch.randn(4, 16))
-    assert normalize.copied_value(_node(g, aten.copy.default)) is None
+    assert vocabulary.copied_value(_node(g, aten.copy.default)) is None
     g = _trace(inplace, torch.randn(4, 8), torch.randn(16, 8), functional=False)
     copy_ = _node(g, aten.copy_.default)
-    assert normalize.copied_value(copy_) is copy_.args[1]  # copy_ in a graph that is not functionalised
+    assert vocabulary.copied_value(copy_) is copy_.args[1]  # copy_ in a graph that is not functionalised
     with g.inserting_after(copy_):  # a later reader of the destination sees the copied value through
         g.call_function(aten.mul.Tensor, (copy_.args[0], 2))  # the mutation: the copy must stay
-    assert normalize.copied_value(copy_) is None
+    assert vocabulary.copied_value(copy_) is None
     g = _trace(casting, torch.randn(4, 8), torch.randn(16, 8), torch.randn(4, 16, dtype=torch.float64))
-    assert normalize.copied_value(_node(g, aten.copy.default)) is None
+    assert vocabulary.copied_value(_node(g, aten.copy.default)) is None
 
 
 def _exported(model, *args):

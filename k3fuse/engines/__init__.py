@@ -3,7 +3,7 @@
 Each engine module (`vllm`, `sglang`) states its facts (the versions k3fuse was written against,
 its graph ops as "namespace::name" strings, how its group names map to torch process groups)
 without importing the engine: an engine is imported only when a graph holds one of its ops or
-a pass asks for its TP group; importing them registers their spellings with k3fuse.normalize.
+a pass asks for its TP group; importing them registers their spellings with k3fuse.engine_ops.
 `vllm_pass` (the class that subclasses vLLM's InductorPass) imports vLLM; `sglang_hook` installs
 the pass for SGLang.
 """

@@ -10,7 +10,7 @@ Spellings in SGLang's graphs:
               torch.ops.sglang.inplace_all_reduce(x, group_name)  mutates x (functionalised:
               auto_functionalized(...) -> getitem, copied back into x)
   norm        native ATen: the residual added in fp32 (x.float() + residual.float()), kept in the
-              trunk dtype (normalize.translate_fp32_residual_norms)
+              trunk dtype (fp32_residual.translate_fp32_residual_norms)
 Nothing here imports SGLang at import time.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import torch.distributed as dist
 
-from .. import normalize
+from .. import engine_ops, fp32_residual
 from .base import Engine, EngineError
 
 #: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18-0.5.21
@@ -62,10 +62,10 @@ def c10d_group_name(group_name: str) -> str:
     return coordinator.device_group.group_name
 
 
-normalize.register_engine_spelling(normalize.AllReduceSpelling(OUTPLACE_ALL_REDUCE, "SGLang", c10d_group_name))
-normalize.register_fp32_residual_norm("SGLang")
-normalize.register_engine_spelling(normalize.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,
-                                                               mutates=True))
+engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(OUTPLACE_ALL_REDUCE, "SGLang", c10d_group_name))
+fp32_residual.register_fp32_residual_norm("SGLang")
+engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,
+                                                                 mutates=True))
 
 
 __all__ = ["ENGINE", "OUTPLACE_ALL_REDUCE", "INPLACE_ALL_REDUCE", "tp_group", "c10d_group_name"]

@@ -18,7 +18,7 @@ import sys
 
 import torch.distributed as dist
 
-from .. import normalize
+from .. import engine_ops
 from ..spelling import rms_norm
 from .base import Engine, EngineError
 
@@ -63,10 +63,10 @@ def c10d_group_name(group_name: str) -> str:
     return coordinator.device_group.group_name
 
 
-normalize.register_engine_spelling(normalize.AllReduceSpelling(ALL_REDUCE, "vLLM", c10d_group_name))
-normalize.register_engine_spelling(normalize.AddRMSNormSpelling(FUSED_ADD_RMS_NORM, "vLLM", rms_norm))
-normalize.register_engine_spelling(normalize.AddRMSNormSpelling(RMS_NORM, "vLLM", rms_norm, residual_arg=None))
-normalize.register_engine_spelling(normalize.PriorFusion(
+engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(ALL_REDUCE, "vLLM", c10d_group_name))
+engine_ops.register_engine_spelling(engine_ops.AddRMSNormSpelling(FUSED_ADD_RMS_NORM, "vLLM", rms_norm))
+engine_ops.register_engine_spelling(engine_ops.AddRMSNormSpelling(RMS_NORM, "vLLM", rms_norm, residual_arg=None))
+engine_ops.register_engine_spelling(engine_ops.PriorFusion(
     FLASHINFER_ALLREDUCE_NORM, "vLLM", ("_c10d_functional::all_reduce",),
     f"vLLM's FlashInfer all-reduce + RMSNorm fusion already took this site; set {FUSION_SWITCH}=false "
     "for k3fuse to fuse the out-projection, its all-reduce and the norm"))

@@ -129,7 +129,7 @@ class KDADecode(nn.Module):
         b = F.linear(x, self.w_b).float()
 
         # short causal depthwise conv over [q; k; v] with a rolling window of K-1 past inputs (the
-        # spelling patterns/kda_conv_rule.py traces)
+        # spelling patterns/kda_short_conv.py traces)
         conv, new_conv_state = short_conv(conv_state, q, k, v, self.conv_weight)  # fp32 [T, 3P/tp]
         qc, kc, vc = conv.view(T, 3, h, d).unbind(1)  # each [T, h, d]
         qc = qc * torch.rsqrt(qc.pow(2).sum(-1, keepdim=True) + cfg.l2_eps) * d ** -0.5

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
+from .. import settings
 from ..usage_error import UsageError
 from .console import print_reasons, print_rewrite_summary, print_runs
-from .flags import add_rules_flag, non_negative_int, parse_tokens, positive_int, use_rules
+from .flags import (add_moved_batch_flag, add_rules_flag, check_moved_batch, non_negative_int, parse_tokens,
+                    positive_int, use_rules)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -64,22 +69,64 @@ def decide_tp(requested: int | None, groups: dict[str, int | None]) -> tuple[int
                        f"live); the fused ops check the live group's size when they run")
 
 
-def _cmd_apply(args: argparse.Namespace) -> int:
-    from ..fileio import WriteFailed, check_append_file, check_input_file, check_output_file
+class Progress:
+    """One status line on stderr while `apply` works (loading a large program takes seconds to
+    minutes): on a terminal, rewritten in place and erased at the end; elsewhere nothing, so a pipe
+    or a log holds the results alone and every error stays one line."""
 
+    def __init__(self, verb: str):
+        self.verb = verb
+        self.live = sys.stderr.isatty()
+
+    def __call__(self, what: str) -> None:
+        if self.live:
+            from .console import plain_str
+
+            sys.stderr.write(f"\r\x1b[2Kk3fuse {self.verb}: {plain_str(what, 200)}...")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.live:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+
+def _size(path: Path) -> str:
+    n = path.stat().st_size
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _cmd_apply(args: argparse.Namespace) -> int:
+    progress = Progress("apply")
+    try:
+        return _apply(args, progress)
+    finally:
+        progress.done()
+
+
+def _apply(args: argparse.Namespace, progress: Progress) -> int:
+    from ..fileio import (WriteFailed, check_append_file, check_input_file, check_output_file, destination, is_stream,
+                          same_file)
+
+    check_moved_batch(args, "apply")
     # every path first: a mistake found after minutes of rewriting is a lost run
     src = check_input_file(args.input, "input program")
     if args.output is None and not args.in_place:
         raise UsageError("no output given", "pass -o OUT.pt2, or --in-place to replace the input")
+    if args.output is not None and args.in_place and not same_file(args.output, args.input):
+        raise UsageError(f"--in-place replaces the input, but -o names another file ({args.output})",
+                         "pass -o OUT.pt2 to write a new file, or --in-place alone to replace the input")
     dst = check_output_file(args.output or args.input, option="-o", inputs=[args.input], in_place=args.in_place)
     if args.log is not None:
-        check_append_file(args.log, option="--log")
+        check_append_file(args.log, option="--log", not_same_as=[("input program", src), ("output (-o)", dst)])
     if args.tp is not None and args.rank >= args.tp:
         raise UsageError(f"--rank {args.rank} is outside --tp {args.tp}", f"pass a rank in 0..{args.tp - 1}")
 
+    progress("loading torch and the k3fuse rules")
     import k3fuse
 
     k3fuse.load()
+    from k3fuse.archive import NotAProgram, ProgramRefused
     from k3fuse.context import DecodeContext
     from k3fuse.offline import collective_group_sizes, load_program, save_program
     from k3fuse.pipeline import default_registry
@@ -88,17 +135,27 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     tokens = {"tokens": args.tokens} if args.tokens else {}  # default: DecodeContext's decode range
     probe = DecodeContext(multicast=args.multicast, strict=args.strict, **tokens)
     default_registry().select(probe)  # unknown names in K3FUSE_RULES: one line, before loading
+    progress(f"checking and loading {src} ({_size(src)})")
     try:
         ep = load_program(src)
-    except Exception as exc:  # torch raises RuntimeError / zip / pickle errors for a non-program
+    except NotAProgram as exc:
+        raise UsageError(f"{src} is not a program saved with torch.export.save ({exc.why})",
+                         "give the .pt2 file written by torch.export.save") from exc
+    except ProgramRefused as exc:
+        raise UsageError(f"refused {exc}", "see the README, 'What a .pt2 may contain'") from exc
+    except Exception as exc:  # torch raises RuntimeError / zip / schema errors for a non-program
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{src} is not a program saved with torch.export.save ({first})",
+        raise UsageError(f"{src} is not a program saved with torch.export.save ({first[:300]})",
                          "give the .pt2 file written by torch.export.save") from exc
     groups = collective_group_sizes(ep.graph)
     tp, tp_note = decide_tp(args.tp, groups)
     if args.rank >= tp:
         raise UsageError(f"--rank {args.rank} is outside TP {tp}", f"pass a rank in 0..{tp - 1}")
     group_name = args.group_name
+    if group_name is not None and group_name not in groups:
+        used = ", ".join(repr(g) for g in groups) if groups else "none (the graph has no collectives)"
+        raise UsageError(f"--group-name {group_name!r} is not a group the graph's collectives use; they use {used}",
+                         "pass one of those, or leave --group-name out to read it from the graph")
     if tp > 1 and group_name is None:
         if len(groups) != 1:
             raise UsageError(f"the graph uses several collective groups {sorted(groups)}",
@@ -106,18 +163,24 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         group_name = next(iter(groups))
     ctx = DecodeContext(tp_size=tp, rank=args.rank, group_name=group_name, multicast=args.multicast,
                         strict=args.strict, **tokens)
-    existed = dst.exists()
+    target = destination(dst)
+    replacing = target.exists() and not is_stream(target.stat().st_mode)
+    progress(f"rewriting for TP {tp}")
     new_ep, log = k3fuse.apply(ep, ctx, log=args.log)
+    progress(f"saving {dst}")
     try:
         # the output records its group size too, so applying it again checks --tp as well
         save_program(new_ep, dst, group_sizes={group_name: tp} if tp > 1 and group_name else None)
     except WriteFailed as exc:
         raise UsageError(f"could not save {dst}: {exc.strerror}", f"{exc.kept}; free space or choose another -o") \
             from exc
+    progress.done()
     print_rewrite_summary(log.summary(), title=f"{src} -> {dst}")
     print(tp_note)
-    if existed:
+    if replacing:
         print(f"replaced {dst} atomically (written to a temporary file, then renamed)")
+    elif target.exists() and is_stream(target.stat().st_mode):
+        print(f"wrote the program to {dst} (a device or FIFO: written through, nothing replaced)")
     if log.applied() == 0:
         print("no rewrite applied: the saved program is the decomposed input; `k3fuse log` with --log shows why",
               file=sys.stderr)
@@ -136,6 +199,7 @@ def register_apply(sub: Any) -> None:
     p.add_argument("--group-name", default=None, help="c10d group name (default: the one in the graph)")
     p.add_argument("--tokens", type=parse_tokens, default=None,
                    help="token range the rewrites are guarded for, e.g. 1-64 (default: the decode range)")
+    add_moved_batch_flag(p)
     p.add_argument("--multicast", choices=("auto", "off", "require"), default="auto")
     p.add_argument("--strict", action="store_true", help="bake strict mode into the fused ops")
     add_rules_flag(p)
@@ -146,24 +210,44 @@ def register_apply(sub: Any) -> None:
 # --- log -----------------------------------------------------------------------------------------
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float written as its name ("nan", "inf"): JSON has no NaN."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _cmd_log(args: argparse.Namespace) -> int:
-    from ..fileio import check_input_file
+    """The log's content is data: names, reasons and values are printed as text (no markup, control
+    characters escaped, see console.plain) and --json is strict JSON."""
+    from ..fileio import NotAFile, check_input_file
     from ..log import RewriteLog, fold_reasons, read_jsonl, split_runs
+    from .console import plain_str
 
     path = check_input_file(args.file, "log file")
-    reading = read_jsonl(path)
+    try:
+        reading = read_jsonl(path)
+    except NotAFile as exc:  # swapped for a FIFO or a device after the check
+        raise UsageError(f"log file {exc}", "name a regular file") from None
+    shown_path = plain_str(path)
     if reading.malformed:
         shown = ", ".join(str(m.lineno) for m in reading.malformed[:10])
         more = f" and {len(reading.malformed) - 10} more" if len(reading.malformed) > 10 else ""
         first = reading.malformed[0]
-        print(f"{path}: skipped {len(reading.malformed)} malformed line(s): {shown}{more} "
-              f"(line {first.lineno}: {first.why})", file=sys.stderr)
+        print(f"{shown_path}: skipped {len(reading.malformed)} malformed line(s): {shown}{more} "
+              f"(line {first.lineno}: {plain_str(first.why, 200)})", file=sys.stderr)
     events = reading.log.events
     if not events:
         if reading.malformed:
             raise UsageError(f"{path} holds no rewrite events, only malformed lines",
                              "give a JSONL log written by k3fuse (--log, K3FUSE_LOG)")
-        print(f"{path}: no rewrite events (the file is empty)", file=sys.stderr)
+        print(f"{shown_path}: no rewrite events (the file is empty)", file=sys.stderr)
         return 1
     all_runs = split_runs(events)
     ranks = sorted({e.rank for e in events})
@@ -184,13 +268,13 @@ def _cmd_log(args: argparse.Namespace) -> int:
     sel_ranks = sorted({r.rank for r in runs})
     scope = (f"{len(log.events)} events, {len(runs)} run(s) on rank(s) {', '.join(map(str, sel_ranks))}")
     if args.json:
-        json.dump({"summary": summary, "active_rules": log.active_rules(), "events": len(log.events),
-                   "ranks": sel_ranks,
-                   "runs": [{"run": r.index, "rank": r.rank, "door": r.door, "graph_id": r.graph_id,
-                             "events": len(r.events)} for r in runs],
-                   "reasons": reasons,
-                   "malformed_lines": [{"line": m.lineno, "why": m.why} for m in reading.malformed]},
-                  sys.stdout, indent=2, sort_keys=True)
+        json.dump(_finite({"summary": summary, "active_rules": log.active_rules(), "events": len(log.events),
+                           "ranks": sel_ranks,
+                           "runs": [{"run": r.index, "rank": r.rank, "door": r.door, "graph_id": r.graph_id,
+                                     "events": len(r.events)} for r in runs],
+                           "reasons": reasons,
+                           "malformed_lines": [{"line": m.lineno, "why": m.why} for m in reading.malformed]}),
+                  sys.stdout, indent=2, sort_keys=True, allow_nan=False)
         sys.stdout.write("\n")
         return 0
     if len(runs) > 1:
@@ -199,7 +283,7 @@ def _cmd_log(args: argparse.Namespace) -> int:
     print_rewrite_summary(summary, title=f"{path}: {scope}{summed}")
     if reasons:
         print_reasons(reasons)
-    print("active rules: " + (", ".join(log.active_rules()) or "none"))
+    print("active rules: " + (", ".join(plain_str(r, 200) for r in log.active_rules()) or "none"))
     return 0
 
 
@@ -277,39 +361,122 @@ def _join_rules_value(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one verb; a user mistake becomes one line on stderr and exit status 2."""
-    from .. import settings
+class _Interrupt:
+    """Ctrl-C, however it surfaces: a SIGINT can land inside torch's C++ code, which may turn the
+    KeyboardInterrupt into another exception (a FakeTensorMode error, a RuntimeError); the handler
+    records that it happened, so `main` reports an interrupt whatever exception comes out."""
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # torch.export.load's own deprecation (torch internals, nothing the user can act on) would be a
-    # second line under every one-line error
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    try:  # every K3FUSE_* variable, before any work: a bad one is one line, never a traceback later
-        debug = "--debug" in argv or settings.check_environment().debug
-    except settings.SettingsError as exc:
-        print(f"k3fuse: error: {exc}", file=sys.stderr)
-        return 2
-    args = build_parser().parse_args(_join_rules_value(argv))
+    def __init__(self) -> None:
+        self.seen = False
+        self.previous: Any = None
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        # a process started with SIGINT ignored (nohup, a background job of a script) keeps ignoring it
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self.previous = signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def interrupted_message(verb: str) -> str:
+    """One line after Ctrl-C, saying what happened to the files this run writes (k3fuse.fileio
+    records each output it renamed into place or streamed, and each log it appended to)."""
+    from ..fileio import appended_files, written_files
+
+    written = [str(p) for p in written_files()]
+    logs = [str(p) for p in appended_files()]
+    if written:
+        said = f"interrupted after writing {', '.join(written)} (complete)"
+    else:
+        said = "interrupted; no output file was changed"
+    if logs:
+        said += f"; {', '.join(logs)} holds the rewrite decisions logged before the interrupt"
+    return f"k3fuse {verb}: {said}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb; a user mistake becomes one line on stderr and exit status 2, Ctrl-C one line
+    and status 130."""
+    import signal
+
+    interrupt = _Interrupt()
+    as_command = argv is None  # the console script: this process ends when main returns
+    verb = "run"
     try:
-        with settings.restored("K3FUSE_RULES"):  # --rules sets it for this run only
+        interrupt.install()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        # torch.export.load's own deprecation (torch internals, nothing the user can act on) would be a
+        # second line under every one-line error
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        # the arguments first: --help answers whatever the environment holds
+        args = build_parser().parse_args(_join_rules_value(argv))
+        verb = args.command
+        try:  # every K3FUSE_* variable, before any work: a bad one is one line, never a traceback later
+            debug = "--debug" in argv or settings.check_environment(warn=False).debug
+        except settings.SettingsError as exc:
+            print(f"k3fuse: error: {exc}", file=sys.stderr)
+            return 2
+        if unknown := settings.unknown_names():
+            print(f"k3fuse: warning: {settings.unknown_names_message(unknown)}", file=sys.stderr)
+        return _run(args, debug, interrupt)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the one line short
+        print(interrupted_message(verb), file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if as_command and interrupt.previous is not None:
+            # the run is over, its files written and its lines printed: a Ctrl-C during the
+            # interpreter's teardown would only turn a finished run into a silently killed one
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            interrupt.restore()
+
+
+def _run(args: argparse.Namespace, debug: bool, interrupt: _Interrupt) -> int:
+    try:
+        with settings.restored("K3FUSE_RULES"):  # --rules sets K3FUSE_RULES for this run only
             return int(args.func(args) or 0)
-    except (UsageError, settings.SettingsError) as exc:
+    except KeyboardInterrupt:
         if debug:
-            raise
-        print(f"k3fuse {args.command}: error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_status", 2)
+            traceback.print_exc()
+        raise
+    except BrokenPipeError:  # the reader of stdout left (`k3fuse log rw.jsonl | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as exc:
+        if interrupt.seen:  # Ctrl-C that torch turned into another error
+            if debug:
+                traceback.print_exc()
+            raise KeyboardInterrupt from exc
+        if isinstance(exc, (UsageError, settings.SettingsError)):
+            if debug:
+                raise
+            print(f"k3fuse {args.command}: error: {_printable(str(exc))}", file=sys.stderr)
+            return getattr(exc, "exit_status", 2)
         line = one_line(exc)
         if debug or line is None:
             raise
-        print(f"k3fuse {args.command}: error: {line} (--debug shows the traceback)", file=sys.stderr)
+        print(f"k3fuse {args.command}: error: {_printable(line)} (--debug shows the traceback)", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"k3fuse {args.command}: interrupted; no output file was changed", file=sys.stderr)
-        return 130
+
+
+def _printable(text: str) -> str:
+    """One line without control characters (paths and file contents end up in messages)."""
+    from .console import plain_str
+
+    return plain_str(text, limit=4000)
 
 
 if __name__ == "__main__":

@@ -235,8 +235,14 @@ def _cmd_demo(args: Any) -> int:
     if args.json:
         check_output_file(args.json, option="--json")
     if args.log:
-        check_append_file(args.log, option="--log")
+        check_append_file(args.log, option="--log", not_same_as=[("--json file", args.json)])
     check_config(cfg)
+    from .. import settings
+
+    if settings.get("K3FUSE_DISABLE"):
+        raise UsageError("K3FUSE_DISABLE is set: the kill switch turns every rewrite off, so the demo would "
+                         "compare stock with stock and fail with no rewrite fired",
+                         "unset K3FUSE_DISABLE to run the demo")
     use_rules(args.rules)
     from .console import wide_console
 

@@ -48,24 +48,37 @@ def parse_tokens(text: str) -> tuple[int, int]:
 
 
 def _bounded(name: str, convert: Callable[[str], Any], least: float, strict: bool, what: str) -> Callable[[str], Any]:
-    """An argparse type named `name`: `convert(text)`, then >= least (> least when strict; NaN
-    never passes)."""
+    """An argparse type named `name`: `convert(text)`, then >= least (> least when strict); NaN and
+    the infinities never pass."""
     def parse(text: str):
         try:
             value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not (value > least if strict else value >= least):
+        if not (value > least if strict else value >= least) or value in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
     parse.__name__ = name  # what argparse names in its own messages
     return parse
 
 
+def finite_float(text: str) -> float:
+    """A number that is neither NaN nor infinite (float() accepts "nan" and "inf")."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 positive_int = _bounded("positive_int", int, 1, False, "a positive integer")
 non_negative_int = _bounded("non_negative_int", int, 0, False, "an integer >= 0")
-non_negative_float = _bounded("non_negative_float", float, 0, False, "a number >= 0")
-positive_float = _bounded("positive_float", float, 0, True, "a number > 0")
+non_negative_float = _bounded("non_negative_float", float, 0, False, "a finite number >= 0")
+positive_float = _bounded("positive_float", float, 0, True, "a finite number > 0")
 
 
 def _batch_value(text: str) -> int:
@@ -104,16 +117,34 @@ def check_moved_tokens(args: argparse.Namespace, verb: str) -> None:
                          f"token range of `k3fuse apply`)", f"pass {args.moved_tokens_example}")
 
 
+def add_moved_batch_flag(parser: Any) -> None:
+    """`--batch` on `apply`, which guards a token range: answered with --tokens."""
+    parser.add_argument("--batch", dest="moved_batch", default=None, help=argparse.SUPPRESS)
+
+
+def check_moved_batch(args: argparse.Namespace, verb: str) -> None:
+    if getattr(args, "moved_batch", None) is not None:
+        raise UsageError(f"{verb} --batch: {verb} rewrites for a range of tokens per step, not one batch",
+                         f"pass --tokens LO-HI (e.g. --tokens 1-64, or --tokens {args.moved_batch} for that count "
+                         f"alone)")
+
+
 def add_rules_flag(parser: Any) -> None:
     parser.add_argument("--rules", default=None, metavar="SPEC", help=RULES_HELP)
 
 
 def rule_selection(spec: str) -> list[str]:
     """The rules a --rules SPEC runs, in pipeline order (the same reading as K3FUSE_RULES in the
-    pipeline); an unknown name is a UsageError."""
+    pipeline); an empty or mixed spec, or an unknown name, is a UsageError."""
     import k3fuse
     from k3fuse.pipeline import all_rules, opt_in_rules_env, parse_rules_env
 
+    from .. import settings
+
+    problem = settings.rules_spec_problem(spec)
+    if problem is not None:
+        raise UsageError(f"--rules {spec!r} {problem}", "leave --rules out for the default rules" if not spec.strip()
+                         else 'e.g. --rules a,b (only these), --rules=-a (all but a), --rules=+a (also a)')
     k3fuse.load()  # the pipeline's rules (the command defers loading until a verb needs it)
     rules = all_rules()
     known = [r.name for r in rules]
@@ -129,15 +160,22 @@ def rule_selection(spec: str) -> list[str]:
 
 def use_rules(spec: str | None) -> None:
     """--rules SPEC for this run: checked, then set as K3FUSE_RULES (the ranks inherit it), so the
-    flag and the variable cannot mean different things. `main` restores the variable afterwards."""
-    if spec is None:
-        return
+    flag and the variable cannot mean different things. `main` restores the variable afterwards.
+    Without --rules, the K3FUSE_RULES of the environment is checked against the rules instead."""
     from .. import settings
 
+    if spec is None:
+        import k3fuse
+        from k3fuse.pipeline import all_rules
+
+        k3fuse.load()
+        settings.check_rule_names([r.name for r in all_rules()])
+        return
     rule_selection(spec)
     settings.export("K3FUSE_RULES", spec)
 
 
-__all__ = ["parse_tokens", "positive_int", "non_negative_int", "non_negative_float", "positive_float", "batch",
-           "batches", "add_rules_flag", "rule_selection", "use_rules", "add_moved_tokens_flag",
-           "check_moved_tokens", "decode_tokens", "RULES_HELP", "BATCH_HELP"]
+__all__ = ["parse_tokens", "finite_float", "positive_int", "non_negative_int", "non_negative_float", "positive_float",
+           "batch", "batches", "add_rules_flag", "rule_selection", "use_rules", "add_moved_tokens_flag",
+           "add_moved_batch_flag", "check_moved_batch", "check_moved_tokens", "decode_tokens", "RULES_HELP",
+           "BATCH_HELP"]

@@ -231,6 +231,15 @@ def _progress(rank: int, what: str) -> None:
         print(f"validate: {what}", file=sys.stderr, flush=True)
 
 
+def _score_gap(a: float, b: float) -> float:
+    """How far apart two selection scores are: 0 for equal ones, equal infinities and two NaNs (an
+    exact tie, which each top-k breaks its own way), inf for a NaN against a number."""
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return 0.0
+    gap = abs(a - b)
+    return gap if not math.isnan(gap) else math.inf
+
+
 def _flip_analysis(rt_ref, rt_path, layers: int, steps: int, k: int, margin: float):
     """Per layer: (agreement, flips, near-tie flips, min margin, steps with a far flip, steps with a near flip)."""
     res = {}
@@ -254,7 +263,7 @@ def _flip_analysis(rt_ref, rt_path, layers: int, steps: int, k: int, margin: flo
                     continue
                 flips += 1
                 only_ref, only_path = a - b, b - a
-                m = max(abs(float(s[t, e]) - float(s[t, f])) for e in only_ref for f in only_path)
+                m = max(_score_gap(float(s[t, e]), float(s[t, f])) for e in only_ref for f in only_path)
                 min_m = m if min_m is None else min(min_m, m)
                 if m <= margin:
                     near += 1

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..usage_error import UsageError
 from .bench.cli import MergeOverrides, parse_overrides
-from .flags import (BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, check_moved_tokens, non_negative_float,
-                    positive_float, positive_int, use_rules)
+from .flags import (BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, check_moved_tokens, finite_float,
+                    non_negative_float, positive_float, positive_int, use_rules)
 from .validate_config import ValidateConfig
 
 
@@ -33,7 +33,8 @@ def register_validate(sub: Any) -> None:
     p.add_argument("--stock", choices=("compile", "eager"), default=d.stock,
                    help="stock path: torch.compile (Inductor) or eager")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--skew", type=float, default=d.skew, help="router bias skew towards low-index experts")
+    p.add_argument("--skew", type=finite_float, default=d.skew,
+                   help="router bias skew towards low-index experts (a finite number)")
     p.add_argument("--temperature", type=non_negative_float, default=d.temperature,
                    help="sampling temperature (0: argmax)")
     p.add_argument("--tie-margin", type=non_negative_float, default=None,
@@ -74,7 +75,7 @@ def _cmd_validate(args: Any) -> int:
     if args.json:
         check_output_file(args.json, option="--json")
     if args.log:
-        check_append_file(args.log, option="--log")
+        check_append_file(args.log, option="--log", not_same_as=[("--json file", args.json)])
     cfg = ValidateConfig(preset=args.preset, layers=args.layers, residual=args.residual, tp=args.tp,
                          tokens=args.batch, steps=args.steps, dtype=args.dtype, device=args.device,
                          compiler=args.compiler, stock=args.stock, seed=args.seed, skew=args.skew,

@@ -5,6 +5,22 @@ weights = scores[idx] / (sum + eps) * routed_scaling, the sum taken in selection
 [T, E], b_corr fp32 [E] -> (weights fp32 [T, k], idx int64 [T, k]). Not a collective: every rank
 computes it from the same (all-gathered) logits, same bits. CUDA: one Triton program per token
 (lib/triton/route_topk.py).
+
+Non-finite scores, decided. Where `validate --skew inf` (or nan) found k3fuse's routing agreeing 0.000
+with float64 and stock 1.000, nothing was computed wrongly: an infinite or NaN bias makes hundreds of
+experts' biased scores exactly equal (+inf for half of them, NaN for all), and among equal scores
+every rule of choice is as good as another. The op takes the lowest expert index, the same on every
+rank and device (reference, Triton kernel); stock's torch.topk takes an order of its own (on CPU its
+partial sort's, which float64 repeats: hence stock's 1.000). What each does:
+* NaN biased score (a NaN logit or bias): ranks above every number, as torch.topk and torch.sort
+  rank it; its weight is NaN, so are the token's other weights (their sum is), in both;
+* +inf / -inf biased score: ranks as that infinity; the weights are the unbiased sigmoids, finite;
+* equal biased scores (equal numbers, equal infinities, NaNs): the op picks the lowest index; stock
+  picks an equally ranked expert of torch's choosing.
+So the two agree on the ranking always (the multiset of selected biased scores, NaN counted as
+NaN) and on the experts wherever no two scores tie across the k-th place: a flip between equal scores
+is a tie, never an error (`k3fuse validate` counts it as one). Non-finite scores are a broken model or
+checkpoint, not a routing regime: `validate --skew` takes finite values only.
 """
 from __future__ import annotations
 

@@ -138,6 +138,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     print(f"k3fuse bench: {len(cfg.arms)} arm spec(s) x {len(cfg.tokens)} token counts on {cfg.tp} "
           f"{cfg.device} rank(s); each arm compiles first (10-15 s per arm on a GPU)", flush=True)
+    if cfg.device == "cpu":
+        print("k3fuse bench: on CPU the fused ops run their plain-torch reference path, not the CUDA kernels: "
+              "these timings check that the bench runs, they measure no speed-up", flush=True)
     result = run_bench(cfg)
     print_tables(result)
     if args.json:

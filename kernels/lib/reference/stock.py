@@ -15,9 +15,6 @@ from k3fuse import compat
 from k3fuse import spelling
 from k3fuse.spelling import ROUTE_EPS, delta_rule, rms_norm, route, short_conv
 
-from ... import streams
-from . import shared_expert
-
 
 def all_reduce(t: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
     if world_size == 1:
@@ -64,13 +61,6 @@ def moe_front_sharded(x: torch.Tensor, router_w: torch.Tensor, down_w: torch.Ten
     (router-only form: no latent projection, an empty [T, 0] latent)."""
     latent = F.linear(x, down_w) if down_w is not None else x.new_empty((*x.shape[:-1], 0))
     return F.linear(x.float(), router_w.float()), latent
-
-
-def shared_expert_fork(x: torch.Tensor, proj: list[torch.Tensor], proj_bias: list[torch.Tensor],
-                       w_down: torch.Tensor | None, b_down: torch.Tensor | None, act: str, site: int) -> None:
-    """Stock: the shared-expert branch as the model wrote it (F.linear, the activation's own ops),
-    synchronously on the current stream (no side stream)."""
-    streams.store(site, x.device, shared_expert.branch(x, proj, proj_bias, w_down, b_down, act), "stock")
 
 
 def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -23,21 +23,16 @@ measured on H200.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor
 
-from k3fuse import compat
-from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, failures, kernel_covers, same_group, shape_of, site_tokens,
-                           static_weight, token_count, tp_at_least)
 from k3fuse.kernels.ops.allreduce_rmsnorm import AllReduceNormSpec
-from k3fuse.matcher import forward_users, op_name
-from k3fuse.normalize import is_metadata_check
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.rule_api import (ALL_REDUCE, WAIT_TENSOR, DecodeContext, GuardFailure, Match, PatternSpec, Rule, failures,
+                             forward_users, is_metadata_check, kernel_covers, op_name, same_group, shape_of,
+                             site_tokens, static_weight, token_count, tp_at_least)
 
 from ._pattern_tools import GROUP, all_reduce_sum, collective_weight, dtype_of, per_dtype, randn, rms_norm, trunk_dtype
 
@@ -75,7 +70,7 @@ class MoETailAllReduceNorm(Rule):
     # same NVLink exchange as oproj_allreduce_residual (unicast one-shot): policy "require" rejects it
     # where multicast is unavailable
     uses_multicast = True
-    site_op = compat.ALL_REDUCE
+    site_op = ALL_REDUCE
 
     def patterns(self) -> list[PatternSpec]:
         return per_dtype("norm", _tail, lambda d: (randn(T, L, dtype=d), randn(L, dtype=d), 1e-5, GROUP))
@@ -89,7 +84,7 @@ class MoETailAllReduceNorm(Rule):
         for node in graph.nodes:
             if node.target is not self.site_op:
                 continue
-            for wait in (u for u in node.users if u.target is compat.WAIT_TENSOR):
+            for wait in (u for u in node.users if u.target is WAIT_TENSOR):
                 readers = forward_users(wait)
                 names = [f"{op_name(u)} ({u.name})" for u in readers]
                 values = {"all_reduce": node.name, "wait": wait.name, "readers": [op_name(u) for u in readers]}
@@ -122,15 +117,13 @@ class MoETailAllReduceNorm(Rule):
         return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        fused = match.insert(torch.ops.k3fuse.allreduce_rmsnorm.default,
-                             (match["x"], match["norm_weight"], float(match["eps"]), match["group_name"],
-                              ctx.tp_size, ctx.tokens[1], ctx.strict))
-        summed = match.insert(operator.getitem, (fused, 0))
-        normed = match.insert(operator.getitem, (fused, 1))
-        match.replace([summed, normed])
-        # the outside readers of the sum now read the op's first output
+        new = match.replace_with(torch.ops.k3fuse.allreduce_rmsnorm.default, x=match["x"],
+                                 norm_weight=match["norm_weight"], eps=float(match["eps"]),
+                                 group_name=match["group_name"], world_size=ctx.tp_size, max_tokens=ctx.tokens[1],
+                                 strict=ctx.strict)
+        _, summed, _ = new  # the outside readers of the sum now read the op's first output
         match.note(eps=float(match["eps"]), sum_read_elsewhere=any(not is_metadata_check(u) for u in summed.users))
-        return [fused, summed, normed]
+        return new
 
 
 __all__ = ["MoETailAllReduceNorm"]

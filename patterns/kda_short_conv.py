@@ -25,15 +25,12 @@ tokens.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
-from k3fuse.context import DecodeContext
-from k3fuse.guards import GuardFailure, failures, kernel_covers, shape_of, site_tokens, static_weight, token_count
 from k3fuse.kernels.ops.kda_conv import KDAConvSpec
-from k3fuse.rule import Match, PatternSpec, Rule
+from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, failures, kernel_covers, shape_of,
+                             site_tokens, static_weight, token_count)
 from k3fuse.spelling import short_conv
 
 from ._pattern_tools import dtype_of, per_dtype, randn, trunk_dtype
@@ -115,18 +112,16 @@ class KDAShortConv(Rule):
         return failures(kernel_covers(ctx, spec, site_tokens(match["q"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        fused = match.insert(torch.ops.k3fuse.kda_short_conv.default,
-                             (match["conv_state"], match["q"], match["k"], match["v"], match["conv_weight"],
-                              ctx.strict))
-        conv = match.insert(operator.getitem, (fused, 0))
-        state = match.insert(operator.getitem, (fused, 1))
-        match.replace([conv, state])
+        new = match.replace_with(torch.ops.k3fuse.kda_short_conv.default, conv_state=match["conv_state"],
+                                 q=match["q"], k=match["k"], v=match["v"], weight=match["conv_weight"],
+                                 strict=ctx.strict)
+        _, _, state = new
         for copy in [u for u in state.users if _is_contiguous_copy(u)]:  # the op's state is contiguous already
             copy.replace_all_uses_with(state)
             match.graph.erase_node(copy)
         _, C, km1 = shape_of(match["conv_state"])
         match.note(channels=C, taps=km1 + 1)
-        return [fused, conv, state]
+        return new
 
 
 __all__ = ["KDAShortConv"]

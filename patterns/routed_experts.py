@@ -43,18 +43,17 @@ blocks: I and L whole steps of quant.BLOCK_STEP.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from k3fuse.context import DecodeContext
-from k3fuse.guards import (GuardFailure, failures, kernel_covers, shape_of, site_tokens,
-                           static_weight, token_count)
 from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
 from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec
-from k3fuse.matcher import compiled_patterns, int_sentinel, near_miss
-from k3fuse.rule import Match, PatternSpec, Rule, Variant
+from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, Variant, compiled_patterns,
+                             failures, int_sentinel, kernel_covers, near_miss, shape_of, site_tokens, static_weight,
+                             token_count)
 from k3fuse.spelling import (routed_experts_gathered, routed_experts_grouped, routed_experts_quantized_gathered,
                              routed_experts_quantized_grouped)
 
@@ -74,6 +73,16 @@ QL, QI = 47 * quant.GROUP_SIZE, 41 * quant.GROUP_SIZE
 QUANT_FORMATS = ("mxfp4", "int4")
 
 
+@dataclass(frozen=True)
+class Form:
+    """A variant's spelling (grouped GEMMs or gathered bmm) and, for 4-bit experts, their checkpoint
+    format and the layout the model holds the packed tables in (None: BF16 experts)."""
+
+    spelling: str  # GROUPED | GATHERED
+    format: str | None = None  # a quant format ("mxfp4", "int4"), None for BF16
+    layout: str = "rows"
+
+
 def _top_k_sentinel() -> int:
     """The value the matcher traces top_k (parameter 5) as: the example's T*k expert ids use it."""
     return int_sentinel(5)
@@ -88,7 +97,7 @@ def _example(dtype: torch.dtype) -> tuple:
 
 
 def _spec(form: str, fn: Any, dtype: torch.dtype, free_sizes: tuple[tuple[str, int], ...]) -> PatternSpec:
-    key = Variant(form, dtype)
+    key = Variant(form, dtype, Form(form))
     return PatternSpec(str(key), fn, lambda: _example(dtype), key, free_sizes)
 
 
@@ -142,8 +151,8 @@ def _quantized_example(fmt: str, dtype: torch.dtype) -> tuple:
 
 
 def _quantized_spec(fmt: str, form: str, layout: str, dtype: torch.dtype) -> PatternSpec:
-    # the variant's form: "<form>_<format>", and "_blocks" after it for block-ordered tables
-    key = Variant(f"{form}_{fmt}" + ("" if layout == "rows" else f"_{layout}"), dtype)
+    # the variant's name: "<form>_<format>", and "_blocks" after it for block-ordered tables
+    key = Variant(f"{form}_{fmt}" + ("" if layout == "rows" else f"_{layout}"), dtype, Form(form, fmt, layout))
     pairs = T * QUANT_TOP_K
     size_of = {"slots": min(pairs, E), "latent": QL, "pairs": pairs, "tokens": T}
     sizes = (("top_k", QUANT_TOP_K), *((n, size_of[n]) for n in QUANT_FREE_SIZES[form]))
@@ -236,14 +245,6 @@ def _operand_failure(match: Match) -> GuardFailure | None:
     return numeric_literals(match.scalars, ("beta", "linear_beta"), values)
 
 
-def _format(match: Match) -> tuple[str, str] | None:
-    """(format, layout) of a quantized match's variant (form "grouped_mxfp4", "gathered_int4_blocks" etc.),
-    None for BF16."""
-    parts = (match.key.form if match.key is not None else match.variant).split("_")
-    fmt = next((f for f in QUANT_FORMATS if f in parts[1:]), None)
-    return None if fmt is None else (fmt, "blocks" if parts[-1] == "blocks" else "rows")
-
-
 class RoutedExperts(Rule):
     """sort/grouped GEMMs or gather/bmm over the (token, slot) pairs  ->  k3fuse.routed_experts; the same
     after dequantizing 4-bit experts  ->  k3fuse.routed_experts_w4a16."""
@@ -274,14 +275,14 @@ class RoutedExperts(Rule):
         compiled = compiled_patterns(self)
         for site_op, form in ((aten._grouped_mm.default, GROUPED), (aten.bmm.default, GATHERED)):
             if site_op in present:
-                return near_miss(graph, [c for c in compiled if c.spec.key.form.split("_")[0] == form],
+                return near_miss(graph, [c for c in compiled if c.spec.key.params.spelling == form],
                                  site_op=site_op)
         return "no aten._grouped_mm or aten.bmm in the graph (no routed experts)", {}
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
-        quantized = _format(match)
-        if quantized is not None:
-            return self._check_quantized(match, ctx, *quantized)
+        form = match.params(Form)
+        if form.format is not None:
+            return self._check_quantized(match, ctx, form.format, form.layout)
         found = failures(_operand_failure(match),
                          *(static_weight(match[n], n) for n in ("w1", "w3", "w2")))
         if found:
@@ -308,26 +309,24 @@ class RoutedExperts(Rule):
         return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        quantized = _format(match)
-        if quantized is not None:
-            fmt, layout = quantized
-            table = match["table"] if fmt == "mxfp4" else None
-            z = match.insert(torch.ops.k3fuse.routed_experts_w4a16.default,
-                             (match["a"], match["experts"], match["w1_packed"], match["w1_scale"], match["w3_packed"],
-                              match["w3_scale"], match["w2_packed"], match["w2_scale"], match["top_k"],
-                              float(match["beta"]), float(match["linear_beta"]), fmt, table, layout, ctx.strict))
-            match.replace([z])
+        form = match.params(Form)
+        common = dict(a=match["a"], experts=match["experts"], top_k=match["top_k"], situ_beta=float(match["beta"]),
+                      situ_linear_beta=float(match["linear_beta"]), strict=ctx.strict)
+        if form.format is not None:
+            weights = {n: match[n] for n in ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed",
+                                             "w2_scale")}
+            new = match.replace_with(torch.ops.k3fuse.routed_experts_w4a16.default, **common, **weights,
+                                     format=form.format, layout=form.layout,
+                                     table=match["table"] if form.format == "mxfp4" else None)
             w1 = shape_of(match["w1_packed"])
-            match.note(format=fmt, layout=layout, top_k=match["top_k"], E=w1[0], I=w1[1],
+            match.note(format=form.format, layout=form.layout, top_k=match["top_k"], E=w1[0], I=w1[1],
                        group_size=quant.GROUP_SIZE)
-            return [z]
-        z = match.insert(torch.ops.k3fuse.routed_experts.default,
-                         (match["a"], match["experts"], match["w1"], match["w3"], match["w2"], match["top_k"],
-                          float(match["beta"]), float(match["linear_beta"]), ctx.strict))
-        match.replace([z])
+            return new
+        new = match.replace_with(torch.ops.k3fuse.routed_experts.default, **common,
+                                 **{n: match[n] for n in ("w1", "w3", "w2")})
         w1 = shape_of(match["w1"])
         match.note(top_k=match["top_k"], E=w1[0], I=w1[1])
-        return [z]
+        return new
 
 
 __all__ = ["RoutedExperts"]
