@@ -14,7 +14,8 @@ and the Triton kernels through Triton's interpreter.
 * the Triton kernels run on CPU through TRITON_INTERPRET=1 in a subprocess: batch 1 to 64, contexts
   1 to 4099 tokens (several splits and pages each), mixed lengths (0 included) in one batch, pages
   of 16 and 64, heads 3 / 6 / 12 / 20, bf16 and fp8 caches, every Triton variant (kernels/lib/triton/
-  mla_decode.py VARIANTS), one split and many, fp16 dots with q far outside fp16's range, into
+  mla_decode.py VARIANTS), one split and many, fp16 dots with q far outside fp16's range, a scaled
+  16-bit cache, lengths past the table's width (the whole table, as the plain spelling reads it), into
   NaN-poisoned outputs and partials over caches whose unowned rows hold NaN; the combine alone (one
   step, two) against a float64 merge; within the bf16 roundings of p and of the output of the
   float64 result; a Gluon variant resolves to the cache's Triton variant under the interpreter (it
@@ -84,7 +85,7 @@ def f64_attention(q, cache, table, lens, scale, kv_scale=None):
     lse = torch.full((B, H), float("-inf"), dtype=torch.float64)
     mag = torch.zeros(B, H, 512, dtype=torch.float64)
     for b in range(B):
-        n = int(lens[b])
+        n = min(int(lens[b]), table.shape[1] * page)  # past the table: all of it (the plain spelling's mask)
         if n == 0:
             continue
         entries = torch.stack([cache[int(table[b, j // page]), j % page].double() for j in range(n)])
@@ -192,8 +193,7 @@ def test_fake_impl_shapes_and_messages():
                (q, torch.empty(10, 64, 512), table, lens, None, "kv_cache must be"),
                (q, cache, torch.empty(3, 3, dtype=torch.int32), lens, None, r"block_table must be \[B=4"),
                (q, cache, table.long(), lens, None, "must be int32"),
-               (q, cache.to(FP8), table, lens, None, "an fp8 kv_cache needs kv_scale"),
-               (q, cache, table, lens, torch.ones(1), "takes none"))
+               (q, cache.to(FP8), table, lens, None, "an fp8 kv_cache needs kv_scale"))
         for q_, c_, t_, l_, s_, message in bad:
             with pytest.raises(Exception, match=message):
                 torch.ops.k3fuse.mla_decode(q_, c_, t_, l_, SCALE, s_)
@@ -219,7 +219,8 @@ def test_spec_from_call_names_each_misfit_and_accepts_each_limit():
         assert accepts(good) is None
         assert accepts(Spec.from_call(q, cache.to(FP8), table, lens, SCALE, scale)) is None
         assert accepts(Spec.from_call(q, cache.to(FP8), table, lens, SCALE)) == (
-            "an fp8 cache needs its kv_scale, and only an fp8 cache takes one")
+            "an fp8 cache needs its kv_scale")
+        assert accepts(Spec.from_call(q, cache, table, lens, SCALE, scale)) is None  # a 16-bit cache may have one
         assert accepts(Spec.from_call(q, cache.to(FP8), table, lens, SCALE, scale.double())) == (
             "kv_scale must be one float32 element, got torch.float64 (1,)")
         assert accepts(Spec.from_call(q, cache, table.long(), lens, SCALE)) == (
@@ -404,10 +405,14 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     K.sm_count = lambda device: 132  # an H100's, for split_count
     FP8 = torch.float8_e4m3fn
 
-    def case(name, lengths, heads, page, cache_dtype, config=None, splits=None, seed=0, q_scale=None):
+    def case(name, lengths, heads, page, cache_dtype, config=None, splits=None, seed=0, q_scale=None,
+             kv_scale_16=None, past_table=0):
         q, cache, table, lens, kv_scale = T.make_case(lengths, heads, page, cache_dtype, seed=seed)
         if q_scale is not None:
             q = (q.float() * q_scale).bfloat16()
+        if kv_scale_16 is not None:  # a 16-bit cache with a scale, as the model's spelling multiplies
+            kv_scale = torch.tensor([kv_scale_16])
+        lens = lens + past_table * (lens > 0).int()  # lengths past the table's width: the whole table
         B = len(lengths)
         cfg = K.resolve(config or K.config_for(cache_dtype), cache_dtype, q.device, page)
         S = splits or K.split_count(B, heads, table.shape[1] * page, 132, cfg, entry_bytes=576 * cache.element_size())
@@ -417,7 +422,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         ref, lse, mag = T.f64_attention(q, cache, table, lens, T.SCALE, kv_scale)
         return {"case": name, "B": B, "heads": heads, "page": page, "cache": str(cache_dtype), "splits": S,
                 "page_tiles": K.page_tiles(cfg, page),
-                "max_len": max(lengths), "written": not bool(torch.isnan(out).any()),
+                "max_len": max(lengths), "past_table": bool((lens > table.shape[1] * page).any()),
+                "written": not bool(torch.isnan(out).any()),
                 "excess": T.within(out, ref, mag, 2 ** -7),  # the interpreter's casts truncate: 2^-7
                 "zeros_for_empty": bool(all(not out[b].any() for b, n in enumerate(lengths) if n == 0))}
 
@@ -441,6 +447,10 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         # fp16 dots take q through a power of two: |q| far past fp16's range, and far below its normal range
         case("fp16_dots_large_q", [300, 7], 6, 64, FP8, config=K.VARIANTS["fp16pf"], q_scale=3e5),
         case("fp16_dots_tiny_q", [300, 7], 6, 16, FP8, config=K.VARIANTS["fp16pf"], q_scale=1e-7),
+        case("bf16_scaled", [300, 7, 0], 6, 64, torch.bfloat16, kv_scale_16=0.37, splits=3),
+        # lengths past the table: each sequence's pages fill its row of the table (whole pages, all owned)
+        case("past_table_bf16", [208, 208, 0], 6, 16, torch.bfloat16, past_table=100),
+        case("past_table_fp8", [128, 128], 3, 64, FP8, past_table=1000, splits=3),
     ]
     # every Triton variant: both caches, tiles in one page (64) and across pages (16), one split and three
     # (the interpreter runs no Gluon: a Gluon variant resolves to the cache's default here, and is the GPU tests')
@@ -493,7 +503,7 @@ def test_interpreter_split_kernel_matches_float64(interpreter_results):
     from k3fuse.kernels.lib.triton import mla_decode as K
 
     cases = [r for name, r in interpreter_results.items() if not name.startswith("combine")]
-    assert len(cases) == 14 + 4 * sum(not cfg.gluon for cfg in K.VARIANTS.values())
+    assert len(cases) == 17 + 4 * sum(not cfg.gluon for cfg in K.VARIANTS.values())
     for r in cases:
         assert r["written"], r  # every element of the NaN-poisoned output written
         assert r["excess"] <= 0, r  # within the roundings of p and of the output (NaN partials, NaN rows unread)
@@ -503,6 +513,7 @@ def test_interpreter_split_kernel_matches_float64(interpreter_results):
     assert {r["page"] for r in cases} == {16, 64} and {r["heads"] for r in cases} >= {3, 6, 12, 20}
     assert {r["cache"] for r in cases} == {"torch.bfloat16", "torch.float8_e4m3fn"}
     assert {r["page_tiles"] for r in cases} == {True, False}  # one lookup a tile, and a lookup a token
+    assert interpreter_results["past_table_fp8"]["past_table"] and interpreter_results["past_table_bf16"]["past_table"]
 
 
 @pytest.mark.parametrize("case,blocks", [("combine", [64, 128]), ("combine_s300", [256, 32])])
@@ -542,8 +553,8 @@ def _compile_split(variant: str, cache: str, single: bool):
     cfg = K.VARIANTS[variant]
     fp8 = cache == "fp8e4nv"
     names = K._mla_split_kernel.arg_names
-    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, SINGLE=single,
-                      PREFETCH=cfg.prefetch, PAGE_TILES=K.page_tiles(cfg, 64), FP16_DOTS=cfg.fp16_dots and fp8,
+    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, HAS_SCALE=fp8,
+                      SINGLE=single, PREFETCH=cfg.prefetch, PAGE_TILES=K.page_tiles(cfg, 64), FP16_DOTS=cfg.fp16_dots and fp8,
                       PDL=cfg.pdl and not single)  # as run() launches it
     part = "*bf16" if single else "*fp32"
     types = {"q_ptr": "*bf16", "kv_ptr": f"*{cache}", "bt_ptr": "*i32", "lens_ptr": "*i32",
@@ -574,8 +585,8 @@ def _compile_gluon(variant: str, cache: str, single: bool):
     fp8 = cache == "fp8e4nv"
     fn = G._mla_split_gluon_fp8_ahead if cfg.widen_ahead and fp8 else G._mla_split_gluon  # as launch() picks
     names = fn.arg_names
-    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, SINGLE=single,
-                      NBUF=min(cfg.num_stages, G.MAX_RING[1 if fp8 else 2]), PDL=cfg.pdl and not single,
+    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, HAS_SCALE=fp8,
+                      SINGLE=single, NBUF=min(cfg.num_stages, G.MAX_RING[1 if fp8 else 2]), PDL=cfg.pdl and not single,
                       BESIDE_VALUES=cfg.widen_ahead == 2, num_warps=G.NUM_WARPS)
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     part = "*bf16" if single else "*fp32"

@@ -8,6 +8,7 @@
   variants (TRIAL_VARIANTS: the fp8 kernel that widens a tile ahead): within the
   roundings of p and of the output of the float64 attention; every split count from 1 to the chosen
   one's double, and every variant on either cache, gives that too; deterministic;
+* a scaled 16-bit cache and lengths past the table's width (the whole table), every variant;
 * the combine alone against a float64 merge (empty parts: NaN behind a -inf lse), one step and two,
   plain and behind PDL;
 * the op through the dispatcher in strict mode: k3fuse.stats() shows the Triton kernel; the kill
@@ -79,6 +80,7 @@ def f64_attention(q, cache, table, lens, kv_scale=None):
     out = torch.zeros(B, H, 512, dtype=torch.float64, device=DEV)
     mag = torch.zeros_like(out)
     for b, n in enumerate(lens.tolist()):
+        n = min(n, table.shape[1] * page)  # past the table: all of it (the plain spelling's mask)
         if n == 0:
             continue
         tok = torch.arange(n, device=DEV)
@@ -153,6 +155,23 @@ def test_every_split_count_and_every_variant(cache_dtype):
         assert kernel.resolve(cfg, cache_dtype, case[0].device, 64) is cfg
         check(poisoned(*case, config=cfg), ref, mag, name)
         check(poisoned(*case, config=cfg, splits=5), ref, mag, (name, 5))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_scaled_cache_and_lengths_past_the_table(cache_dtype):
+    """The model's spelling multiplies every cache by its scale (a 16-bit one too) and attends over the whole
+    table when a length runs past it: every variant does the same, the Gluon ones on pages of 64."""
+    case = make_case([4096, 4096, 640, 0], 6, 64, cache_dtype, seed=11)
+    q, cache, table, lens, kv_scale = case
+    kv_scale = torch.tensor([0.37], device=DEV) if kv_scale is None else kv_scale
+    lens = lens.clone()
+    lens[0] += 5000  # a full row of the table, and a length past it
+    ref, mag = f64_attention(q, cache, table, lens, kv_scale)
+    assert mla_op.accepts(mla_op.MLADecodeSpec.from_call(q, cache, table, lens, SCALE, kv_scale)) is None
+    for variant in variants_for(cache_dtype):
+        for splits in (None, 3):
+            out = poisoned(q, cache, table, lens, kv_scale, config=kernel.VARIANTS[variant], splits=splits)
+            check(out, ref, mag, (variant, splits))
 
 
 @pytest.mark.parametrize("S", [150, 300])

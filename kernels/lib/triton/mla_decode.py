@@ -31,8 +31,10 @@ softmax_scale * (q . entry_j) (* kv_scale for fp8); partial outputs are normalis
 with p summing to 1), in fp32. A sequence of length 0 gets a zero output (padding rows of a graph).
 
 q [B, H, 576] (bf16 / fp16, unit inner stride), kv_cache [num_blocks, block_size, 576] (q's dtype,
-or fp8 e4m3 with kv_scale, an fp32 tensor of one element), block_table int32 [B, max_blocks],
-seq_lens int32 [B] -> out [B, H, 512] in q's dtype.
+or fp8 e4m3), kv_scale (an fp32 tensor of one element: entry = kv_scale * stored; an fp8 cache needs
+it, a 16-bit one may have it), block_table int32 [B, max_blocks], seq_lens int32 [B] (a length past
+the table's max_blocks * block_size entries attends over all of them, as the plain spelling does)
+-> out [B, H, 512] in q's dtype.
 """
 from __future__ import annotations
 
@@ -281,15 +283,15 @@ if HAVE_TRITON:
 
     # the head count, split count and table width change a launch's integers but not its code: kept out of
     # Triton's specialisation (each value divisible by 16 or equal to 1 would compile its own copy)
-    NOT_SPECIALIZED = ("H", "num_splits", "bt_sb", "pl_sb", "pl_sh")
+    NOT_SPECIALIZED = ("H", "num_splits", "max_len", "bt_sb", "pl_sb", "pl_sh")
 
     @triton.jit(do_not_specialize=NOT_SPECIALIZED)
     def _mla_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, kv_scale_ptr, out_ptr, pout_ptr, plse_ptr,
-                          qk_scale, H, num_splits,
+                          qk_scale, H, num_splits, max_len,
                           q_sb, q_sh, kv_sblk, kv_stok, bt_sb,
                           o_sb, o_sh, po_sb, po_sh, po_ss, pl_sb, pl_sh,
                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                          LATENT: tl.constexpr, ROPE: tl.constexpr, IS_FP8: tl.constexpr,
+                          LATENT: tl.constexpr, ROPE: tl.constexpr, IS_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                           SINGLE: tl.constexpr, PREFETCH: tl.constexpr, PAGE_TILES: tl.constexpr,
                           FP16_DOTS: tl.constexpr, PDL: tl.constexpr):
         if PDL:
@@ -297,7 +299,7 @@ if HAVE_TRITON:
         b = tl.program_id(0)
         hblk = tl.program_id(1)
         split = tl.program_id(2)
-        seq_len = tl.load(lens_ptr + b)
+        seq_len = tl.minimum(tl.load(lens_ptr + b), max_len)  # a length past the table attends over all of it
         # this sequence's split: whole tiles, at most num_splits of them over its own length
         tiles = tl.cdiv(seq_len, BLOCK_N)
         per = tl.cdiv(tiles, num_splits) * BLOCK_N
@@ -311,8 +313,8 @@ if HAVE_TRITON:
         q_rows = q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh
         q_lat = tl.load(q_rows + lat[None, :], mask=h_ok[:, None], other=0.0)
         q_rope = tl.load(q_rows + LATENT + rope[None, :], mask=h_ok[:, None], other=0.0)
-        if IS_FP8:
-            qk_scale = qk_scale * tl.load(kv_scale_ptr)  # score = scale * kv_scale * (q . entry_fp8)
+        if HAS_SCALE:
+            qk_scale = qk_scale * tl.load(kv_scale_ptr)  # score = scale * kv_scale * (q . stored entry)
         if FP16_DOTS:
             # q times a power of two that puts its largest magnitude in [2^13, 2^14): inside fp16's
             # range whatever q's, and exact; the scores take it back out of qk_scale
@@ -353,8 +355,8 @@ if HAVE_TRITON:
 
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
-        if IS_FP8:
-            o = o * tl.load(kv_scale_ptr)  # the values are kv_scale * c_kv_fp8
+        if HAS_SCALE:
+            o = o * tl.load(kv_scale_ptr)  # the values are kv_scale * stored c_kv
         if SINGLE:
             out = out_ptr + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + lat[None, :]
             tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])  # length 0: zeros
@@ -424,6 +426,8 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
     B, H = q.shape[0], q.shape[1]
     page = kv_cache.shape[1]
     is_fp8 = kv_cache.dtype == FP8
+    if is_fp8 and kv_scale is None:
+        raise ValueError("mla_decode: an fp8 cache needs its kv_scale")
     cfg = resolve(config or config_for(kv_cache.dtype), kv_cache.dtype, q.device, page)
     if out is None:
         out = torch.empty((B, H, LATENT), dtype=q.dtype, device=q.device)
@@ -431,12 +435,14 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
         return out
     S = splits or split_count(B, H, block_table.shape[1] * page, sm_count(q.device), cfg,
                               entry_bytes=ENTRY * kv_cache.element_size())
-    scale_arg = kv_scale if is_fp8 else seq_lens  # any pointer: not read without fp8
+    scale_arg = kv_scale if kv_scale is not None else seq_lens  # any pointer: not read without a scale
+    max_len = block_table.shape[1] * page
     qk_scale = float(softmax_scale) * LOG2E
     grid = (B, head_blocks(H), S)
     pdl = (cfg.pdl and not INTERPRET and S > 1
            and _has_pdl(q.device.index if q.device.index is not None else torch.cuda.current_device()))
     common = dict(PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, LATENT=LATENT, ROPE=ROPE, IS_FP8=is_fp8,
+                  HAS_SCALE=kv_scale is not None,
                   PREFETCH=cfg.prefetch, PAGE_TILES=page_tiles(cfg, page), FP16_DOTS=cfg.fp16_dots and is_fp8,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kv_args = (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0))
@@ -449,12 +455,13 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
         part_strides = (0, 0, 0, 0, 0) if single else (pout.stride(0), pout.stride(1), pout.stride(2),
                                                         plse.stride(0), plse.stride(1))
         gluon_kernel.launch(grid, q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S,
-                            kv_args, (out.stride(0), out.stride(1)), part_strides, page=page, block_h=BLOCK_H,
-                            block_n=cfg.block_n, latent=LATENT, rope=ROPE, is_fp8=is_fp8, single=single,
+                            max_len, kv_args, (out.stride(0), out.stride(1)), part_strides, page=page, block_h=BLOCK_H,
+                            block_n=cfg.block_n, latent=LATENT, rope=ROPE, is_fp8=is_fp8,
+                            has_scale=kv_scale is not None, single=single,
                             nbuf=cfg.num_stages, pdl=pdl, widen_ahead=cfg.widen_ahead)
         return out if single else combine(pout, plse, out=out, pdl=pdl)
     if S == 1:
-        _mla_split_kernel[grid](q, kv_cache, block_table, seq_lens, scale_arg, out, out, out, qk_scale, H, 1,
+        _mla_split_kernel[grid](q, kv_cache, block_table, seq_lens, scale_arg, out, out, out, qk_scale, H, 1, max_len,
                                 *kv_args, out.stride(0), out.stride(1), 0, 0, 0, 0, 0, SINGLE=True, PDL=False,
                                 **common)
         return out
@@ -462,7 +469,7 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_
         partials = (torch.empty((B, H, S, LATENT), dtype=torch.float32, device=q.device),
                     torch.empty((B, H, S), dtype=torch.float32, device=q.device))
     pout, plse = partials
-    _mla_split_kernel[grid](q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S,
+    _mla_split_kernel[grid](q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S, max_len,
                             *kv_args, out.stride(0), out.stride(1), pout.stride(0), pout.stride(1),
                             pout.stride(2), plse.stride(0), plse.stride(1), SINGLE=False, PDL=pdl, **common)
     return combine(pout, plse, out=out, pdl=pdl)

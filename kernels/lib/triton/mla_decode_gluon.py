@@ -83,9 +83,10 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.async_copy_global_to_shared(rope_ring.index(buf), rptrs, mask=rok)
 
     @gluon.jit
-    def _split_bounds(lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
-        """(start, end, tiles) of this program's split: whole tiles, at most num_splits over the sequence."""
-        seq_len = gl.load(lens_ptr + b)
+    def _split_bounds(lens_ptr, b, split, num_splits, max_len, BLOCK_N: gl.constexpr):
+        """(start, end, tiles) of this program's split: whole tiles, at most num_splits over the sequence (its
+        length capped at the table's max_len entries)."""
+        seq_len = gl.minimum(gl.load(lens_ptr + b), max_len)
         per = gl.cdiv(gl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
         start = split * per
         end = gl.minimum(start + per, seq_len)
@@ -93,11 +94,11 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _stage_queries(q_ptr, b, hblk, H, q_sb, q_sh, kv_scale_ptr, qk_scale, q_smem, qr_smem,
-                       IS_FP8: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr, ROPE: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       IS_FP8: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr,
+                       ROPE: gl.constexpr, num_warps: gl.constexpr):
         """This block's heads' queries into shared memory in the dots' dtype; returns the scores' scale
-        (log2(e) and softmax_scale in it; for fp8, kv_scale, and q taken through a power of two that puts
-        |q|'s largest into [2^13, 2^14): inside fp16's range and exact)."""
+        (log2(e) and softmax_scale in it, kv_scale with HAS_SCALE; for fp8, q taken through a power of two
+        that puts |q|'s largest into [2^13, 2^14): inside fp16's range and exact)."""
         Q_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
         QR_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
         dt: gl.constexpr = q_smem.dtype
@@ -109,8 +110,9 @@ if GLUON_IMPORT_ERROR is None:
         q_rope = gl.load(q_ptr + b.to(gl.int64) * q_sb + heads_r[:, None] * q_sh + LATENT
                          + gl.arange(0, ROPE, gl.SliceLayout(0, QR_LAYOUT))[None, :],
                          mask=(heads_r < H)[:, None], other=0.0)
-        if IS_FP8:
+        if HAS_SCALE:
             qk_scale = qk_scale * gl.load(kv_scale_ptr)
+        if IS_FP8:
             amax = gl.maximum(gl.max(gl.max(gl.abs(q_lat.to(gl.float32)), 1), 0),
                               gl.max(gl.max(gl.abs(q_rope.to(gl.float32)), 1), 0))
             exponent = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -126,7 +128,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _write_result(acc, m_i, l_i, b, hblk, split, H, kv_scale_ptr, out_ptr, pout_ptr, plse_ptr,
                       o_sb, o_sh, po_sb, po_sh, po_ss, pl_sb, pl_sh,
-                      IS_FP8: gl.constexpr, SINGLE: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr,
+                      HAS_SCALE: gl.constexpr, SINGLE: gl.constexpr, BLOCK_H: gl.constexpr, LATENT: gl.constexpr,
                       num_warps: gl.constexpr):
         """acc (o^T, [LATENT, BLOCK_H], unnormalised), m_i and l_i (base 2) into the output (one split) or
         this split's partial and log-sum-exp, through a coalesced layout (the wgmma accumulator holds a
@@ -134,8 +136,8 @@ if GLUON_IMPORT_ERROR is None:
         OUT_LAYOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])  # [LATENT, BLOCK_H]
         has = l_i > 0.0
         o = acc / gl.where(has, l_i, 1.0)[None, :]
-        if IS_FP8:
-            o = o * gl.load(kv_scale_ptr)  # the values are kv_scale * c_kv_fp8
+        if HAS_SCALE:
+            o = o * gl.load(kv_scale_ptr)  # the values are kv_scale * stored c_kv
         o = gl.convert_layout(o, OUT_LAYOUT)
         d = gl.arange(0, LATENT, gl.SliceLayout(1, OUT_LAYOUT))
         heads = hblk * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, OUT_LAYOUT))
@@ -151,13 +153,13 @@ if GLUON_IMPORT_ERROR is None:
             heads_c = hblk * BLOCK_H + gl.arange(0, BLOCK_H, m_i.type.layout)
             gl.store(plse_ptr + b.to(gl.int64) * pl_sb + heads_c * pl_sh + split, lse, mask=heads_c < H)
 
-    @gluon.jit(do_not_specialize=("H", "num_splits", "bt_sb", "pl_sb", "pl_sh"))  # as the Triton kernel's
+    @gluon.jit(do_not_specialize=("H", "num_splits", "max_len", "bt_sb", "pl_sb", "pl_sh"))  # as the Triton kernel's
     def _mla_split_gluon(q_ptr, kv_ptr, bt_ptr, lens_ptr, kv_scale_ptr, out_ptr, pout_ptr, plse_ptr,
-                         qk_scale, H, num_splits,
+                         qk_scale, H, num_splits, max_len,
                          q_sb, q_sh, kv_sblk, kv_stok, bt_sb,
                          o_sb, o_sh, po_sb, po_sh, po_ss, pl_sb, pl_sh,
                          PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                         LATENT: gl.constexpr, ROPE: gl.constexpr, IS_FP8: gl.constexpr,
+                         LATENT: gl.constexpr, ROPE: gl.constexpr, IS_FP8: gl.constexpr, HAS_SCALE: gl.constexpr,
                          SINGLE: gl.constexpr, NBUF: gl.constexpr, PDL: gl.constexpr,
                          num_warps: gl.constexpr):
         if PDL:
@@ -185,7 +187,7 @@ if GLUON_IMPORT_ERROR is None:
         b = gl.program_id(0)
         hblk = gl.program_id(1)
         split = gl.program_id(2)
-        start, end, n_tiles = _split_bounds(lens_ptr, b, split, num_splits, BLOCK_N)
+        start, end, n_tiles = _split_bounds(lens_ptr, b, split, num_splits, max_len, BLOCK_N)
         bt_row = bt_ptr + b.to(gl.int64) * bt_sb
 
         # --- shared memory -----------------------------------------------------------------------------
@@ -219,7 +221,7 @@ if GLUON_IMPORT_ERROR is None:
 
         # --- q: this block's heads, into shared memory (fp8: fp16 scaled by a power of two) -----------
         qk_scale = _stage_queries(q_ptr, b, hblk, H, q_sb, q_sh, kv_scale_ptr, qk_scale, q_smem, qr_smem,
-                                  IS_FP8, BLOCK_H, LATENT, ROPE, num_warps)
+                                  IS_FP8, HAS_SCALE, BLOCK_H, LATENT, ROPE, num_warps)
 
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, COL)
         l_rows = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)  # the softmax sums, per row: one reduction at the end
@@ -269,7 +271,7 @@ if GLUON_IMPORT_ERROR is None:
             m_i = m_new
         async_copy.wait_group(0)  # the ring's prefetches past the split, before the program ends
         _write_result(acc, m_i, gl.sum(l_rows, 0), b, hblk, split, H, kv_scale_ptr, out_ptr, pout_ptr, plse_ptr,
-                      o_sb, o_sh, po_sb, po_sh, po_ss, pl_sb, pl_sh, IS_FP8, SINGLE, BLOCK_H, LATENT, num_warps)
+                      o_sb, o_sh, po_sb, po_sh, po_ss, pl_sb, pl_sh, HAS_SCALE, SINGLE, BLOCK_H, LATENT, num_warps)
 
 
     @gluon.jit
@@ -317,9 +319,9 @@ if GLUON_IMPORT_ERROR is None:
         _widen_words(x3, lat_words.slice(3 * CHUNK // 2, CHUNK // 2, 1))
         _widen_words(xr, rope_words)
 
-    @gluon.jit(do_not_specialize=("H", "num_splits", "bt_sb", "pl_sb", "pl_sh"))
+    @gluon.jit(do_not_specialize=("H", "num_splits", "max_len", "bt_sb", "pl_sb", "pl_sh"))
     def _mla_split_gluon_fp8_ahead(q_ptr, kv_ptr, bt_ptr, lens_ptr, kv_scale_ptr, out_ptr, pout_ptr, plse_ptr,
-                                     qk_scale, H, num_splits,
+                                     qk_scale, H, num_splits, max_len,
                                      q_sb, q_sh, kv_sblk, kv_stok, bt_sb,
                                      o_sb, o_sh, po_sb, po_sh, po_ss, pl_sb, pl_sh,
                                      PAGE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -348,7 +350,7 @@ if GLUON_IMPORT_ERROR is None:
         b = gl.program_id(0)
         hblk = gl.program_id(1)
         split = gl.program_id(2)
-        start, end, n_tiles = _split_bounds(lens_ptr, b, split, num_splits, BLOCK_N)
+        start, end, n_tiles = _split_bounds(lens_ptr, b, split, num_splits, max_len, BLOCK_N)
         bt_row = bt_ptr + b.to(gl.int64) * bt_sb
 
         lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dt)
@@ -371,7 +373,7 @@ if GLUON_IMPORT_ERROR is None:
         x0, x1, x2, x3, xr = _load_tile_words(kv_ptr, page0, start, end, kv_sblk, kv_stok, PAGE, BLOCK_N, LATENT,
                                               ROPE, CHUNK, XL, XR)
         qk_scale = _stage_queries(q_ptr, b, hblk, H, q_sb, q_sh, kv_scale_ptr, qk_scale, q_smem, qr_smem,
-                                  True, BLOCK_H, LATENT, ROPE, num_warps)
+                                  True, True, BLOCK_H, LATENT, ROPE, num_warps)
         _widen_tile(x0, x1, x2, x3, xr, stage.index(0)._reinterpret(gl.int32, [BLOCK_N, LATENT // 2], lat_wl),
                     stage_rope.index(0)._reinterpret(gl.int32, [BLOCK_N, ROPE // 2], rope_wl), CHUNK)
         t_next = start + BLOCK_N
@@ -444,19 +446,19 @@ if GLUON_IMPORT_ERROR is None:
                       o_sb, o_sh, po_sb, po_sh, po_ss, pl_sb, pl_sh, True, SINGLE, BLOCK_H, LATENT, num_warps)
 
 
-def launch(grid, q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S, kv_args,
-           out_strides, part_strides, *, page, block_h, block_n, latent, rope, is_fp8, single, nbuf, pdl,
-           widen_ahead=0) -> None:
+def launch(grid, q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S, max_len, kv_args,
+           out_strides, part_strides, *, page, block_h, block_n, latent, rope, is_fp8, has_scale, single, nbuf,
+           pdl, widen_ahead=0) -> None:
     """The Gluon split kernel over `grid`, arguments as mla_decode.run passes the Triton one; a ring of
     `nbuf` tiles (at most MAX_RING's for the cache); `widen_ahead` (fp8 only): the kernel that widens the
     next tile while the tensor cores score this one (1), or half of it then, half beside the value dot (2)."""
-    args = (q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S, *kv_args, *out_strides,
-            *part_strides)
+    args = (q, kv_cache, block_table, seq_lens, scale_arg, out, pout, plse, qk_scale, H, S, max_len, *kv_args,
+            *out_strides, *part_strides)
     if widen_ahead and is_fp8:
         _mla_split_gluon_fp8_ahead[grid](*args, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, LATENT=latent,
                                          ROPE=rope, SINGLE=single, PDL=pdl, BESIDE_VALUES=widen_ahead == 2,
                                          num_warps=NUM_WARPS)
         return
     _mla_split_gluon[grid](*args, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, LATENT=latent, ROPE=rope, IS_FP8=is_fp8,
-                           SINGLE=single, NBUF=min(nbuf, MAX_RING[kv_cache.element_size()]), PDL=pdl,
+                           HAS_SCALE=has_scale, SINGLE=single, NBUF=min(nbuf, MAX_RING[kv_cache.element_size()]), PDL=pdl,
                            num_warps=NUM_WARPS)
