@@ -544,7 +544,7 @@ def _ptxas_report(ptx: str) -> dict:
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in err}
 
 
-def _compile_split(variant: str, cache: str, single: bool):
+def _compile_split(variant: str, cache: str, single: bool, scaled: bool | None = None):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -553,12 +553,12 @@ def _compile_split(variant: str, cache: str, single: bool):
     cfg = K.VARIANTS[variant]
     fp8 = cache == "fp8e4nv"
     names = K._mla_split_kernel.arg_names
-    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, HAS_SCALE=fp8,
-                      SINGLE=single, PREFETCH=cfg.prefetch, PAGE_TILES=K.page_tiles(cfg, 64), FP16_DOTS=cfg.fp16_dots and fp8,
+    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8,
+                      HAS_SCALE=fp8 if scaled is None else scaled, SINGLE=single, PREFETCH=cfg.prefetch, PAGE_TILES=K.page_tiles(cfg, 64), FP16_DOTS=cfg.fp16_dots and fp8,
                       PDL=cfg.pdl and not single)  # as run() launches it
     part = "*bf16" if single else "*fp32"
     types = {"q_ptr": "*bf16", "kv_ptr": f"*{cache}", "bt_ptr": "*i32", "lens_ptr": "*i32",
-             "kv_scale_ptr": "*fp32" if fp8 else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
+             "kv_scale_ptr": "*fp32" if constexprs["HAS_SCALE"] else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
              "plse_ptr": part, "qk_scale": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     # what a launch specialises: 16-byte aligned pointers, the 16-divisible strides
@@ -570,7 +570,7 @@ def _compile_split(variant: str, cache: str, single: bool):
                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
-def _compile_gluon(variant: str, cache: str, single: bool):
+def _compile_gluon(variant: str, cache: str, single: bool, scaled: bool | None = None):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -585,13 +585,13 @@ def _compile_gluon(variant: str, cache: str, single: bool):
     fp8 = cache == "fp8e4nv"
     fn = G._mla_split_gluon_fp8_ahead if cfg.widen_ahead and fp8 else G._mla_split_gluon  # as launch() picks
     names = fn.arg_names
-    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8, HAS_SCALE=fp8,
-                      SINGLE=single, NBUF=min(cfg.num_stages, G.MAX_RING[1 if fp8 else 2]), PDL=cfg.pdl and not single,
+    constexprs = dict(PAGE=64, BLOCK_H=16, BLOCK_N=cfg.block_n, LATENT=512, ROPE=64, IS_FP8=fp8,
+                      HAS_SCALE=fp8 if scaled is None else scaled, SINGLE=single, NBUF=min(cfg.num_stages, G.MAX_RING[1 if fp8 else 2]), PDL=cfg.pdl and not single,
                       BESIDE_VALUES=cfg.widen_ahead == 2, num_warps=G.NUM_WARPS)
     constexprs = {k: v for k, v in constexprs.items() if k in names}
     part = "*bf16" if single else "*fp32"
     types = {"q_ptr": "*bf16", "kv_ptr": f"*{cache}", "bt_ptr": "*i32", "lens_ptr": "*i32",
-             "kv_scale_ptr": "*fp32" if fp8 else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
+             "kv_scale_ptr": "*fp32" if fp8 or scaled else "*i32", "out_ptr": "*bf16", "pout_ptr": part,
              "plse_ptr": part, "qk_scale": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     divisible = [n for n in names if n.endswith("_ptr")] + ["q_sb", "q_sh", "kv_sblk", "kv_stok", "o_sb", "o_sh",
@@ -655,6 +655,19 @@ def test_split_kernel_compiles_for_sm90_as_designed(variant, cache, single):
     # 255 registers at 8 warps (prefetch) or 4 (Gluon fp8): a few words on the stack (L1)
     assert report["spill"] <= (64 if cfg.prefetch or (cfg.gluon and cache == "fp8e4nv") else 0), report
     assert not (cfg.gluon and report["wgmma_serialized"]), report
+
+
+@pytest.mark.parametrize("variant", ["page32", "gluon64"])
+def test_a_scaled_bf16_cache_compiles_with_its_scale_read(variant):
+    """What the rule emits on a bf16 cache (the model scales every cache): the scale read for the scores and
+    the output, the same dots."""
+    cfg = _variant(variant)
+    _, plain = (_compile_gluon if cfg.gluon else _compile_split)(variant, "bf16", False, scaled=False)
+    _, scaled = (_compile_gluon if cfg.gluon else _compile_split)(variant, "bf16", False, scaled=True)
+    loads = [k.asm["ptx"].count("ld.global.b32") + k.asm["ptx"].count("ld.global.f32") for k in (plain, scaled)]
+    assert loads[1] > loads[0], loads  # the scale
+    dot = "wgmma.mma_async" if cfg.gluon else "mma.sync"
+    assert plain.asm["ptx"].count(dot) == scaled.asm["ptx"].count(dot)
 
 
 def _variant(name):
