@@ -51,6 +51,11 @@ def _flag(name: str, raw: str) -> bool:
     raise SettingsError(f"{name}={raw!r}: expected 1/0 (or true/false, yes/no, on/off)")
 
 
+def _optional_flag(name: str, raw: str) -> bool | None:
+    """Unset or empty: None (the code's default), else a flag."""
+    return _flag(name, raw) if raw.strip() else None
+
+
 def _text(name: str, raw: str) -> str:
     return raw.strip()
 
@@ -171,6 +176,9 @@ VARIABLES: tuple[Variable, ...] = (
              "the same bound in milliseconds (older name; K3FUSE_AR_TIMEOUT_S wins)"),
     Variable("K3FUSE_AR_START_GENERATION", "ar_start_generation", _int64, 0,
              "first epoch of a new all-reduce workspace (tests start it near the int64 wrap)"),
+    Variable("K3FUSE_VLLM_MODEL", "vllm_model", _optional_flag, None,
+             "1: vLLM serves K3's architectures with k3fuse's compiled K3 model (the k3fuse_model plugin); 0: with "
+             "vLLM's own class, whatever VLLM_PLUGINS says"),
 )
 DEFAULT_AR_TIMEOUT_S = 5.0
 
@@ -194,6 +202,7 @@ class Settings:
     ar_timeout_s: float | None = None
     ar_timeout_ms_as_s: float | None = None
     ar_start_generation: int = 0
+    vllm_model: bool | None = None
 
     @property
     def spin_timeout_s(self) -> float:

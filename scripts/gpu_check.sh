@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh [all | x2-tests | x2-safety | x2-layer | x2-bench | STEP...]
 #   steps: versions test-gemm bench-gemm test-ar bench-ar test-safety test-guard tests sweep test-layer bench-layer
 #          bench-attnres test-moe bench-moe test-front bench-front test-tail bench-tail
+#          test-model bench-model validate-model
 #          tests/gpu/<file>.py[::test][,...]  (those tests, one step)
 #   all      = test-gemm bench-gemm test-ar bench-ar test-front bench-front test-tail bench-tail test-moe
 #              bench-moe test-layer bench-layer
@@ -28,6 +29,11 @@
 #   PYTEST_K selects tests by -k; BENCH_ARGS are added to the layer benches, SWEEP_ARGS to the split-K
 #   sweep (--sites qkvg_tp1,shared_gate_tp1: K3's TP 1 sites the tuned table lacks); PACK=1 packs everything
 #   under $OUT into $OUT/results.tgz, for transports that return few files.
+#   test-model / bench-model / validate-model: the whole K3 model (issue 50) as one rank of a real deployment on
+#   one GPU: rank 0 of TP MODEL_TP (default 16 on a card of >= 120 GB, an H200; 32 on an 80 GB H100) at K3's
+#   widths; bench-model times one decode step (stock / k3fuse / humming peer, batch 1, 8, 64, contexts 4K, 32K,
+#   128K; MODEL_ARGS adds options, e.g. --arms stock,k3fuse or --context 4096), validate-model runs 1000 steps
+#   of a 4-layer slice against its float32 copy (VALIDATE_ARGS adds options)
 #   test-ar runs both all-reduce protocols (lamport, flags); K3FUSE_TEST_AR_TOKENS=1,2,64 limits its
 #   token sweep, PYTEST_X=-x stops a step at its first failure (default: runs on, so one run
 #   reports every test), PYTEST_ARGS adds pytest options
@@ -162,6 +168,13 @@ for s in "${STEPS[@]}"; do
                  -k regex:W4A16RowsDot --section SpeedOfLight --section MemoryWorkloadAnalysis \
                  --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
                  "$PY" -m bench.ncu_w4a16 ${NCU_ARGS:-} ;;
+    test-model) step pytest_model "${TEST_TIMEOUT:-500}" "${PYTEST[@]}" ${PYTEST_ARGS:-} tests/gpu/test_model_gpu.py ;;
+    bench-model) MTP=${MODEL_TP:-$("$PY" -c "import torch; print(16 if torch.cuda.get_device_properties(0).total_memory > 120e9 else 32)")}
+                 step bench_model "${BENCH_TIMEOUT:-590}" "$PY" -m k3fuse.tools.cli bench --model --device cuda --preset k3 \
+                   --as-rank 0 --of "$MTP" --json "$OUT/bench_model_tp$MTP.json" ${MODEL_ARGS:-} ;;
+    validate-model) step validate_model "${BENCH_TIMEOUT:-590}" "$PY" -m k3fuse.tools.cli validate --model --device cuda \
+                   --preset k3 --layers 4 --as-rank 0 --of 16 --batch 8 --steps 1000 --context 4096 \
+                   --json "$OUT/validate_model.json" --plots "$OUT/plots_validate_model" ${VALIDATE_ARGS:-} ;;
     versions)  ;;
     tests/*)   # test files or node ids, comma-separated: one step, logged as pytest_<first file>.log
                IFS=, read -ra IDS <<< "$s"; first=$(basename "${IDS[0]%%::*}" .py)

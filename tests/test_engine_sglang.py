@@ -4,8 +4,8 @@ SGLang's releases pin CUDA torch builds, so SGLang is not installed: its wheel's
 sys.path (scripts/install_engines.sh unpacks 0.5.21 into .engines/; K3FUSE_SGLANG_SRC overrides).
 What runs is SGLang's code: `sglang.srt.plugins.load_plugins()` discovers k3fuse's entry point and
 installs the pass; `init_model_parallel_group` builds SGLang's TP group on gloo; the model calls
-`torch.ops.sglang.outplace_all_reduce` / `inplace_all_reduce`, whose kernels are CUDA-only: on CPU
-the compiled model can only run if k3fuse replaced them (the fused op reduces over the same
+`torch.ops.sglang.outplace_all_reduce` / `inplace_all_reduce` / `flashinfer_allreduce`, whose kernels are
+CUDA-only: on CPU the compiled model can only run if k3fuse replaced them (the fused op reduces over the same
 group). SGLang's RMSNorm module cannot be imported without SGLang's dependencies (torchvision,
 ...), so its `forward_native` is compiled from the wheel's layernorm.py on its own and bound to a
 module with RMSNorm's attributes: the fp32-residual norm is SGLang's code.
@@ -49,7 +49,7 @@ def _sglang_rmsnorm_forward(src: str):  # noqa: ANN202
     return namespace["forward_native"]
 
 
-def _sglang_worker(rank: int, world: int, src: str, inplace: bool, log_path: str, dtype_name: str) -> dict:
+def _sglang_worker(rank: int, world: int, src: str, spelling: str, log_path: str, dtype_name: str) -> dict:
     sys.path.insert(0, src)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(REPO_ROOT)]
     os.environ["SGLANG_PLUGINS"] = "k3fuse"
@@ -97,8 +97,10 @@ def _sglang_worker(rank: int, world: int, src: str, inplace: bool, log_path: str
 
         def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             y = torch.nn.functional.linear(x, self.w)
-            if inplace:
+            if spelling == "inplace":
                 torch.ops.sglang.inplace_all_reduce(y, group_name=tp.unique_name)
+            elif spelling == "flashinfer":  # SGLang's op under torch.compile where FlashInfer's all-reduce applies
+                y = torch.ops.sglang.flashinfer_allreduce(y, tp.unique_name)
             else:
                 y = torch.ops.sglang.outplace_all_reduce(y, tp.unique_name, "auto")
             if dtype == torch.float32:  # k3fuse's reference spelling
@@ -130,15 +132,17 @@ def _sglang_worker(rank: int, world: int, src: str, inplace: bool, log_path: str
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1.6e-2}
 
 
-@pytest.mark.parametrize(("inplace", "dtype_name"), [(False, "float32"), (True, "float32"), (False, "bfloat16")],
-                         ids=["outplace_all_reduce", "inplace_all_reduce", "bf16_fp32_residual_rmsnorm"])
-def test_sglang_plugin_installs_the_pass_and_its_all_reduce_is_fused(tmp_path, inplace, dtype_name):
+@pytest.mark.parametrize(("spelling", "dtype_name"), [("outplace", "float32"), ("inplace", "float32"),
+                                                      ("flashinfer", "float32"), ("outplace", "bfloat16")],
+                         ids=["outplace_all_reduce", "inplace_all_reduce", "flashinfer_allreduce",
+                              "bf16_fp32_residual_rmsnorm"])
+def test_sglang_plugin_installs_the_pass_and_its_all_reduce_is_fused(tmp_path, spelling, dtype_name):
     log_path = str(tmp_path / "rw.jsonl")
-    results = launch(_sglang_worker, 2, args=(_sglang_source(), inplace, log_path, dtype_name), timeout_s=540)
+    results = launch(_sglang_worker, 2, args=(_sglang_source(), spelling, log_path, dtype_name), timeout_s=540)
     with open(log_path) as f:
         events = [json.loads(line) for line in f if line.strip()]
     applied = [e for e in events if e["rule"] == "oproj_allreduce_residual" and e["decision"] == "applied"]
-    print(f"\nSGLang test ({'inplace' if inplace else 'outplace'}, {dtype_name}):", json.dumps(results))
+    print(f"\nSGLang test ({spelling}, {dtype_name}):", json.dumps(results))
     print("applied:", [(e["rank"], e["variant"], e["door"]) for e in applied])
     assert sorted(e["rank"] for e in applied) == [0, 1]
     variant = "plain+norm" if dtype_name == "float32" else "plain+norm[bfloat16]"

@@ -7,6 +7,7 @@ SGLang process); the pass finds SGLang's TP group when it runs, in the worker.
 
 Spellings in SGLang's graphs:
   all-reduce  torch.ops.sglang.outplace_all_reduce(x, group_name, method)         out of place
+              torch.ops.sglang.flashinfer_allreduce(x, group_name)                 out of place (FlashInfer)
               torch.ops.sglang.inplace_all_reduce(x, group_name)  mutates x (functionalised:
               auto_functionalized(...) -> getitem, copied back into x)
   norm        native ATen: the residual added in fp32 (x.float() + residual.float()), kept in the
@@ -27,6 +28,9 @@ ENGINE = Engine("SGLang", "sglang", ("sglang",), (0, 5, 17), (0, 5, 22))
 
 OUTPLACE_ALL_REDUCE = "sglang::outplace_all_reduce"
 INPLACE_ALL_REDUCE = "sglang::inplace_all_reduce"
+#: `flashinfer_allreduce(Tensor tensor, str group_name) -> Tensor` (srt/distributed/parallel_state.py, 0.5.21): what
+#: GroupCoordinator.all_reduce emits under torch.compile where FlashInfer's all-reduce applies; out of place
+FLASHINFER_ALL_REDUCE = "sglang::flashinfer_allreduce"
 
 
 def _parallel_state():  # type: ignore[no-untyped-def]
@@ -66,6 +70,7 @@ engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(OUTPLACE_ALL_RE
 fp32_residual.register_fp32_residual_norm("SGLang")
 engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,
                                                                  mutates=True))
+engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(FLASHINFER_ALL_REDUCE, "SGLang", c10d_group_name))
 
 
-__all__ = ["ENGINE", "OUTPLACE_ALL_REDUCE", "INPLACE_ALL_REDUCE", "tp_group", "c10d_group_name"]
+__all__ = ["ENGINE", "OUTPLACE_ALL_REDUCE", "INPLACE_ALL_REDUCE", "FLASHINFER_ALL_REDUCE", "tp_group", "c10d_group_name"]

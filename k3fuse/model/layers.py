@@ -14,6 +14,8 @@ and dequantized by the step's spelling.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -48,6 +50,10 @@ def build(module: nn.Module, specs: list[ParamSpec], cfg: K3Config, src: WeightS
 
 
 # --- shared pieces ------------------------------------------------------------------------------
+#: the functional all-gather along a dim (torch 2.13 renamed all_gather_tensor, which still works but warns)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 class TensorParallel:
     """Who this module is in the TP group, and its collectives: identity at tp=1.
 
@@ -79,7 +85,7 @@ class TensorParallel:
             return t
         if self.standin:
             return t.repeat(1, self.tp_size)
-        gathered = funcol.all_gather_tensor(t.contiguous(), 0, self.group)  # [tp * T, n]
+        gathered = _all_gather(t.contiguous(), 0, self.group)  # [tp * T, n]
         T, n = t.shape
         return gathered.view(self.tp_size, T, n).permute(1, 0, 2).reshape(T, self.tp_size * n)
 
@@ -187,6 +193,8 @@ class LatentMoE(nn.Module):
         E, n, r = cfg.n_experts, tp.tp_size, tp.rank
         self.router = Router(cfg, layer, src)
         build(self, params.latent_params(cfg), cfg, src, layer, tp)
+        #: (module, a [T, L], experts [T*k]) -> z [T*k, L] in place of the model's spelling (bench's peer arm)
+        self.experts_override: Callable[[LatentMoE, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.expert_format = cfg.expert_format
         self.expert_layout = cfg.expert_layout
         # w1/w3 [E, I, L] split by rows (I), w2 [E, L, I] by its input width (I)
@@ -237,7 +245,9 @@ class LatentMoE(nn.Module):
         weights, idx = self.router(x)
         a = F.linear(x, self.w_down)  # [T, L]
         experts = idx.reshape(-1)  # [T*k], pair p = (token p // k, slot p % k)
-        if cfg.quantized_experts:
+        if self.experts_override is not None:  # a benchmark's peer runs the experts its own way
+            z = self.experts_override(self, a, experts)
+        elif cfg.quantized_experts:
             z = routed_experts_quantized(a, experts, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
                                          self.w2_packed, self.w2_scale, k, cfg.situ_beta, cfg.situ_linear_beta,
                                          self.expert_format, self.e2m1_table, self.expert_layout)

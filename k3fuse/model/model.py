@@ -43,7 +43,7 @@ from . import params
 from .config import DTYPES, K3Config, LayerKind
 from .layers import (DenseMLP, KDADecode, LMHead, MLADecode, MoEBlock, TensorParallel, VocabEmbedding, WeightSource,
                      attn_res_mix_bank, build)
-from .sampling import SamplingConfig, sample
+from .sampling import SamplingConfig, draw_uniforms, sample, step_uniform
 
 #: the KV cache's dtypes: the trunk dtype ("auto", bf16 for K3) or FP8 e4m3 with a per-layer fp32 scale
 KV_DTYPES = ("auto", "fp8")
@@ -62,6 +62,7 @@ class ModelState:
     seq_lens: int32 [B], the tokens of each sequence in the cache (after a step: including its token).
     bank: the AttnRes block snapshots of the current step, [blocks + 1, B, H] (the last row takes the writes of
         layers that start no block), None with plain residuals. Scratch: rewritten every step.
+    uniforms: fp32 [B, capacity], the sampler's number for each sequence and position (sampling.py).
     """
 
     recurrent: tuple[torch.Tensor, ...]
@@ -71,6 +72,7 @@ class ModelState:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     bank: torch.Tensor | None
+    uniforms: torch.Tensor
 
     @property
     def batch(self) -> int:
@@ -124,7 +126,7 @@ class DecoderLayer(nn.Module):
     def _attend(self, h: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, *state: torch.Tensor) -> torch.Tensor:
+    def _step(self, r: torch.Tensor, bank: torch.Tensor | None, *state: torch.Tensor) -> torch.Tensor:
         if bank is None:  # plain pre-norm residuals: r is the residual stream
             r = r + self._attend(self.attn_norm(r), *state)
             return r + self.mlp(self.mlp_norm(r))
@@ -145,6 +147,11 @@ class KDALayer(DecoderLayer):
         super().__init__(cfg, layer, kind, src, tp)
         self.attn = KDADecode(cfg, layer, src, tp)
 
+    # each layer class its own forward: Dynamo keeps its compiled graphs (and counts its recompiles) per code object
+    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, recurrent: torch.Tensor,
+                conv: torch.Tensor) -> torch.Tensor:
+        return self._step(r, bank, recurrent, conv)
+
     def _attend(self, h: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         y, new_recurrent, new_conv = self.attn(h, recurrent, conv)
         recurrent.copy_(new_recurrent)
@@ -158,6 +165,10 @@ class MLALayer(DecoderLayer):
     def __init__(self, cfg: K3Config, layer: int, kind: LayerKind, src: WeightSource, tp: TensorParallel):
         super().__init__(cfg, layer, kind, src, tp)
         self.attn = MLADecode(cfg, layer, src, tp)
+
+    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, kv: torch.Tensor, kv_scale: torch.Tensor,
+                block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return self._step(r, bank, kv, kv_scale, block_table, seq_lens)
 
     def _attend(self, h: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor, block_table: torch.Tensor,  # type: ignore[override]
                 seq_lens: torch.Tensor) -> torch.Tensor:
@@ -176,14 +187,14 @@ class Head(nn.Module):
                                                     else []), cfg, src, -1, tp)
         self.lm_head = LMHead(src.build(specs["lm_head.weight"], -1, tp.tp_size, tp.rank), tp)
 
-    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, seq_lens: torch.Tensor
+    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, seq_lens: torch.Tensor, uniforms: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if bank is not None:
             n = self.cfg.attn_res_blocks
             r = attn_res_mix_bank(bank[:n], r, self.final_res_query, torch.zeros_like(bank[:n, 0, 0]).float(),
                                   self.cfg.rms_eps)
         logits = self.lm_head(self.final_norm(r))
-        return sample(logits, seq_lens, self.sampling), logits
+        return sample(logits, step_uniform(uniforms, seq_lens), self.sampling), logits
 
 
 class K3Model(nn.Module):
@@ -191,13 +202,14 @@ class K3Model(nn.Module):
 
     tp_size / rank / group: this rank of a TP group (group None at tp_size 1). standin=True builds rank `rank`'s
     slice of a TP `tp_size` model to run alone, with local stand-ins for the collectives (layers.TensorParallel).
-    init_on_device draws the weights on a CUDA device, only this rank's slice of each (weights.WeightSource).
+    init_on_device draws the weights on a CUDA device, only this rank's slice of each; `draw` picks the drawing
+    ("randn" or "hash", weights.WeightSource; default: hash on a CUDA device, randn on the host).
     """
 
     def __init__(self, config: K3Config, *, tp_size: int = 1, rank: int = 0, group: dist.ProcessGroup | None = None,
                  seed: int = 0, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                  init_on_device: bool = False, standin: bool = False,
-                 sampling: SamplingConfig | None = None):
+                 sampling: SamplingConfig | None = None, draw: str | None = None):
         super().__init__()
         config.validate_for_tp(tp_size)
         if standin:
@@ -221,9 +233,9 @@ class K3Model(nn.Module):
         self.tp_size, self.rank, self.group, self.standin = tp_size, rank, group, standin
         self.dtype = dtype or config.torch_dtype
         self.device = torch.device(device)
-        src = WeightSource(seed, self.dtype, device, on_device=init_on_device)
+        src = WeightSource(seed, self.dtype, device, on_device=init_on_device, draw=draw)  # type: ignore[arg-type]
         tp = TensorParallel(tp_size, rank, None if standin or tp_size == 1 else group, standin=standin)
-        embed_spec = next(s for s in params.head_params(config) if s.name == "embed.weight")
+        (embed_spec,) = params.embed_params(config)
         self.embed = VocabEmbedding(src.build(embed_spec, -1, tp_size, rank), tp)
         self.kinds = config.layer_kinds()
         layer_class = {"kda": KDALayer, "mla": MLALayer}
@@ -238,10 +250,10 @@ class K3Model(nn.Module):
 
     # --- state ---------------------------------------------------------------------------------------------
     def new_state(self, batch: int, context: int, *, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "auto",
-                  kv_scale: float = 1.0, shuffle_blocks: bool = True) -> ModelState:
+                  kv_scale: float = 1.0, shuffle_blocks: bool = True, pool_blocks: int | None = None) -> ModelState:
         """Zero states for `batch` sequences and a paged cache holding `context` tokens each (rounded up to whole
-        blocks). shuffle_blocks: the sequences' blocks are a fixed permutation of the pool (not in order), so
-        the paging is exercised."""
+        blocks). shuffle_blocks: the sequences' blocks are drawn from a fixed permutation of the pool (not in
+        order), so the paging is exercised; pool_blocks: the cache's blocks (default: exactly the batch's)."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         if batch < 1 or context < 1 or block_size < 1:
@@ -255,17 +267,25 @@ class K3Model(nn.Module):
         conv = tuple(torch.zeros(batch, conv_width, cfg.conv_kernel - 1, dtype=self.dtype, device=dev)
                      for _ in range(n_kda))
         per_seq = -(-context // block_size)
-        blocks = batch * per_seq
+        blocks = pool_blocks or batch * per_seq
+        if blocks < batch * per_seq:
+            raise ValueError(f"pool_blocks={blocks} cannot hold {batch} sequences of {per_seq} blocks")
         cache_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else self.dtype
         kv = tuple(torch.zeros(blocks, block_size, cfg.kv_entry, dtype=cache_dtype, device=dev) for _ in range(n_mla))
         scale = tuple(torch.full((1,), kv_scale if kv_dtype == "fp8" else 1.0, device=dev) for _ in range(n_mla))
         order = (torch.randperm(blocks, generator=torch.Generator().manual_seed(blocks)) if shuffle_blocks
                  else torch.arange(blocks))
-        block_table = order.view(batch, per_seq).to(device=dev, dtype=torch.int32)
+        block_table = order[:batch * per_seq].view(batch, per_seq).to(device=dev, dtype=torch.int32).contiguous()
         bank = (torch.zeros(cfg.attn_res_blocks + 1, batch, cfg.hidden, dtype=self.dtype, device=dev)
                 if cfg.residual == "attnres" else None)
+        # the cache's size follows the context: compiled MLA layers take it as a dynamic dim from the first
+        # compile, so another context does not compile the layer again (the batch dim is Dynamo's to decide)
+        for t in kv:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(block_table, 1)
+        uniforms = draw_uniforms(self.sampling.seed, batch, per_seq * block_size, dev)
         return ModelState(recurrent, conv, kv, scale, block_table, torch.zeros(batch, dtype=torch.int32, device=dev),
-                          bank)
+                          bank, uniforms)
 
     def layer_state(self, i: int, state: ModelState) -> tuple[torch.Tensor, ...]:
         j = self.state_index[i]
@@ -279,7 +299,7 @@ class K3Model(nn.Module):
         r = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             r = layer(r, state.bank, *self.layer_state(i, state))
-        return self.head(r, state.bank, state.seq_lens)
+        return self.head(r, state.bank, state.seq_lens, state.uniforms)
 
 
 class DecodeStep:
@@ -300,12 +320,14 @@ class DecodeStep:
         self.head = compile_(model.head)
 
     def __call__(self, tokens: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, torch.Tensor]:
-        model = self.model
-        state.seq_lens.add_(1)
-        r = self.embed(tokens)
-        for i, layer in enumerate(self.layers):
-            r = layer(r, state.bank, *model.layer_state(i, state))
-        return self.head(r, state.bank, state.seq_lens)
+        # a layer type past Dynamo's recompile limit would run eager, no rule applied, silently: raise instead
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            model = self.model
+            state.seq_lens.add_(1)
+            r = self.embed(tokens)
+            for i, layer in enumerate(self.layers):
+                r = layer(r, state.bank, *model.layer_state(i, state))
+            return self.head(r, state.bank, state.seq_lens, state.uniforms)
 
 
 def check_room(state: ModelState, steps: int) -> None:

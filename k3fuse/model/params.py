@@ -165,12 +165,16 @@ def residual_params(cfg: K3Config, layer_names: tuple[str, str] = ("attn", "mlp"
     return specs
 
 
+def embed_params(cfg: K3Config) -> list[ParamSpec]:
+    """The vocab-parallel embedding (checkpoint prefix `language_model.`)."""
+    return [ParamSpec("weight", "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden), "vocab", normal(1.0),
+                      "embed")]
+
+
 def head_params(cfg: K3Config) -> list[ParamSpec]:
-    """The model's own parameters: embedding, final norm (and AttnRes output mix), LM head (prefix
-    `language_model.`)."""
+    """The head's parameters: final norm (and the AttnRes output mix), LM head (prefix `language_model.`)."""
     H, V = cfg.hidden, cfg.vocab_size
-    specs = [ParamSpec("embed.weight", "model.embed_tokens.weight", (V, H), "vocab", normal(1.0), "embed"),
-             norm("final_norm.weight", "model.norm.weight", H, "final_norm"),
+    specs = [norm("final_norm.weight", "model.norm.weight", H, "final_norm"),
              ParamSpec("lm_head.weight", "lm_head.weight", (V, H), "vocab", normal(H ** -0.5), "lm_head")]
     if cfg.residual == "attnres":
         specs.append(ParamSpec("final_res_query", "model.output_attn_res_{norm,proj}.weight", (H,), "replicated",
@@ -204,14 +208,12 @@ class TableEntry:
 
 def model_table(cfg: K3Config) -> list[TableEntry]:
     """Every parameter of K3Model(cfg), in module order: what a checkpoint loader iterates."""
-    # the embedding is K3Model.embed's; the final norm, AttnRes output mix and LM head live in K3Model.head
-    out = [TableEntry(s.name if s.name == "embed.weight" else f"head.{s.name}", HF_MODEL_PREFIX + s.hf, s, -1)
-           for s in head_params(cfg)]
+    out = [TableEntry(f"embed.{s.name}", HF_MODEL_PREFIX + s.hf, s, -1) for s in embed_params(cfg)]
     for i, kind in enumerate(cfg.layer_kinds()):
         for path, specs in layer_params(cfg, kind).items():
             out += [TableEntry(f"layers.{i}.{path}{s.name}", HF_LAYER_PREFIX.format(layer=i) + s.hf, s, i)
                     for s in specs]
-    return out
+    return out + [TableEntry(f"head.{s.name}", HF_MODEL_PREFIX + s.hf, s, -1) for s in head_params(cfg)]
 
 
 def print_table(cfg: K3Config, tp: int = 1) -> str:
@@ -230,4 +232,4 @@ def print_table(cfg: K3Config, tp: int = 1) -> str:
 
 __all__ = ["HF_LAYER_PREFIX", "HF_MODEL_PREFIX", "TableEntry", "model_table", "layer_params", "kda_params",
            "mla_params", "dense_mlp_params", "router_params", "latent_params", "expert_params", "shared_params",
-           "residual_params", "head_params", "print_table"]
+           "residual_params", "embed_params", "head_params", "print_table"]

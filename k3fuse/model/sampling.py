@@ -1,10 +1,13 @@
-"""The token after the LM head: greedy, or temperature with top-p from a seeded, counter-based generator.
+"""The token after the LM head: greedy, or temperature with top-p from a seeded generator.
 
-The random number a sequence draws at a step is a hash of (seed, sequence index, its length in the cache), so:
-* every rank draws the same number from the same gathered logits: the same token on every rank, no broadcast;
-* the draw is a pure function of its inputs, in plain tensor ops: it compiles, it replays inside a CUDA graph
-  (no generator state to register), and stock, k3fuse and a float32 copy draw the same numbers, so their tokens
-  differ only where their logits do.
+The random numbers are drawn once, when the state is made (`draw_uniforms`: a `torch.Generator` seeded by the
+sampling seed, on the host), one per sequence and cache position; a step reads sequence b's number at its new
+token's position. So:
+* every rank holds the same numbers and samples from the same gathered logits: the same token on every rank,
+  no broadcast;
+* a step reads a tensor, no generator: it compiles, it replays inside a CUDA graph (no generator state to
+  register), and stock, k3fuse and a float32 copy draw the same numbers, so their tokens differ only where
+  their logits do.
 Sampling inverts the CDF of the tempered distribution at that number (top-p: over the smallest set of the most
 likely tokens whose mass reaches top_p, renormalised).
 """
@@ -14,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .weights import fmix32, hash32
 
 
 @dataclass(frozen=True)
@@ -36,19 +38,22 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-def step_uniform(seed: int, seq_lens: torch.Tensor) -> torch.Tensor:
-    """One fp32 number in (0, 1) per sequence: a hash of (seed, sequence index, length in the cache)."""
-    rows = torch.arange(seq_lens.shape[0], device=seq_lens.device, dtype=torch.int64)
-    h = hash32(fmix32(rows ^ (seed & 0xFFFFFFFF)), 0x2545F491) ^ seq_lens.long()
-    h = hash32(h, seed & 0xFFFFFFFF)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+def draw_uniforms(seed: int, batch: int, positions: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 [batch, positions] in [0, 1): sequence b's number for the token at each cache position, from a host
+    generator seeded by `seed` (the same on every rank and device)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, positions, generator=gen).to(device)
 
 
-def sample(logits: torch.Tensor, seq_lens: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Next token ids int64 [B] from fp32 logits [B, V]."""
+def step_uniform(uniforms: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """This step's number per sequence: uniforms[b, seq_lens[b] - 1] (the new token's position)."""
+    return uniforms.gather(1, (seq_lens.long() - 1).unsqueeze(1)).squeeze(1)
+
+
+def sample(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Next token ids int64 [B] from fp32 logits [B, V]; u [B] the step's numbers in [0, 1) (`step_uniform`)."""
     if cfg.greedy:
         return logits.argmax(-1)
-    u = step_uniform(cfg.seed, seq_lens)
     z = logits.float() / cfg.temperature
     if cfg.top_p < 1:
         z, order = torch.sort(z, dim=-1, descending=True, stable=True)
@@ -59,11 +64,11 @@ def sample(logits: torch.Tensor, seq_lens: torch.Tensor, cfg: SamplingConfig) ->
     else:
         order = None
         probs = torch.softmax(z, dim=-1)
-        last = torch.full_like(seq_lens.long(), z.shape[-1] - 1).unsqueeze(-1)
+        last = torch.full((z.shape[0], 1), z.shape[-1] - 1, dtype=torch.int64, device=z.device)
     cdf = torch.cumsum(probs, dim=-1)
     target = (u.unsqueeze(-1) * cdf[:, -1:]).contiguous()
     idx = torch.minimum(torch.searchsorted(cdf.contiguous(), target, right=True), last)
     return (idx if order is None else order.gather(-1, idx)).squeeze(-1)
 
 
-__all__ = ["SamplingConfig", "sample", "step_uniform"]
+__all__ = ["SamplingConfig", "sample", "step_uniform", "draw_uniforms"]

@@ -143,7 +143,7 @@ def hash_normal(index: torch.Tensor, key: int) -> torch.Tensor:
 
 
 #: elements per chunk of a hash draw (fp32 temporaries of this size, never of a whole tensor)
-HASH_CHUNK = 1 << 24
+HASH_CHUNK = 1 << 22
 
 
 class WeightSource:

@@ -308,6 +308,12 @@ def register_bench(sub: Any) -> None:
     _register(sub)
 
 
+def register_generate(sub: Any) -> None:
+    from .generate import register_generate as _register
+
+    _register(sub)
+
+
 def register_validate(sub: Any) -> None:
     from .validate_cli import register_validate as _register
 
@@ -315,7 +321,7 @@ def register_validate(sub: Any) -> None:
 
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [register_demo, register_apply, register_log, register_bench,
-                                            register_validate]
+                                            register_validate, register_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

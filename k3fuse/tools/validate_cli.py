@@ -10,6 +10,7 @@ from .bench.cli import MergeOverrides, parse_overrides
 from .flags import (BATCH_HELP, add_moved_tokens_flag, add_rules_flag, batch, check_moved_tokens, finite_float,
                     non_negative_float, positive_float, positive_int, use_rules)
 from .validate_config import ValidateConfig
+from .validate_model import add_model_mode_flags, cmd_validate_model, refuse_model_flags
 
 
 def register_validate(sub: Any) -> None:
@@ -20,12 +21,13 @@ def register_validate(sub: Any) -> None:
     p.add_argument("--set", dest="overrides", type=parse_overrides, action=MergeOverrides, default={},
                    help="K3Config fields (repeatable), e.g. expert_format=mxfp4 (MXFP4 routed experts; the k3 "
                         "preset's), or --set moe_inter=128 --set expert_format=bf16 (narrow bf16 experts)")
-    p.add_argument("--layers", type=positive_int, default=d.layers)
-    p.add_argument("--residual", choices=("plain", "attnres"), default=d.residual)
-    p.add_argument("--tp", type=positive_int, default=d.tp, help="tensor-parallel ranks")
+    p.add_argument("--layers", type=positive_int, default=None, help=f"default {d.layers} (--model: the preset's)")
+    p.add_argument("--residual", choices=("plain", "attnres"), default=None, help=f"default {d.residual} (--model: "
+                                                                                   "the preset's)")
+    p.add_argument("--tp", type=positive_int, default=None, help=f"tensor-parallel ranks (default {d.tp})")
     p.add_argument("--batch", type=batch, default=d.tokens, help=BATCH_HELP)
     add_moved_tokens_flag(p, "--batch N (sequences decoded per step, 1 to 64)")
-    p.add_argument("--steps", type=positive_int, default=d.steps, help="decode steps")
+    p.add_argument("--steps", type=positive_int, default=None, help=f"decode steps (default {d.steps}; --model: 1000)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model dtype (default: the preset's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
@@ -46,6 +48,7 @@ def register_validate(sub: Any) -> None:
     add_rules_flag(p)
     p.add_argument("--log", default=None, help="append the k3fuse path's rewrite log (JSONL) here")
     p.add_argument("--json", default=None, help="write the per-rank reports here")
+    add_model_mode_flags(p)
     p.set_defaults(func=_cmd_validate)
 
 
@@ -72,6 +75,12 @@ def _cmd_validate(args: Any) -> int:
     from ..fileio import check_append_file, check_output_file, write_text_atomic
 
     check_moved_tokens(args, "validate")
+    if args.model:
+        return cmd_validate_model(args)
+    refuse_model_flags(args)
+    d = ValidateConfig()
+    args.layers, args.residual = args.layers or d.layers, args.residual or d.residual
+    args.tp, args.steps = args.tp or d.tp, args.steps or d.steps
     if args.json:
         check_output_file(args.json, option="--json")
     if args.log:
