@@ -14,6 +14,16 @@ The cache append before it (spelling.kv_cache_append, an index_put_ that Inducto
 cast that produce the entry) stays as it is: the op reads the appended cache, so the order holds, and moving the
 scatter into the attention kernel would not remove the kernel that produces the entry.
 
+The output gate sigmoid(W_g x) (setting `gate`, MLADecodeSettings): "inline" leaves its GEMM where the model
+computes it, after the attention; "side_stream" brackets the GEMM with the side-stream markers, under the shared
+expert's join discipline (kernels/ops/shared_expert.py, k3fuse.verify): the fork before x's first reader (the
+q_a projection), the GEMM moved right after it reading the fork's copy of x, the end after it, the join, anchored
+on the attention's output and keeping x alive, right before the gate's first reader. The side stream then runs the
+GEMM while the main stream runs the q / kv projections, the append and the attention. Executed node by node (the
+eager compiler, torch.export programs, CUDA graphs of either); Inductor lowers the markers to nothing, so under it
+the GEMM stays on the main stream, as the shared expert's does. Which arm wins in the layer is measured on a GPU
+(docs/perf.md); "inline" until then.
+
 Needs: q [B, H, 576] bf16 / fp16 (an fp32 trunk is declined: no kernel takes fp32 queries), kv_lora 512 and the
 entry 576 wide; the cache [blocks, block_size, 576] in q's dtype or fp8 e4m3 with its fp32 scale [1]; block_table
 int32 [B, W] and seq_lens int32 [B]; a static block size; heads per rank within the op's range (K3: 96 / TP);
@@ -23,17 +33,20 @@ dtype, the table's width and the longest context it can hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 
 from k3fuse.kernels.ops.mla_decode import ENTRY, LATENT, MAX_HEADS, MLADecodeSpec
-from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, Variant, failures,
-                             kernel_covers, shape_of, token_count, value_root)
+from k3fuse.rule_api import (CAST_OPS, VIEW_LIKE, DecodeContext, GuardFailure, Match, PatternSpec, Rule, Variant,
+                             failures, is_metadata_check, is_static, kernel_covers, node_order, op_qualname, shape_of,
+                             token_count, value_root)
 from k3fuse.spelling import paged_mla_attention
 
+from ._mlp_branch import MLPBranch, linear_of, real_users
 from ._pattern_tools import dtype_of, randn
+from .shared_expert_stream import _FORK, _bracket
 
 aten = torch.ops.aten
 FP8 = torch.float8_e4m3fn
@@ -50,6 +63,17 @@ FREE_SIZES = (("batch", B), ("heads", H), ("entry", E), ("context", CONTEXT), ("
 FORMS: tuple[tuple[torch.dtype, torch.dtype], ...] = (
     (torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8), (torch.float16, torch.float16), (torch.float16, FP8),
     (torch.float32, torch.float32), (torch.float32, FP8))
+
+
+@dataclass(frozen=True)
+class MLADecodeSettings:
+    """gate: where the output gate's GEMM runs (module docstring): "inline" or "side_stream"."""
+
+    gate: Literal["inline", "side_stream"] = "inline"
+
+    def __post_init__(self) -> None:
+        if self.gate not in ("inline", "side_stream"):
+            raise ValueError(f"MLADecodeSettings.gate must be 'inline' or 'side_stream', got {self.gate!r}")
 
 
 @dataclass(frozen=True)
@@ -147,6 +171,51 @@ def _dtype_failure(match: Match, values: dict[str, Any]) -> GuardFailure | None:
     return None
 
 
+# --- the output gate on the side stream ------------------------------------------------------------------
+def _forward_chain(node: fx.Node, limit: int = 12) -> list[fx.Node]:
+    """`node`'s single-reader chain forward through views and casts (the attention's output to the gate's
+    multiply: the W_UV bmm, its views, the fp32 cast)."""
+    chain, cur = [], node
+    for _ in range(limit):
+        users = real_users(cur)
+        if len(users) != 1:
+            break
+        cur = users[0]
+        chain.append(cur)
+    return chain
+
+
+def _through_layout(node: Any) -> Any:
+    """`node` with the views and casts in front of it stripped (backwards)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in VIEW_LIKE or node.target in
+                                                                        CAST_OPS):
+        node = node.args[0]
+    return node
+
+
+def _gate_site(attention: fx.Node) -> tuple[MLPBranch, fx.Node] | str:
+    """(the gate GEMM as a one-projection region, its first reader) for the attention output `attention`, or why
+    there is none: the multiply downstream of the attention whose other operand is sigmoid(linear(x, W_g))."""
+    for node in _forward_chain(attention):
+        if node.target is not torch.ops.aten.mul.Tensor:
+            continue
+        for other in node.args:
+            sig = _through_layout(other)
+            if not (isinstance(sig, fx.Node) and sig.target is torch.ops.aten.sigmoid.default):
+                continue
+            mm = _through_layout(sig.args[0])
+            proj = linear_of(mm)
+            if proj is None:
+                return "the sigmoid's input is not a static-weight linear"
+            if is_static(proj.x):
+                return "the gate GEMM reads a static tensor, not an activation"
+            readers = real_users(proj.out)
+            if len(readers) != 1:
+                return "the gate GEMM's output has other readers"
+            return MLPBranch(proj.out, [proj], proj.out, [], None, []), readers[0]
+    return "no multiply by sigmoid(linear(x)) downstream of the attention"
+
+
 class MLADecode(Rule):
     """softmax(scale * q [c_kv | k_sh]^T) c_kv over the paged cache (gathered, masked) -> k3fuse.mla_decode."""
 
@@ -156,6 +225,8 @@ class MLADecode(Rule):
                    "width in fp32, scores over [c_kv | k_sh], length mask, softmax, weighted sum of c_kv) -> "
                    "k3fuse.mla_decode (each live entry read once for all heads, split along the context)")
     site_op = aten.amax.default
+    settings_type = MLADecodeSettings
+    settings = MLADecodeSettings()
 
     def patterns(self) -> list[PatternSpec]:
         specs = []
@@ -190,7 +261,33 @@ class MLADecode(Rule):
                                  softmax_scale=float(match["scale"]), kv_scale=_operand(match, "kv_scale"),
                                  strict=ctx.strict)
         match.note(**{k: values[k] for k in ("heads", "block_size", "max_context")}, cache_dtype=str(form.cache_dtype))
+        if self.settings_in(ctx).gate == "side_stream":
+            new += self._gate_to_side_stream(match, new[0])
         return new
+
+    @staticmethod
+    def _gate_to_side_stream(match: Match, attention: fx.Node) -> list[fx.Node]:
+        """Bracket the output gate's GEMM with the side-stream markers (module docstring); the reason in the log
+        when the site has no gate to move."""
+        site = _gate_site(attention)
+        if isinstance(site, str):
+            match.note(gate=f"inline: {site}")
+            return []
+        branch, reader = site
+        graph, x, ops = match.graph, branch.x, torch.ops.k3fuse
+        number = sum(1 for n in graph.nodes if op_qualname(n) == _FORK)
+        order = node_order(graph)
+        first_reader = min((u for u in x.users if not is_metadata_check(u)), key=order.__getitem__)
+        fork = match.insert(ops.shared_expert_fork.default, (x, number), before=first_reader, provenance=branch.out)
+        last = _bracket(graph, branch, fork)
+        end = match.insert(ops.shared_expert_end.default, (branch.out, number), before=last.next,
+                           provenance=branch.out)
+        join = match.insert(ops.shared_expert_join.default, (branch.out, attention, [x], number), before=reader,
+                            provenance=branch.out)
+        branch.out.replace_all_uses_with(join, delete_user_cb=lambda u: u not in (end, join)
+                                         and not is_metadata_check(u))
+        match.note(gate="side_stream", gate_site=number, gate_join_before=reader.name)
+        return [fork, end, join]
 
 
 __all__ = ["MLADecode"]

@@ -11,6 +11,8 @@ against the eager model (stock). What is proved:
   agree with stock's to the bf16 roundings of the attention's output;
 * with every default rule: the tokens are those of the same run without this rule (the other rules' bf16
   roundings, not this one, are what moves a bf16 model's tokens away from the eager model's over many steps);
+* the output gate on the side stream (setting gate="side_stream"): its GEMM bracketed by the side-stream markers
+  (the verifier passes them), a fork and a join per MLA layer and step at run time, the tokens still stock's;
 * declines, each logged with its guard and values: an fp32 trunk (no kernel takes fp32 queries), entries that
   are not K3's 512 + 64 (the tiny preset), more than 64 sequences, more heads than the op serves.
 Lengths past the table's width are the op's (tests/test_mla_decode.py): it attends over the whole table, as the
@@ -116,6 +118,35 @@ def test_the_rule_fires_on_the_model_and_keeps_stocks_tokens(request, tp_name, k
         assert only["logit_err"] < 0.05 and only["cache_err"] <= ulp, (where, only["logit_err"], only["cache_err"])
         # among every default rule: what the run without it gives
         assert full["tokens"] == without["tokens"], where
+
+
+@pytest.mark.slow
+def test_the_gate_on_the_side_stream_keeps_stocks_tokens():
+    import k3fuse
+    from k3fuse.model import DecodeStep, K3Model, get_config
+    from k3fuse.patterns.mla_decode import MLADecodeSettings
+
+    cfg = get_config("small", **K3_MLA)
+    model = K3Model(cfg, seed=0, dtype="bfloat16")
+    rlog = k3fuse.RewriteLog()
+    ctx = k3fuse.DecodeContext(strict=True, enabled_rules={"mla_decode"},
+                               rule_settings={"mla_decode": MLADecodeSettings(gate="side_stream")})
+    torch._dynamo.reset()
+    fused = DecodeStep(model, backend="k3fuse", options={"compiler": "eager", "context": ctx, "log": rlog})
+    s_f, s_e = model.new_state(BATCH, 40, block_size=4), model.new_state(BATCH, 40, block_size=4)
+    start = torch.tensor([5, 17, 30])
+    k3fuse.reset_stats()
+    with k3fuse.strict():
+        got = _decode(model, fused, s_f, 12, start)
+    stats = k3fuse.stats()
+    want = _decode(model, DecodeStep(model), s_e, 12, start)
+    assert [t.tolist() for t, _ in got] == [t.tolist() for t, _ in want]
+    (applied,) = [e for e in rlog.events if e.rule == "mla_decode" and e.decision == "applied"]
+    assert applied.values["gate"] == "side_stream" and applied.values["gate_site"] == 0, applied.values
+    n_mla = sum(1 for k in model.kinds if k.attn == "mla")
+    assert stats["shared_expert_fork"] == stats["shared_expert_join"] == {"reference": 12 * n_mla}, stats
+    with pytest.raises(ValueError, match="gate must be 'inline' or 'side_stream'"):
+        MLADecodeSettings(gate="epilogue")
 
 
 # --- declines ----------------------------------------------------------------------------------------------

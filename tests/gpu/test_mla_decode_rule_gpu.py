@@ -6,7 +6,9 @@ and the same without this rule, and stock torch.compile, each stepping 16 tokens
 (k3fuse.tools.model_run.GraphedSteps: the step writes its state in place; warm-up off the graph):
 * the rule fires once (the MLA + MoE graph) and the warm-up's calls ran its Triton / Gluon kernel, no fallback;
 * the graph replays give the tokens of the run without the rule (greedy, except at near ties: at least 90%
-  agree, 80% against stock's, whose compile rounds differently) and logits within bf16 rounding of both.
+  agree, 80% against stock's, whose compile rounds differently) and logits within bf16 rounding of both;
+* the output gate on the side stream (the eager compiler, CUDA graphs): its fork and join ran, and the replays
+  give the inline arm's tokens and logits exactly.
 
     python -m pytest -m gpu tests/gpu/test_mla_decode_rule_gpu.py -q
 """
@@ -65,3 +67,32 @@ def test_the_model_with_the_rule_under_graph_replay(kv_dtype):
         assert rel < 5e-2, (other, rel)
         agree = float((ours["tokens"] == ref["tokens"]).float().mean())
         assert agree >= (0.9 if other == "without" else 0.8), (other, agree)  # flips only at near ties
+
+
+def test_the_gate_on_the_side_stream_under_graph_replay():
+    """gate="side_stream" (the eager compiler: Inductor would compile the bracket on the main stream): the gate
+    GEMM's fork and join run in the captured graph, and the replays give the inline arm's tokens and logits."""
+    import k3fuse
+    from k3fuse.model import DecodeStep, K3Model, get_config
+    from k3fuse.patterns.mla_decode import MLADecodeSettings
+    from k3fuse.tools.model_run import GraphedSteps, fill_context
+
+    cfg = get_config("small", kv_lora=512, qk_shared=64, mla_heads=6)
+    model = K3Model(cfg, seed=0, dtype="bfloat16", device=DEV, init_on_device=True).eval()
+    out = {}
+    for gate in ("inline", "side_stream"):
+        torch._dynamo.reset()
+        ctx = k3fuse.DecodeContext(strict=True, rule_settings={"mla_decode": MLADecodeSettings(gate=gate)})
+        step = DecodeStep(model, backend="k3fuse", options={"compiler": "eager", "context": ctx})
+        state = model.new_state(BATCH, CONTEXT, block_size=64)
+        fill_context(model, state, [CONTEXT - 500 * b for b in range(BATCH)], seed=0)
+        k3fuse.reset_stats()
+        with torch.no_grad(), k3fuse.strict():
+            graphed = GraphedSteps(step, state, torch.arange(BATCH, device=DEV), STEPS)
+            tokens = torch.cat([graphed.replay().clone(), graphed.replay().clone()])
+        torch.cuda.synchronize()
+        out[gate] = (tokens, graphed.logits.float().clone(), k3fuse.stats(), k3fuse.runtime.fallbacks())
+    (t_in, l_in, _, _), (t_side, l_side, stats, fallbacks) = out["inline"], out["side_stream"]
+    assert fallbacks == {} and "shared_expert_fork" in stats and "shared_expert_join" in stats, stats
+    assert torch.equal(t_side, t_in)  # the same kernels in another order: the same numbers
+    assert torch.equal(l_side, l_in)
