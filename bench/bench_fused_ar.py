@@ -37,6 +37,7 @@ def _worker(rank, world, tokens, out_json):
 
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
+    from k3fuse.kernels.collective_guard import reagree
     from k3fuse.spelling import all_reduce_sum, linear, rms_norm
 
     dev = torch.device("cuda", rank)
@@ -69,11 +70,13 @@ def _worker(rank, world, tokens, out_json):
                 xs[i], ws[i % COPIES], rs[i], None, nw, EPS, group, world, 64))
         res["impl"] = runtime.stats()
         os.environ["K3FUSE_AR_PDL"] = "1"     # the same op with programmatic dependent launch
+        reagree(group)                       # path settings reach the fused ops through the group's agreement
         with runtime.strict():
             torch.ops.k3fuse.gemm_ar_residual_rmsnorm(xs[0], ws[0], rs[0], None, nw, EPS, group, world, 64)
             res["k3fuse_pdl"] = _graph_time(lambda i: torch.ops.k3fuse.gemm_ar_residual_rmsnorm(
                 xs[i], ws[i % COPIES], rs[i], None, nw, EPS, group, world, 64))
         os.environ.pop("K3FUSE_AR_PDL")
+        reagree(group)
         # the slower rank decides
         for k in ("cublas_gemm", "torch_compile", "eager", "k3fuse", "k3fuse_pdl"):
             t = torch.tensor([res[k]], device=dev, dtype=torch.float64)

@@ -3,20 +3,24 @@
 Three doors into one rewrite pipeline:
   torch.compile(model, backend="k3fuse")                      (k3fuse.backend)
   torch._inductor.config.post_grad_custom_post_pass = k3fuse.inductor_pass(ctx)
-      (SGLang: k3fuse.engines.sglang.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
+      (SGLang: k3fuse.engines.sglang_hook.install(); vLLM: the InductorPass instance k3fuse.vllm_pass)
   new_ep, log = k3fuse.apply(exported_program, ctx)            (k3fuse.offline)
 
-`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: they are set when k3fuse finds vLLM
-already imported (vLLM resolves `inductor_passes` names through the module's __dict__, not
-__getattr__) and otherwise on first access; importing k3fuse never imports vLLM.
+`import k3fuse` never imports torch, vLLM or the reference model; it checks every K3FUSE_* setting
+(but in the `k3fuse` command, which checks them after parsing its arguments: see k3fuse_cli).
+`k3fuse.load()` imports torch, checks its version and the K3FUSE_* settings,
+registers the torch.ops.k3fuse.* ops (so saved programs load) and installs the K3 rules; the first
+use of a public name and every door run it, and `import k3fuse` runs it at once where torch is
+already imported (registering then costs nothing more). So the `k3fuse` command answers `--help`
+without torch, and code that imports torch before k3fuse finds the ops registered.
 
-`import k3fuse` imports torch and registers the torch.ops.k3fuse.* ops, so saved programs load
-anywhere it has run. The `k3fuse` command is the exception: it must answer `--help` in well under a
-second, and importing torch takes seconds, so there the public names load on first use instead.
+`k3fuse.vllm_pass` and `k3fuse.VllmK3FusePass` import vLLM: vLLM resolves `inductor_passes` names
+in the module's __dict__, not through __getattr__, so `load()` puts them there when vLLM is
+imported, as does vLLM's general-plugin entry point (`k3fuse.vllm_plugin`, run in every vLLM
+process); otherwise they load on first access.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -50,16 +54,12 @@ if TYPE_CHECKING:
 
 
 def load() -> None:
-    """Import torch, check its version, register the k3fuse ops and the reference model's
-    checkpoint types, and wire the K3 rules and the kernel registry into the framework
-    (k3fuse.plugins; idempotent; `import k3fuse` calls it except inside the `k3fuse` command)."""
-    from . import compat
-
-    compat.check_torch_version()  # fail here, clearly, rather than deep inside tracing
-    from .model import stack  # noqa: F401  DecodeState is a safe global for torch.export.load
+    """Import torch, check its version and the K3FUSE_* settings, register the k3fuse ops and wire
+    the K3 rules and the kernel registry into the framework (k3fuse.plugins). Idempotent; the first
+    use of any public name calls it."""
     from .plugins import install_plugins
 
-    install_plugins()  # registers torch.ops.k3fuse.* (needed to load saved programs), installs the K3 rules
+    install_plugins()  # torch's version, the settings, torch.ops.k3fuse.* (to load saved programs), the K3 rules
 
     module = sys.modules[__name__]
     for name, sub in _LAZY.items():
@@ -87,9 +87,13 @@ def _load_vllm_pass() -> None:
 
 
 def vllm_plugin() -> None:
-    """vLLM's `vllm.general_plugins` entry point: define `k3fuse.vllm_pass` in every vLLM process,
-    so that `inductor_passes` can name it."""
+    """vLLM's `vllm.general_plugins` entry point, run in every vLLM process: define
+    `k3fuse.vllm_pass` (so that `inductor_passes` can name it) and check the collectives after
+    every worker step (k3fuse.engines.step_check)."""
+    from .engines import step_check
+
     _load_vllm_pass()
+    step_check.install_vllm()
 
 
 def __getattr__(name: str) -> Any:
@@ -111,25 +115,22 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, **kwargs: A
     return _inductor_pass(ctx, **kwargs)
 
 
-def _running_as_cli() -> bool:
-    """True inside the `k3fuse` command: the console script (argv[0] named k3fuse) or
-    `python -m k3fuse.tools.cli`; its `main` checks the settings itself and reports them in one line."""
-    arg0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    name = os.path.basename(arg0)
-    as_script = name.split(".")[0] == "k3fuse" and not name.endswith(".py")
-    orig = list(getattr(sys, "orig_argv", []))
-    as_module = any(a == "-m" and b == "k3fuse.tools.cli" for a, b in zip(orig, orig[1:]))
-    return as_script or as_module
-
-
-if not _running_as_cli():
+# Every K3FUSE_* setting is checked where the process imports k3fuse (K3FUSE_RULES against the rule
+# names, which need no torch): a bad value stops the process here, not inside a compiled forward. The
+# `k3fuse` command is the exception: its entry point (the top-level module k3fuse_cli) checks them
+# itself after parsing its arguments, so that `k3fuse --help` answers whatever the environment holds.
+if "k3fuse_cli" not in sys.modules:
     from . import settings as _settings
+    from .patterns import RULE_NAMES as _RULE_NAMES
 
-    _settings.check_environment()  # every K3FUSE_* variable, once, where the process starts
+    _settings.check_environment()
+    _settings.check_rule_names(list(_RULE_NAMES))
+
+# torch already loaded: registering the ops now costs nothing more. With vLLM imported this also
+# defines k3fuse.vllm_pass, which vLLM may look up in this module's __dict__ before its plugins ran
+# (LLM(compilation_config=...) builds its config first)
+if "torch" in sys.modules:
     load()
-    from .pipeline import all_rules as _all_rules
-
-    _settings.check_rule_names([_rule.name for _rule in _all_rules()])  # K3FUSE_RULES, now that the rules are known
 
 __all__ = [
     "DecodeContext",

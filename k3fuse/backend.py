@@ -7,10 +7,10 @@ Dynamo hands over the model's FX graph; AOT autograd functionalises it and decom
 Inductor's table (both compilers, so rules see one IR); the pipeline rewrites the inference
 graph; then Inductor compiles it ("inductor", default) or it runs as is ("eager"). Static
 placeholders are the AOT inputs that are parameters/buffers (static_input_idxs) minus any the
-graph mutates. Without a DecodeContext in the "context" option the context comes from a serving
-engine's TP group when one is set up in this process (vLLM's stock compile mode, which calls
-`model.compile(backend="k3fuse")`; built locally, no collective), else from the default process
-group (collective: every rank compiles the same step), else is tp=1.
+graph mutates. Without a DecodeContext in the "context" option the context is built
+(k3fuse.doors.context_for) for a serving engine's TP group when one is set up in this process
+(vLLM's stock compile mode, which calls `model.compile(backend="k3fuse")`), else for the default
+process group, else is tp=1; the group's ranks agree their rewrite settings as it is built.
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ import torch
 import torch.fx as fx
 
 from .context import DecodeContext
-from .engines import find_tp_group
-from .inductor import context_for_group, mark_static_by_index, mutated_input_indices, static_input_indices_from_tracing_context
+from .doors import context_for, mark_static_by_index, mutated_input_indices, static_input_indices_from_tracing_context
 from .log import RewriteLog
 from .matcher import decomposition_table
 from .pipeline import RuleRegistry, run_pipeline
@@ -45,11 +44,8 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
     compiler = opts.get("compiler", "inductor")
     if compiler not in COMPILERS:
         raise BackendOptionError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
-    given = opts.get("context")
-    if not isinstance(given, DecodeContext) and find_tp_group("auto").owner != "torch":
-        ctx = context_for_group(given, "auto")
-    else:
-        ctx = DecodeContext.coerce(given)
+    install_plugins()   # the engines register their TP groups
+    ctx = context_for(opts.get("context"), "auto")
     rlog = RewriteLog.coerce(opts.get("log"), rank=ctx.rank)
     rules: Sequence[Rule] | RuleRegistry | None = opts.get("rules")
     if isinstance(rules, str) or (rules is not None and not isinstance(rules, RuleRegistry) and not (
@@ -57,7 +53,6 @@ def _parse_options(options: dict[str, Any] | None) -> tuple[str, DecodeContext, 
         raise BackendOptionError(f"option rules={rules!r} must be a list of Rule objects or a RuleRegistry; to pick "
                                  f"the K3 rules by name use K3FUSE_RULES or the context's enabled_rules / "
                                  f"disabled_rules")
-    install_plugins()
     registry = RuleRegistry.coerce(rules)
     return compiler, ctx, rlog, registry
 

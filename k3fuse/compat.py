@@ -81,3 +81,12 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
         return _resolve_process_group(group_name)
     except Exception as exc:  # torch raises a bare ValueError/RuntimeError here
         raise RuntimeError(f"no process group named {group_name!r} in this process: {exc}") from exc
+
+
+def group_store(group: dist.ProcessGroup) -> dist.Store:
+    """The key-value store a process group was created with (its ranks rendezvoused there): what
+    k3fuse's out-of-band agreements use, so they never pair with a collective of the group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    getter = getattr(c10d, "_get_process_group_store", None)
+    return getter(group) if getter is not None else c10d._world.pg_map[group][1]

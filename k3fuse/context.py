@@ -1,66 +1,59 @@
-"""DecodeContext: what the passes may assume about the deployment, and the multicast probe.
+"""DecodeContext: what the passes may assume about the deployment, as plain data.
 
 Everything a guard checks comes from here (TP size and group, device, dtype, decode token range,
-multicast policy, which rules run), so a rewrite decision can be reproduced from the context
-alone. `DecodeContext.from_process_group` fills it from a live process group; it is collective
-(every rank of the group must call it) because the multicast probe agrees across ranks.
+multicast policy, which rules run, the rewrite settings the TP group agreed), so a rewrite decision
+can be reproduced from the context alone. Building one validates it and nothing else: no device,
+driver or process-group query. `DecodeContext.from_process_group` is the one place a context is
+built from a live group (every door goes through it): it fills the group's facts and has the ranks
+agree what decides their rewrites (`agree_rewrite_settings`), so ranks that would rewrite their
+graphs differently, and then run different collectives, stop with one error on every rank instead.
 """
 from __future__ import annotations
 
-import os
+import json
+import threading
+import time
+import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from . import settings
+from . import runtime, settings
 from .token_range import DECODE_TOKENS
 from .usage_error import UsageError
 
+#: NVLink multicast: "auto" and "off" never use it (no k3fuse kernel does), "require" makes every
+#: rule that fuses a collective refuse, saying why (guards.multicast_refusal)
 MulticastPolicy = Literal["auto", "off", "require"]
 _POLICIES = ("auto", "off", "require")
-
-#: switches that turn NVLink multicast off, checked in this order
-MULTICAST_SWITCHES: tuple[tuple[str, str], ...] = (
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("K3FUSE_DISABLE_MULTICAST", "1"),
-)
-#: CUdevice_attribute value of CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
-CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 132
 
 
 class ContextError(UsageError, ValueError):
     """A DecodeContext that cannot describe a real deployment (bad TP, tokens, group, a field of
-    the wrong type). A UsageError, so the CLI reports it as one line (exit 2)."""
+    the wrong type), or ranks of a TP group that disagree on what decides their rewrites. A
+    UsageError, so the CLI reports it as one line (exit 2)."""
 
 
-#: what decides which rewrites a rank makes (the runtime path is agreed again at the first
-#: collective call: kernels/collective_guard.py)
-_REWRITE_SETTINGS = ("K3FUSE_RULES", "K3FUSE_DISABLE_CUTE", "K3FUSE_DISABLE_TRITON", "K3FUSE_AR_PROTOCOL")
+#: K3FUSE_* variables that act only at run time or on the tools, never on what a pass rewrites
+_RUN_TIME_ONLY = frozenset({"K3FUSE_STRICT", "K3FUSE_DISABLE", "K3FUSE_LOG", "K3FUSE_DEBUG", "K3FUSE_AR_TIMEOUT_S",
+                            "K3FUSE_AR_TIMEOUT_MS", "K3FUSE_AR_START_GENERATION"})
+KILL_SWITCH = "kill switch (K3FUSE_DISABLE / k3fuse.disable())"
+#: how long a rank building its context waits for its peers to build theirs (they compile the
+#: same step at about the same time; a rank that never builds one has no k3fuse pass installed)
+AGREE_TIMEOUT_S = 300.0
 
 
-def _agree_rewrite_settings(group: dist.ProcessGroup, size: int, kw: dict[str, Any]) -> None:
-    """Every rank of `group` rewrites under the same settings, else every rank raises the same
-    error naming them (collective, like the multicast probe): ranks whose graphs differ would run
-    different collectives."""
-    if size == 1:
-        return
-    from . import runtime
-
-    mine: dict[str, Any] = {name: settings.get(name) for name in _REWRITE_SETTINGS}
-    mine["kill switch (K3FUSE_DISABLE / k3fuse.disable())"] = runtime.is_disabled()
-    mine["strict"] = kw.get("strict", False)
-    mine["disabled_rules"] = sorted(kw.get("disabled_rules", ()) or ())
-    got: list = [None] * size
-    dist.all_gather_object(got, mine, group=group)
-    diffs = [f"{key}: " + ", ".join(f"rank {r}={g[key]!r}" for r, g in enumerate(got))
-             for key in mine if len({repr(g[key]) for g in got}) > 1]
-    if diffs:
-        raise ContextError(f"the ranks of the TP group disagree on what decides their rewrites ({'; '.join(diffs)})",
-                           "run every rank with the same configuration")
+def rewrite_settings() -> dict[str, Any]:
+    """What decides which rewrites this process makes, read now: every K3FUSE_* setting except the
+    run-time and tool ones (K3FUSE_RULES, the toolchain switches, K3FUSE_AR_PROTOCOL,
+    K3FUSE_GEMV_MAX_M, ... all decide a GPU rewrite through the kernels' coverage), and the kill
+    switch."""
+    out: dict[str, Any] = {v.env: settings.get(v.env) for v in settings.VARIABLES if v.env not in _RUN_TIME_ONLY}
+    out[KILL_SWITCH] = runtime.is_disabled()
+    return out
 
 
 def _is_int(value: Any) -> bool:
@@ -102,83 +95,6 @@ def _rule_settings(value: Any) -> tuple[tuple[str, Any], ...]:
 
 
 @dataclass(frozen=True)
-class MulticastStatus:
-    """Whether NVLink multicast may be used, and why (e.g. "unavailable: NCCL_NVLS_ENABLE=0")."""
-
-    available: bool
-    reason: str
-
-    def __bool__(self) -> bool:
-        return self.available
-
-
-def _switch_reason(env: dict[str, str] | os._Environ[str]) -> str | None:
-    for name, off_value in MULTICAST_SWITCHES:
-        if name.startswith("K3FUSE_"):  # k3fuse's own flag: parsed like every K3FUSE_* variable
-            if settings.is_on(env, name):
-                return f"unavailable: {name}={off_value}"
-        elif env.get(name, "").strip() == off_value:
-            return f"unavailable: {name}={off_value}"
-    return None
-
-
-def _device_supports_multicast(device: torch.device | None) -> MulticastStatus:
-    """Ask the driver for CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED; never creates a multicast object."""
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return MulticastStatus(False, "unavailable: no CUDA device")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    try:  # cuda-python, if installed: a pure attribute query
-        try:
-            from cuda.bindings import driver  # type: ignore[import-not-found]
-        except ImportError:
-            from cuda import cuda as driver  # type: ignore[import-not-found,no-redef]
-        (err,) = driver.cuInit(0)
-        err, dev = driver.cuDeviceGet(index)
-        err2, value = driver.cuDeviceGetAttribute(
-            driver.CUdevice_attribute(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED), dev
-        )
-        if int(err2) == 0:
-            if value:
-                return MulticastStatus(True, "available")
-            return MulticastStatus(False, "unavailable: CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED=0")
-    except Exception:  # not installed or an old binding: try torch
-        pass
-    try:  # torch's own query (attribute + driver entry point check, no allocation)
-        from torch._C._distributed_c10d import _SymmetricMemory
-
-        if _SymmetricMemory.has_multicast_support(torch._C._autograd.DeviceType.CUDA, index):
-            return MulticastStatus(True, "available")
-        return MulticastStatus(False, "unavailable: device reports no multicast support")
-    except Exception:
-        return MulticastStatus(False, "unavailable: cannot query the device "
-                                      "(no cuda-python, no torch symmetric memory)")
-
-
-def probe_multicast(policy: MulticastPolicy = "auto", *, device: torch.device | None = None,
-                    group: dist.ProcessGroup | None = None,
-                    env: dict[str, str] | os._Environ[str] | None = None) -> MulticastStatus:
-    """Multicast availability under `policy`; with `group`, all ranks agree (MIN all_reduce).
-
-    Collective when `group` is given: every rank of the group must call it.
-    """
-    env = os.environ if env is None else env
-    if policy == "off":
-        local = MulticastStatus(False, "policy off")
-    else:
-        reason = _switch_reason(env)
-        local = MulticastStatus(False, reason) if reason else _device_supports_multicast(device)
-    if group is None or dist.get_world_size(group) == 1:
-        return local
-    on_cuda = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()  # "nccl" or "cpu:gloo,cuda:nccl"
-    flag = torch.tensor([1 if local.available else 0], dtype=torch.int32,
-                        device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    if local.available and int(flag.item()) == 0:
-        return MulticastStatus(False, "unavailable: another rank reports multicast unavailable")
-    return local
-
-
-@dataclass(frozen=True)
 class DecodeContext:
     """The deployment a decode graph is rewritten for.
 
@@ -186,14 +102,16 @@ class DecodeContext:
     collectives; required when tp_size > 1). device_capability: (major, minor) or None on CPU.
     dtype: the trunk dtype the rules expect (site guard `dtype`: a site whose activation has another
     dtype is rejected), or None for any dtype the fused ops support. tokens: inclusive token range per decode step
-    (within 1..64). multicast: "auto" (probe and report it), "off" (report "policy off"), "require"
-    (rules under the multicast policy, `Rule.uses_multicast`, fail their contract guard when it is
-    unavailable; no k3fuse kernel uses multicast, the fused all-reduce is a unicast one-shot).
+    (within 1..64). multicast: "auto" or "off" (k3fuse never uses NVLink multicast: its fused
+    collectives are unicast), "require" (every rule that fuses a collective refuses, saying why).
     strict: fused ops raise instead of falling back.
     enabled_rules: only these (None: all); disabled_rules: never these.
     rule_settings: {rule name: its typed settings object} (e.g. {"weight_prefetch":
         PrefetchSettings(budget_bytes=...)}), replacing the rule's own for this context; stored as
         sorted (name, settings) pairs so the context stays hashable and is part of cache keys.
+    agreed_settings: the rewrite settings (`rewrite_settings()`) every rank of the TP group agreed
+        when `from_process_group` built the context, as sorted (name, value) pairs; None (a single
+        rank, or a context built by hand): the live values are read (`setting`).
     """
 
     tp_size: int = 1
@@ -207,7 +125,7 @@ class DecodeContext:
     enabled_rules: frozenset[str] | None = None
     disabled_rules: frozenset[str] = frozenset()
     rule_settings: Any = ()
-    multicast_info: MulticastStatus | None = field(default=None, compare=False)
+    agreed_settings: tuple[tuple[str, Any], ...] | None = None
 
     def __post_init__(self) -> None:
         tokens = self.tokens
@@ -222,6 +140,8 @@ class DecodeContext:
             object.__setattr__(self, "enabled_rules", _rule_names("enabled_rules", self.enabled_rules))
         object.__setattr__(self, "disabled_rules", _rule_names("disabled_rules", self.disabled_rules))
         object.__setattr__(self, "rule_settings", _rule_settings(self.rule_settings))
+        if self.agreed_settings is not None:
+            object.__setattr__(self, "agreed_settings", _agreed_settings(self.agreed_settings))
         if self.device_capability is not None:
             cap = self.device_capability
             if (not isinstance(cap, (tuple, list)) or len(cap) != 2 or not all(_is_int(c) for c in cap)
@@ -230,10 +150,6 @@ class DecodeContext:
                                    "pass e.g. (9, 0) for sm90, or None on CPU")
             object.__setattr__(self, "device_capability", tuple(cap))
         self._validate()
-        if self.multicast_info is None:  # probed once, here: the context never changes after it is built
-            on_gpu = self.device_capability is not None and torch.cuda.is_available()
-            object.__setattr__(self, "multicast_info",
-                               probe_multicast(self.multicast, device=torch.device("cuda") if on_gpu else None))
 
     def _validate(self) -> None:
         if not _is_int(self.tp_size) or self.tp_size < 1:
@@ -257,8 +173,6 @@ class DecodeContext:
             raise ContextError(f"multicast must be one of {_POLICIES}, got {self.multicast!r}")
         if not isinstance(self.strict, bool):
             raise ContextError(f"strict must be True or False, got {self.strict!r}", "pass a bool")
-        if self.multicast_info is not None and not isinstance(self.multicast_info, MulticastStatus):
-            raise ContextError(f"multicast_info must be a MulticastStatus or None, got {self.multicast_info!r}")
         if self.tp_size > 1 and not self.group_name:
             raise ContextError(
                 f"tp_size={self.tp_size} needs a process group: pass group_name=... or build the context with "
@@ -282,9 +196,11 @@ class DecodeContext:
 
     @classmethod
     def from_process_group(cls, group: dist.ProcessGroup | None = None, **kw: Any) -> DecodeContext:
-        """Context for `group` (default: WORLD); collective, because of the multicast probe.
-
-        Any field can be overridden by keyword; tp_size, if given, must equal the group size.
+        """The context for `group` (default: WORLD): its size, this rank within it, its c10d name,
+        this rank's device capability and the rewrite settings, which every rank of the group
+        agrees (`agree_rewrite_settings`). Every rank of the group must build it (within
+        AGREE_TIMEOUT_S of the others); a difference raises ContextError on every rank. Any field
+        can be given by keyword; tp_size, if given, must equal the group size.
         """
         if not (dist.is_available() and dist.is_initialized()):
             tp = kw.get("tp_size", 1)
@@ -299,33 +215,40 @@ class DecodeContext:
         size = dist.get_world_size(group)
         if "tp_size" in kw and kw["tp_size"] != size:
             raise ContextError(f"tp_size={kw['tp_size']} does not match the process group size {size}")
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        kw.setdefault("device_capability", torch.cuda.get_device_capability(device) if device is not None else None)
-        policy = kw.get("multicast", "auto")
-        kw.setdefault("multicast_info", probe_multicast(policy, device=device, group=group))
-        _agree_rewrite_settings(group, size, kw)
-        return cls(tp_size=size, rank=dist.get_rank(group), group_name=group_name_of(group),
-                   **{k: v for k, v in kw.items() if k != "tp_size"})
+        kw = {k: v for k, v in kw.items() if k != "tp_size"}
+        if "device_capability" not in kw:
+            kw["device_capability"] = (torch.cuda.get_device_capability(torch.cuda.current_device())
+                                       if torch.cuda.is_available() else None)
+        peers = size > 1 and dist.get_backend(group) != "fake"   # torch's test-only group has none to agree with
+        if peers:
+            kw.setdefault("agreed_settings", tuple(sorted(rewrite_settings().items())))
+        ctx = cls(tp_size=size, rank=dist.get_rank(group), group_name=group_name_of(group), **kw)
+        if peers:
+            agree_rewrite_settings(group, ctx)
+        return ctx
 
     @classmethod
     def coerce(cls, value: DecodeContext | dict[str, Any] | None) -> DecodeContext:
         """A context from a context, a dict of fields, or None (from the process group if any)."""
         if isinstance(value, DecodeContext):
             return value
-        if value is not None and not isinstance(value, dict):
-            raise ContextError(f"a decode context must be a DecodeContext or a dict of its fields, got "
-                               f"{type(value).__name__} {value!r}"[:200], "pass DecodeContext(tp_size=..., ...) or "
-                               "{'tp_size': ..., 'tokens': (1, 64)}")
-        kw = dict(value or {})
+        kw = context_fields(value)
         if dist.is_available() and dist.is_initialized():
             return cls.from_process_group(**kw)
         return cls(**kw)
 
-    def multicast_status(self) -> MulticastStatus:
-        """The status probed when the context was built (collectively by `from_process_group`, else
-        on this rank alone)."""
-        assert self.multicast_info is not None
-        return self.multicast_info
+    def setting(self, name: str) -> Any:
+        """A rewrite setting (a K3FUSE_* name of `rewrite_settings()`, or KILL_SWITCH) as this
+        context decides it: the value its TP group agreed, else the live one. A live value that
+        differs from the agreed one is refused, with one warning: a rank that changed it alone
+        would rewrite its graph unlike its peers (change it on every rank and build new contexts)."""
+        live = runtime.is_disabled() if name == KILL_SWITCH else settings.get(name)
+        if self.agreed_settings is None:
+            return live
+        agreed = dict(self.agreed_settings)[name]
+        if live != agreed:
+            _warn_refused(self.group_name, name, live, agreed)
+        return agreed
 
     def rule_enabled(self, name: str) -> bool:
         if name in self.disabled_rules:
@@ -361,8 +284,92 @@ class DecodeContext:
             "enabled_rules": sorted(self.enabled_rules) if self.enabled_rules is not None else None,
             "disabled_rules": sorted(self.disabled_rules),
             "rule_settings": {name: repr(s) for name, s in self.rule_settings},
+            "agreed_settings": dict(self.agreed_settings) if self.agreed_settings is not None else None,
         }
 
 
-__all__ = ["DecodeContext", "MulticastPolicy", "MulticastStatus", "ContextError", "probe_multicast",
-           "MULTICAST_SWITCHES"]
+def context_fields(value: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields a context is built with, from a dict of them or None; anything else is an error."""
+    if value is not None and not isinstance(value, dict):
+        raise ContextError(f"a decode context must be a DecodeContext or a dict of its fields, got "
+                           f"{type(value).__name__} {value!r}"[:200], "pass DecodeContext(tp_size=..., ...) or "
+                           "{'tp_size': ..., 'tokens': (1, 64)}")
+    return dict(value or {})
+
+
+def _agreed_settings(value: Any) -> tuple[tuple[str, Any], ...]:
+    pairs = list(value.items()) if isinstance(value, dict) else list(value)
+    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        raise ContextError(f"agreed_settings must be (name, value) pairs, got {value!r}"[:200],
+                           "leave it out: from_process_group fills it")
+    return tuple(sorted(pairs))
+
+
+_refused: set[tuple[str | None, str]] = set()
+
+
+def _warn_refused(group_name: str | None, name: str, live: Any, agreed: Any) -> None:
+    if (group_name, name) in _refused:
+        return
+    _refused.add((group_name, name))
+    warnings.warn(f"k3fuse: {name} is {live!r} on this rank but its TP group {group_name!r} agreed on {agreed!r} when "
+                  "its context was built; refused for the rewrites (one rank alone would rewrite its graph unlike "
+                  "its peers): change it on every rank and build new contexts", RuntimeWarning, stacklevel=3)
+
+
+# --- the ranks agree their rewrite settings ------------------------------------------------------------
+_STORE_PREFIX = "k3fuse/context"
+_builds_lock = threading.Lock()
+_builds: dict[str, tuple[Any, int]] = {}   # group name -> (its store, contexts this process built for it)
+
+
+def agree_rewrite_settings(group: dist.ProcessGroup, ctx: DecodeContext) -> None:
+    """Every rank of `group` builds its context under the same rewrite settings and fields (all but
+    the rank), else every rank raises the same ContextError naming each difference and the ranks'
+    values: ranks whose graphs differ would run different collectives and hang.
+
+    Through the group's store, not a collective: a compile-time collective could pair with a
+    peer's collective of the step it is compiling. A rank publishes its n-th context of the group,
+    then waits for the peers' n-th (every rank builds the same contexts in the same order: the
+    doors build them once per pass, engine TP group and options); a peer that has published a
+    different one fails it at once, one that publishes none within AGREE_TIMEOUT_S too."""
+    from .compat import group_store
+
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    store = group_store(group)
+    name = ctx.group_name or ""
+    with _builds_lock:
+        seen, n = _builds.get(name, (None, 0))
+        n = n if seen is store else 0   # a re-initialised group: a new store, counted afresh
+        _builds[name] = (store, n + 1)
+    mine = {**dict(ctx.agreed_settings or ()), **{k: v for k, v in ctx.describe().items()
+                                                  if k not in ("rank", "agreed_settings")}}
+    key = f"{_STORE_PREFIX}/{name}/{n}/"
+    store.set(key + str(rank), json.dumps(mine, sort_keys=True, default=repr))
+    views: dict[int, dict[str, Any]] = {rank: json.loads(json.dumps(mine, sort_keys=True, default=repr))}
+    deadline = time.monotonic() + AGREE_TIMEOUT_S
+    pause = 0.001
+    while len(views) < world:
+        for peer in range(world):
+            if peer not in views and store.check([key + str(peer)]):
+                views[peer] = json.loads(store.get(key + str(peer)))
+        if len(views) == world:
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world)) - set(views))
+            raise ContextError(f"rank(s) {missing} of TP group {name!r} built no k3fuse context within "
+                               f"{AGREE_TIMEOUT_S:g} s of this rank (rank {rank}, its context #{n} of the group)",
+                               "install k3fuse's pass on every rank, with the same configuration")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    keys = sorted({k for v in views.values() for k in v})
+    diffs = [f"{k}: " + ", ".join(f"rank {r}={views[r].get(k)!r}" for r in range(world))
+             for k in keys if len({json.dumps(views[r].get(k), sort_keys=True) for r in range(world)}) > 1]
+    if diffs:
+        raise ContextError(f"the ranks of TP group {name!r} disagree on what decides their rewrites "
+                           f"({'; '.join(diffs)})", "run every rank with the same configuration")
+
+
+__all__ = ["DecodeContext", "MulticastPolicy", "ContextError", "KILL_SWITCH", "rewrite_settings", "context_fields",
+           "agree_rewrite_settings", "AGREE_TIMEOUT_S"]

@@ -1,7 +1,7 @@
 """Guard failures and the reusable predicates rules check before rewriting.
 
 Three levels (see docs/architecture.md): *contract* (once per graph: TP size, device, dtype,
-multicast policy), *site* (per match: shapes, divisibility by TP, static weights) and *call*
+multicast refusal), *site* (per match: shapes, divisibility by TP, static weights) and *call*
 (inside a fused op at run time). A predicate returns None when it holds and a `GuardFailure`
 carrying the values it looked at when it does not, so every refusal is a log line with numbers.
 """
@@ -32,11 +32,13 @@ class KernelCatalog:
     import_errors(): kernel modules that failed to import, {module: error}.
     coverage(spec, tokens): token counts at which no CUDA kernel of `spec.op` accepts `spec`, each
     with every kernel's reason.
+    is_collective(op): the op is a collective (its ranks exchange data).
     """
 
     ops_without_kernel: Callable[[Iterable[str]], list[str]]
     import_errors: Callable[[], dict[str, str]]
     coverage: Callable[[KernelSpec, Iterable[int]], dict[int, list[str]]]
+    is_collective: Callable[[str], bool]
 
 
 class KernelSpec(Protocol):
@@ -180,16 +182,18 @@ def dtype_in(ctx: DecodeContext, allowed: Iterable[torch.dtype], level: GuardLev
                         {"dtype": str(ctx.dtype), "allowed": [str(d) for d in allowed]})
 
 
-def multicast_policy(ctx: DecodeContext, level: GuardLevel = "contract") -> GuardFailure | None:
-    """For a rule under the multicast policy (`Rule.uses_multicast`): fails only when the policy is
-    "require" and multicast is unavailable. k3fuse's kernels never use multicast themselves."""
+def multicast_refusal(ctx: DecodeContext, ops: Iterable[str], level: GuardLevel = "contract") -> GuardFailure | None:
+    """The one multicast guard: under policy "require", a rule that inserts a collective op refuses.
+    Why: k3fuse never uses NVLink multicast (a multicast object can take a host's shared GPUs
+    down); its fused collectives are unicast one-shots over symmetric-memory peer buffers."""
     if ctx.multicast != "require":
         return None
-    status = ctx.multicast_status()
-    if status.available:
+    collective = sorted(op for op in ops if _kernel_catalog().is_collective(op))
+    if not collective:
         return None
-    return GuardFailure(level, "multicast", f"multicast required but {status.reason}",
-                        {"policy": ctx.multicast, "reason": status.reason})
+    return GuardFailure(level, "multicast", "NVLink multicast required, but k3fuse never uses it: its fused "
+                        "collectives are unicast one-shots over symmetric-memory peer buffers",
+                        {"policy": ctx.multicast, "ops": collective})
 
 
 # --- site predicates (per match) -----------------------------------------------------------------
@@ -261,7 +265,7 @@ __all__ = [
     "kernel_covers",
     "site_tokens",
     "dtype_in",
-    "multicast_policy",
+    "multicast_refusal",
     "divisible",
     "is_static",
     "static_weight",

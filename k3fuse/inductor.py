@@ -6,12 +6,12 @@ vLLM ignores that global hook (it installs its own pass manager) and takes an in
 own InductorPass: `k3fuse.vllm_pass` (k3fuse/engines/vllm_pass.py) subclasses this pass for it.
 
 The pass chains whatever post_grad_custom_post_pass was installed when it was created (that one
-runs first), and its `uuid()` hashes the rules' source, the context and the chained pass, so
-Inductor's FX graph cache recompiles when any of them changes. Static placeholders come from the
-AOT metadata (`static_input_indices`, minus mutated inputs) when a TracingContext is active;
-otherwise nothing is static and the site guards that need static weights reject (logged).
-On an Inductor cache hit the pass does not run and logs nothing: the cached code already holds
-the rewrite it made when the entry was written (same uuid).
+runs first), and its `uuid()` hashes the rules' source, the context (the rewrite settings its TP
+group agreed included) and the chained pass, so Inductor's FX graph cache recompiles when any of
+them changes. Static placeholders come from the AOT metadata (`static_input_indices`, minus mutated
+inputs) when a TracingContext is active; otherwise nothing is static and the site guards that need
+static weights reject (logged). On an Inductor cache hit the pass does not run and logs nothing:
+the cached code already holds the rewrite it made when the entry was written (same uuid).
 """
 from __future__ import annotations
 
@@ -23,57 +23,18 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import runtime, settings
-from .context import ContextError, DecodeContext
-from .engines import GROUP_SOURCES, EngineError, GroupSource, find_tp_group
-from .graph_facts import mark_static
+from .context import ContextError, DecodeContext, rewrite_settings
+from .doors import (EngineError, GroupSource, check_group_source, context_for, mark_static_by_index,
+                    static_input_indices_from_tracing_context)
 from .log import RewriteLog
 from .pipeline import RuleRegistry, run_pipeline
-from .rule import Rule
 from .plugins import install_plugins
+from .rule import Rule
 
 logger = logging.getLogger("k3fuse")
-
-
-def _aot_metadata() -> Any:
-    """The active TracingContext's AOT forward metadata, or None outside AOT compilation."""
-    from torch._guards import TracingContext
-
-    tc = TracingContext.try_get()
-    return getattr(tc, "fw_metadata", None) if tc is not None else None
-
-
-def mutated_input_indices() -> set[int]:
-    """Indices of AOT graph inputs the graph mutates (data or metadata); empty outside AOT."""
-    meta = _aot_metadata()
-    if meta is None:
-        return set()
-    return {i for i, info in enumerate(meta.input_info) if getattr(info, "mutates_data", False)
-            or getattr(info, "mutates_metadata", False)}
-
-
-def static_input_indices_from_tracing_context() -> set[int] | None:
-    """Indices of AOT graph inputs that are parameters/buffers never mutated, if AOT says so."""
-    meta = _aot_metadata()
-    if meta is None or getattr(meta, "static_input_indices", None) is None:
-        return None
-    return set(meta.static_input_indices) - mutated_input_indices()
-
-
-def mark_static_by_index(graph: fx.Graph, indices: set[int] | None) -> int:
-    """Mark placeholders by position; returns how many are static."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    count = 0
-    for i, node in enumerate(placeholders):
-        static = indices is not None and i in indices
-        mark_static(node, static)
-        count += static
-    return count
-
 
 #: attribute a K3FusePass sets on each fx.Graph it rewrote: a second k3fuse pass on the same graph
 #: (added twice, or chained behind itself) is an error, not a second rewrite
@@ -84,23 +45,24 @@ class K3FusePass(CustomGraphPass):
     """The k3fuse pipeline as an Inductor post-grad pass.
 
     `ctx`: a DecodeContext (used as given), or a dict of its fields / None: the context is then
-    built when the pass first runs, in the process that compiles (a serving engine's worker), from
-    the TP group `group` names ("auto": vLLM's, else SGLang's, else torch's default group; see
-    k3fuse.engines.find_tp_group). That build is local (no collective): a pass may run on one rank
-    and not another (a cache hit), so nothing in it may wait for the other ranks.
-    Copies (`copy.deepcopy`, pickling to a worker) drop the built context, so each process builds
-    its own, and share the rules and the log.
+    built when the pass is first asked for it (its `uuid()`, which every compile computes, hit or
+    miss), in the process that compiles (a serving engine's worker), for the TP group `group`
+    names ("auto": vLLM's, else SGLang's, else torch's default group; see k3fuse.doors). Every rank
+    builds it, once per process (`doors.context_for(..., once=True)`), and the ranks agree their
+    rewrite settings through the group's store, never a collective: ranks that would rewrite
+    differently raise one ContextError each, at compile time, instead of hanging in different
+    collectives (k3fuse/context.py). Copies (`copy.deepcopy`, pickling to a worker) drop the built
+    context and find the process's own; they share the rules and the log.
     """
 
     def __init__(self, ctx: DecodeContext | dict[str, Any] | None = None, *,
                  rules: RuleRegistry | list[Rule] | None = None,
                  log: RewriteLog | str | os.PathLike[str] | None = None, chain: Any = None,
                  group: GroupSource = "auto"):
-        if group not in GROUP_SOURCES:
-            raise EngineError(f"unknown TP group source {group!r}", f"use one of {', '.join(GROUP_SOURCES)}")
+        install_plugins()   # the engines register their TP groups
+        check_group_source(group)
         if not (ctx is None or isinstance(ctx, (DecodeContext, dict))):
             raise ContextError(f"ctx must be a DecodeContext, a dict of its fields or None, got {type(ctx).__name__}")
-        install_plugins()
         self._given = ctx
         self._ctx = ctx if isinstance(ctx, DecodeContext) else None
         self.group = group
@@ -112,7 +74,7 @@ class K3FusePass(CustomGraphPass):
     def ctx(self) -> DecodeContext:
         """The context the pass rewrites for (built from the TP group on first use unless given)."""
         if self._ctx is None:
-            self._ctx = context_for_group(self._given, self.group)
+            self._ctx = context_for(self._given, self.group, once=True)
             if self.log.rank == 0 and self._ctx.rank:
                 self.log.rank = self._ctx.rank
         return self._ctx
@@ -142,15 +104,16 @@ class K3FusePass(CustomGraphPass):
 
     def uuid(self) -> str:
         """Inductor's (and vLLM's, JSON-hashed) cache key: a hex string over the rules' source, the
-        context, torch, the switches and the chained pass."""
+        context, every setting that decides a rewrite (the agreed ones, or the live ones on a
+        single rank: K3FUSE_RULES, the kill switch, the toolchain switches, K3FUSE_AR_PROTOCOL,
+        K3FUSE_GEMV_MAX_M, ...), torch and the chained pass."""
         ctx = self.ctx
         h = hashlib.sha256()
         h.update(self.rules.fingerprint().encode())
-        h.update(json.dumps(ctx.describe(), sort_keys=True).encode())
-        h.update(str(ctx.multicast_status()).encode())
+        h.update(json.dumps(ctx.describe(), sort_keys=True, default=repr).encode())
+        if ctx.agreed_settings is None:
+            h.update(json.dumps(rewrite_settings(), sort_keys=True, default=repr).encode())
         h.update(torch.__version__.encode())
-        # which rules run and whether any does: K3FUSE_RULES and the kill switch change the rewrite
-        h.update(f"{settings.get('K3FUSE_RULES')}|{runtime.is_disabled()}".encode())
         if self.chain is not None:
             chained = self.chain.uuid() if hasattr(self.chain, "uuid") else repr(self.chain)
             h.update(chained if isinstance(chained, bytes) else str(chained).encode())
@@ -181,27 +144,6 @@ def contains_k3fuse_pass(hook: Any) -> bool:
     return False
 
 
-def context_for_group(given: dict[str, Any] | None, source: GroupSource = "auto") -> DecodeContext:
-    """A DecodeContext for the TP group `source` finds now, with the fields in `given` (no
-    collective: the multicast status is this rank's own)."""
-    from .context import probe_multicast
-    from .compat import group_name_of
-
-    fields = dict(given or {})
-    found = find_tp_group(source)
-    if found.group is None:
-        return DecodeContext(**fields)
-    group = found.group
-    size = dist.get_world_size(group)
-    if fields.get("tp_size", size) != size:
-        raise ContextError(f"tp_size={fields['tp_size']} does not match the {found.owner} TP group of size {size}")
-    fields.pop("tp_size", None)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    fields.setdefault("device_capability", torch.cuda.get_device_capability(device) if device is not None else None)
-    fields.setdefault("multicast_info", probe_multicast(fields.get("multicast", "auto"), device=device))
-    return DecodeContext(tp_size=size, rank=dist.get_rank(group), group_name=group_name_of(group), **fields)
-
-
 def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, *,
                   rules: RuleRegistry | list[Rule] | None = None,
                   log: RewriteLog | str | os.PathLike[str] | None = None,
@@ -221,5 +163,4 @@ def inductor_pass(ctx: DecodeContext | dict[str, Any] | None = None, *,
     return K3FusePass(ctx, rules=rules, log=log, chain=existing, group=group)
 
 
-__all__ = ["inductor_pass", "K3FusePass", "contains_k3fuse_pass", "context_for_group", "mark_static_by_index", "mutated_input_indices",
-           "static_input_indices_from_tracing_context"]
+__all__ = ["inductor_pass", "K3FusePass", "contains_k3fuse_pass"]

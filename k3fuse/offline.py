@@ -3,7 +3,8 @@
 The program is decomposed with the same table as the other doors, static placeholders come from
 its graph signature (parameters, buffers it never mutates, lifted constants), the pipeline runs,
 every node gets a meta["val"], and the result is an ExportedProgram that saves and loads with
-torch.export.save/load (the k3fuse ops are registered by `import k3fuse`) and can be exported again.
+torch.export.save/load (the k3fuse ops are registered by `k3fuse.load()`, which every k3fuse entry
+point runs) and can be exported again. The context comes from k3fuse.doors, as in the other doors.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, Tens
 
 from . import graph_facts
 from .context import DecodeContext
+from .doors import context_for
 from .graph_facts import is_collective
 from .log import RewriteLog
 from .matcher import decomposition_table
@@ -332,7 +334,7 @@ def apply(
     """
     if not isinstance(exported_program, ExportedProgram):
         raise ProgramTypeError(exported_program)
-    ctx = DecodeContext.coerce(ctx)
+    ctx = context_for(ctx, "torch")
     with _quiet_torch_internals():
         if decompose:  # a fresh graph module; weights are shared, never written
             ep = exported_program.run_decompositions(decomposition_table())

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch.fx as fx
 
-from . import engine_ops, fp32_residual, runtime, settings, verify, vocabulary
-from .context import ContextError, DecodeContext
-from .guards import GuardFailure, kernels_available, multicast_policy
+from . import engine_ops, fp32_residual, verify, vocabulary
+from .context import KILL_SWITCH, ContextError, DecodeContext
+from .guards import GuardFailure, kernels_available, multicast_refusal
 from .log import RewriteEvent, RewriteLog
 from .matcher import trace_aten
 from .rule import Rule, RewriteError
@@ -74,7 +74,7 @@ class RuleRegistry:
             ctx.check_rule_names(known)
         except ContextError as exc:
             raise UnknownRuleError(str(exc)) from None
-        spec = settings.get("K3FUSE_RULES") if env is None else env
+        spec = ctx.setting("K3FUSE_RULES") if env is None else env
         only, minus = parse_rules_env(spec)
         plus = opt_in_rules_env(spec)
         unknown = sorted(((only or set()) | minus | plus) - set(known))
@@ -187,7 +187,7 @@ def run_pipeline(
         return rlog.add(RewriteEvent(rule=rule.name, decision=decision,  # type: ignore[arg-type]
                                      graph_id=gid, door=door, rank=ctx.rank, **kw))  # type: ignore[arg-type]
 
-    if runtime.is_disabled():
+    if ctx.setting(KILL_SWITCH):
         for rule, _ in selection:
             event(rule, "rejected", level="contract", guard="disabled",
                   reason="kill switch on (K3FUSE_DISABLE=1 or k3fuse.disable())")
@@ -237,14 +237,7 @@ def run_pipeline(
 
 
 def _contract_failures(rule: Rule, ctx: DecodeContext) -> list[GuardFailure]:
-    out: list[GuardFailure] = []
-    if rule.uses_multicast:
-        f = multicast_policy(ctx)
-        if f is not None:
-            out.append(f)
-    f = kernels_available(ctx, rule.emits)
-    if f is not None:
-        out.append(f)
+    out = [f for f in (multicast_refusal(ctx, rule.emits), kernels_available(ctx, rule.emits)) if f is not None]
     out.extend(rule.check_contract(ctx))
     return out
 

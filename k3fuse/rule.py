@@ -52,12 +52,8 @@ class Rule:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    #: True puts the rule under the multicast policy: the engine adds the `multicast` contract guard,
-    #: which rejects it under policy "require" where multicast is unavailable. It does not mean the
-    #: fused op uses multicast (no k3fuse kernel does: the fused all-reduce is a unicast one-shot)
-    uses_multicast: ClassVar[bool] = False
-    #: names of the torch.ops.k3fuse ops the rewrite inserts (contract guard: a kernel exists for
-    #: the context's device)
+    #: names of the torch.ops.k3fuse ops the rewrite inserts (contract guards: a kernel exists for
+    #: the context's device; a collective among them refuses multicast policy "require")
     emits: ClassVar[tuple[str, ...]] = ()
     #: False: the rule runs only when named (K3FUSE_RULES=+name, enabled_rules): kept for users who
     #: measure a gain on their setup, off by default because the layer benchmark measured none

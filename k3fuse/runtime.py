@@ -1,8 +1,15 @@
-"""Runtime clarity: which implementation each fused op ran, strict mode and the kill switch.
+"""Runtime clarity: which implementation each fused op ran, strict mode, the kill switch, and the
+path settings every rank of a TP group runs with.
 
 Every fused op reports each call here. A *fallback* is any call that did not run the
 implementation the op exists for (a kernel on GPU, the reference path on CPU), with its reason.
 Strict mode turns a fallback into an error, so a test can prove the fast path ran.
+
+Path settings (`PATH_SETTINGS`) decide which kernel a fused op runs and how it synchronises; the
+kernels' predicates and builders read them with `path_setting`, never from the environment. Until
+a TP group agrees them (kernels/collective_guard.py, at its first collective call) they are this
+process's live values; from then on the agreed ones, which only `reagree` changes (collective), so a
+variable changed on one rank cannot send it down another path than its peers.
 """
 from __future__ import annotations
 
@@ -17,6 +24,13 @@ _lock = threading.Lock()
 _counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 _strict_override: bool | None = None
 _disabled_override: bool | None = None
+
+#: K3FUSE_* settings that decide a rank's path through the fused ops (K3FUSE_AR_TIMEOUT_S stands
+#: for the spin bound however it is given: K3FUSE_AR_TIMEOUT_S, else _MS, else the default)
+PATH_SETTINGS: tuple[str, ...] = ("K3FUSE_RULES", "K3FUSE_DISABLE_CUTE", "K3FUSE_DISABLE_TRITON",
+                                  "K3FUSE_AR_PROTOCOL", "K3FUSE_AR_PDL", "K3FUSE_GEMV_MAX_M",
+                                  "K3FUSE_AR_START_GENERATION", "K3FUSE_AR_TIMEOUT_S")
+_agreed: dict[str, object] = {}
 
 
 class K3FuseFallbackError(RuntimeError):
@@ -54,6 +68,41 @@ def disable(disabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _disabled_override = previous
+
+
+def live_path_setting(name: str) -> object:
+    """Path setting `name` as this process's environment says now."""
+    if name not in PATH_SETTINGS:
+        raise KeyError(f"{name} is not a path setting; path settings: {', '.join(PATH_SETTINGS)}")
+    return settings.spin_timeout_s() if name == "K3FUSE_AR_TIMEOUT_S" else settings.get(name)
+
+
+def live_path_settings() -> dict[str, object]:
+    return {name: live_path_setting(name) for name in PATH_SETTINGS}
+
+
+def path_setting(name: str) -> object:
+    """Path setting `name` as this rank runs it: the value its TP group agreed, else the live one."""
+    try:
+        return _agreed[name]
+    except KeyError:
+        return live_path_setting(name)
+
+
+def path_settings() -> dict[str, object]:
+    return {name: path_setting(name) for name in PATH_SETTINGS}
+
+
+def pin_path_settings(values: dict[str, object]) -> None:
+    """Fix the path settings to what a TP group agreed (the collective guard calls it)."""
+    with _lock:
+        _agreed.update({k: v for k, v in values.items() if k in PATH_SETTINGS})
+
+
+def unpin_path_settings() -> None:
+    """Back to the live values (tests; a process whose TP groups are all gone)."""
+    with _lock:
+        _agreed.clear()
 
 
 def record(op: str, impl: str) -> None:

@@ -156,8 +156,6 @@ VARIABLES: tuple[Variable, ...] = (
              "append every rewrite decision to this JSONL file"),
     Variable("K3FUSE_DEBUG", "debug", _flag, False,
              "the CLI prints tracebacks (same as --debug)"),
-    Variable("K3FUSE_DISABLE_MULTICAST", "disable_multicast", _flag, False,
-             "the multicast guard reads unavailable (k3fuse's kernels never use multicast)"),
     Variable("K3FUSE_DISABLE_CUTE", "disable_cute", _flag, False,
              "do not import the CuTe DSL kernels (a broken toolchain); Triton and cuBLAS remain"),
     Variable("K3FUSE_DISABLE_TRITON", "disable_triton", _flag, False,
@@ -192,7 +190,6 @@ class Settings:
     disable: bool = False
     log_path: str | None = None
     debug: bool = False
-    disable_multicast: bool = False
     disable_cute: bool = False
     disable_triton: bool = False
     gemv_max_m: int | None = None

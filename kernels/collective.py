@@ -21,6 +21,9 @@ Layout of the one symmetric fp32 allocation per rank (see kernels/lib/cute/onesh
 Local (not symmetric): gen int64[4] (epoch, arrival counter, rows written last call, buffer index
 in {0, 1, 2}), ptrs int64[world] (each rank's data base address, for the Triton push epilogue).
 
+Settings: the protocol (K3FUSE_AR_PROTOCOL), the spin bound and the start epoch are the values the
+TP group agreed (k3fuse.runtime.path_setting); a workspace serves one protocol (part of its key).
+
 Generation: 64-bit (2^63 calls) and compared by signed difference, so not even the wrap breaks
 the flag protocol; the buffer index is its own word, rotated 0 -> 1 -> 2 -> 0 by the epilogue's
 last CTA, never a remainder of a wrapping counter. `K3FUSE_AR_START_GENERATION` (tests) starts
@@ -47,7 +50,9 @@ at `collective_guard.check_collectives()` after CUDA-graph replays (it reads the
 its previous run and queues a fresh copy: one step late without `sync`, at once with it).
 Start-up: the first call of each variant (op, path, tokens, ...: shared facts) waits at a barrier
 of the group after compiling and before pushing (`start_barrier`), so the bound never starts while
-a peer is still compiling.
+a peer is still compiling; a new workspace's ranks meet after allocating and after initialising.
+These barriers wait on the group's failure board, not in a collective: a rank whose compile or
+allocation failed posted its reason there, and every peer raises at once, naming it.
 """
 from __future__ import annotations
 
@@ -59,7 +64,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from k3fuse import settings
+from k3fuse import runtime
 
 from . import collective_guard
 from .collective_guard import CollectiveError, CollectiveTimeoutError  # noqa: F401  (re-exported)
@@ -76,9 +81,10 @@ class WorkspaceStreamError(CollectiveError):
 
 
 def timeout_s() -> float:
-    """Bound of every spin, in seconds (k3fuse.settings.spin_timeout_s: K3FUSE_AR_TIMEOUT_S, else
-    K3FUSE_AR_TIMEOUT_MS, else the default). Read per call: a runtime kernel argument, no recompile."""
-    return settings.spin_timeout_s()
+    """Bound of every spin, in seconds (K3FUSE_AR_TIMEOUT_S, else K3FUSE_AR_TIMEOUT_MS, else the
+    default), as the TP group agreed it: every rank waits as long. Read per call: a runtime kernel
+    argument, no recompile."""
+    return float(runtime.path_setting("K3FUSE_AR_TIMEOUT_S"))
 
 
 def timeout_ns() -> int:
@@ -88,22 +94,20 @@ def timeout_ns() -> int:
 
 def start_generation() -> int:
     """K3FUSE_AR_START_GENERATION (default 0): the first epoch of a new workspace (tests)."""
-    return settings.get("K3FUSE_AR_START_GENERATION")
+    return int(runtime.path_setting("K3FUSE_AR_START_GENERATION"))
 
 
 #: err[2] of a failure: which op the kernel ran (a timeout message names it)
 OP_KINDS: dict[str, int] = {"gemm_ar_residual": 0, "gemm_ar_residual_rmsnorm": 1, "allreduce_rmsnorm": 2,
                             "moe_front_sharded": 3}
 MAX_WORLD = 8  # ranks a fused collective serves (the epilogue's fixed peer arity)
-_PROTOCOL: list[str] = []
 
 
 def protocol() -> str:
-    """K3FUSE_AR_PROTOCOL (lamport | flags), read on first use and then fixed for the process: both
-    share the workspace, and the Lamport one needs its sentinel invariant."""
-    if not _PROTOCOL:
-        _PROTOCOL.append(settings.get("K3FUSE_AR_PROTOCOL"))
-    return _PROTOCOL[0]
+    """K3FUSE_AR_PROTOCOL (lamport | flags) as the TP group agreed it (a `reagree` changes it on
+    every rank at once). A workspace serves the protocol it was created for (the Lamport one needs
+    its sentinel invariant): a change gets workspaces of its own (`get_workspace`)."""
+    return str(runtime.path_setting("K3FUSE_AR_PROTOCOL"))
 
 
 def flags_rank(rank: int) -> int | None:
@@ -119,6 +123,10 @@ def staged(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def dist_ready() -> bool:
     """A process group exists (a call-time fact: a rewrite is made for a group that will exist)."""
     return dist.is_available() and dist.is_initialized()
@@ -126,18 +134,27 @@ def dist_ready() -> bool:
 
 def run_collective(op: str, group_name: str, world_size: int, max_tokens: int, hidden: int,
                    device: torch.device, facts: dict, launch) -> object:
-    """One fused collective call: the workspace for (group, max_tokens, hidden, lane), then
-    `launch(ws)`, which stages its inputs, compiles every kernel, passes `ws.start_barrier`, pushes,
-    runs the epilogue and returns the result. Every failure of it, or of the stream check before
-    it, fails the workspace and the group on every rank (`ArWorkspace.fail`): no rank spins to its
-    timeout or reads a partial sum as fresh later; the caller (dispatch) raises, never a per-rank
-    fallback."""
-    ws = get_workspace(group_name, world_size, max_tokens, hidden, device, facts=facts)
+    """One fused collective call: the workspace for (group, max_tokens, hidden, lane, protocol),
+    created collectively on first use, then `launch(ws)`, which stages its inputs, compiles every
+    kernel, passes `ws.start_barrier`, pushes, runs the epilogue and returns the result. Every
+    failure of it (the allocation of the workspace, the stream check, staging, compile, launch)
+    fails the workspace and the group on every rank (`ArWorkspace.fail`, or the failure board when
+    there is no workspace yet): the peers waiting at a barrier raise at once, naming this rank, no
+    rank spins to its timeout or reads a partial sum as fresh later; the caller (dispatch) raises,
+    never a per-rank fallback."""
+    ws = None
     try:
+        ws = get_workspace(group_name, world_size, max_tokens, hidden, device, facts=facts, op=op)
         ws.before_call(op)
         return launch(ws)
     except BaseException as exc:
-        ws.fail(op, f"{type(exc).__name__}: {exc}", getattr(exc, "kind", "failure"))
+        reason = f"{type(exc).__name__}: {exc}"
+        if ws is not None:
+            ws.fail(op, reason, getattr(exc, "kind", "failure"))
+        else:
+            state = collective_guard.group_state(group_name)
+            who = state.describe() if state is not None else f"group {group_name!r}"
+            collective_guard.fail(group_name, op, f"k3fuse.{op}: {who} failed: {reason}", getattr(exc, "kind", "failure"))
         raise
 
 
@@ -161,7 +178,7 @@ def warmup_rank(shape: dict) -> int:
 
 def check_timeout(group_name: str, max_tokens: int, hidden: int, device: torch.device) -> None:
     """Raise CollectiveTimeoutError if a spin on this workspace timed out (synchronises)."""
-    ws = _workspaces.get((group_name, device.index, max_tokens, hidden, current_lane()))
+    ws = _workspaces.get((group_name, device.index, max_tokens, hidden, current_lane(), protocol()))
     if ws is not None:
         ws.raise_if_failed(ws.last_op, sync=True)
 
@@ -218,8 +235,13 @@ def stream_lane(name: str) -> Iterator[None]:
 
 
 class ArWorkspace:
+    """One rank's symmetric buffers of a group's fused collectives (see the module doc), created
+    collectively: the ranks agree what the kernels assume, allocate, meet at a barrier on the
+    failure board (a rank whose allocation failed makes the others raise, naming it), exchange
+    handles, initialise the words and meet again."""
+
     def __init__(self, group_name: str, world_size: int, max_tokens: int, hidden: int,
-                 device: torch.device, lane: str = "main", facts: dict | None = None):
+                 device: torch.device, lane: str = "main", facts: dict | None = None, op: str = "fused all-reduce"):
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -227,6 +249,7 @@ class ArWorkspace:
 
         group = resolve_group(group_name)
         self.group, self.group_name, self.lane = group, group_name, lane
+        self.world_pg = dist.group.WORLD     # a workspace of a destroyed process group is never reused
         self.rank = dist.get_rank(group)           # the rank within the TP group, never the global one
         self.world = dist.get_world_size(group)
         if self.world != world_size:
@@ -258,6 +281,8 @@ class ArWorkspace:
         buf[:n_data].view(torch.int32).fill_(-2**31)   # 0x80000000 = -0.0: "not written yet"
         buf[n_data:n_data + n_flags].view(torch.int64).fill_(start)
         buf[n_data + n_flags:].view(torch.int32).zero_()
+        # every rank allocated before the rendezvous, which a rank whose allocation failed never joins
+        collective_guard.barrier(group_name, op, "the allocation of the fused collectives' workspace", device)
         hdl = symm_mem.rendezvous(buf, group_name)
         self.handle, self.buf = hdl, buf
         self.datas, self.flags, self.errs = [], [], []
@@ -277,9 +302,10 @@ class ArWorkspace:
         self.failed: str | None = None
         self.notify_stream: torch.cuda.Stream | None = None
         self.variants: set[tuple] = set()      # variants whose start barrier every rank passed
-        self.last_op = "?"
+        self.last_op = op
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # every rank's buffer holds the sentinel before any peer writes it
+        # every rank's buffer holds the sentinel before any peer writes it
+        collective_guard.barrier(group_name, op, "the initialisation of the fused collectives' workspace", device)
 
     def padded(self, tensors: list[torch.Tensor], max_world: int) -> list[torch.Tensor]:
         """Per-peer views padded to the kernel's fixed arity with the local view (unused)."""
@@ -307,7 +333,7 @@ class ArWorkspace:
         state = collective_guard.group_state(self.group_name)
         if state is not None:
             state.raise_if_failed(op)
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return   # no sync / host read inside capture
         if sync:
             torch.cuda.synchronize(self.device)
@@ -333,7 +359,7 @@ class ArWorkspace:
         if first:
             self.failed = message
         collective_guard.fail(self.group_name, op, message, kind)
-        if not first or torch.cuda.is_current_stream_capturing():
+        if not first or _capturing():
             return
         try:   # on a side stream: never queued behind a kernel of this rank that still spins
             if self.notify_stream is None:
@@ -349,15 +375,12 @@ class ArWorkspace:
 
     def start_barrier(self, variant: tuple) -> None:
         """Before the first push of `variant` (shared facts only: op, path, tokens, flags...): every
-        rank has compiled it, so the spin bound never covers a peer's compile. Eager only (a
-        captured call was warmed up eagerly first)."""
-        if variant in self.variants or torch.cuda.is_current_stream_capturing():
+        rank has compiled it, so the spin bound never covers a peer's compile. On the failure board
+        (collective_guard.barrier): a peer whose compile failed makes this rank raise at once,
+        naming it. Eager only (a captured call was warmed up eagerly first)."""
+        if variant in self.variants or _capturing():
             return
-        if self.world > 1:
-            if dist.get_backend(self.group) == "nccl":
-                dist.barrier(self.group, device_ids=[self.device.index])
-            else:
-                dist.barrier(self.group)
+        collective_guard.barrier(self.group_name, str(variant[0]), f"the first push of {variant}", self.device)
         self.variants.add(variant)
 
     # --- streams --------------------------------------------------------------------------------
@@ -366,7 +389,7 @@ class ArWorkspace:
         doc). Call it inside `run_collective`, so that its own errors fail the group too."""
         self.raise_if_failed(op)
         self.last_op = op
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return
         cur = torch.cuda.current_stream(self.device)
         if self.stream is None or cur == self.stream:
@@ -384,7 +407,7 @@ class ArWorkspace:
 
     def after_call(self) -> None:
         """Eager calls: mirror the error words to pinned memory and mark the call's end."""
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return
         self.mirror()
 
@@ -420,19 +443,22 @@ def _one_gpu_per_rank(group, group_name: str, device: torch.device) -> None:
 
 
 def get_workspace(group_name: str, world_size: int, max_tokens: int, hidden: int,
-                  device: torch.device, facts: dict | None = None) -> ArWorkspace:
-    """The workspace for this group/device/shape/lane, created collectively on first use."""
+                  device: torch.device, facts: dict | None = None, op: str = "fused all-reduce") -> ArWorkspace:
+    """The workspace for this group/device/shape/lane/protocol, created collectively on first use
+    (and again for a process group initialised anew: its old buffers belong to a dead group)."""
     lane = current_lane()
-    key = (group_name, device.index, max_tokens, hidden, lane)
+    key = (group_name, device.index, max_tokens, hidden, lane, protocol())
     ws = _workspaces.get(key)
-    if ws is None:
-        if torch.cuda.is_current_stream_capturing():
+    if ws is None or ws.world_pg is not dist.group.WORLD:
+        if _capturing():
             raise RuntimeError("one-shot all-reduce workspace first needed during CUDA-graph capture; "
                                "warm the op up before capturing")
         with _lock:
             ws = _workspaces.get(key)
-            if ws is None:
-                ws = ArWorkspace(group_name, world_size, max_tokens, hidden, device, lane, facts)
+            if ws is None or ws.world_pg is not dist.group.WORLD:
+                for stale in [k for k, w in _workspaces.items() if w.world_pg is not dist.group.WORLD]:
+                    del _workspaces[stale]
+                ws = ArWorkspace(group_name, world_size, max_tokens, hidden, device, lane, facts, op)
                 _workspaces[key] = ws
     return ws
 
@@ -440,16 +466,21 @@ def get_workspace(group_name: str, world_size: int, max_tokens: int, hidden: int
 def fail_group(group_name: str, op: str, reason: str, kind: str) -> None:
     """Fail every workspace of `group_name` in this process (err=2 in every peer's words: their
     kernels stop spinning); the collective guard calls it when the group fails."""
-    for ws in list(_workspaces.values()):
+    for ws in _live_workspaces():
         if ws.group_name == group_name:
             ws.fail(op, reason, kind)
+
+
+def _live_workspaces() -> list[ArWorkspace]:
+    """The workspaces of today's process group (not of one destroyed and initialised again)."""
+    return [ws for ws in list(_workspaces.values()) if ws.world_pg is dist.group.WORLD]
 
 
 def check_errors(sync: bool = True) -> None:
     """Raise CollectiveTimeoutError if any fused all-reduce workspace of this process failed
     (synchronises the devices with `sync`; use after CUDA-graph replays). Without `sync` it reads
     the words copied at its previous run (or after the last eager call) and queues a new copy."""
-    for ws in list(_workspaces.values()):
+    for ws in _live_workspaces():
         ws.raise_if_failed(ws.last_op, sync=sync)
-        if not sync and not torch.cuda.is_current_stream_capturing():
+        if not sync and not _capturing():
             ws.mirror()

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from k3fuse import runtime, settings
+from k3fuse import runtime
 
 from .spec import token_count
 
@@ -189,7 +189,7 @@ def load_gpu_impls() -> None:
             if package in _import_errors:
                 continue
             switch = _TOOLCHAIN_SWITCHES.get(toolchain)
-            if switch and settings.get(switch):
+            if switch and runtime.path_setting(switch):
                 _import_errors[package] = f"disabled by {switch}=1"
                 continue
             try:

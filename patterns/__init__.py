@@ -33,32 +33,46 @@ when 2 is off).
 """
 from __future__ import annotations
 
-from k3fuse.rule_api import Rule
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .decode_gemm import DecodeGemm
-from .fused_routing import FusedRouting
-from .kda_delta_rule import KDADeltaRule
-from .kda_short_conv import KDAShortConv
-from .mla_decode import MLADecode
-from .moe_combine import MoECombine
-from .moe_front_sharded import MoEFrontSharded
-from .moe_tail_allreduce_norm import MoETailAllReduceNorm
-from .oproj_allreduce_residual import OProjAllReduceResidual
-from .routed_experts import RoutedExperts
-from .shared_expert_stream import SharedExpertStream
-from .weight_prefetch import WeightPrefetch
+if TYPE_CHECKING:
+    from k3fuse.rule_api import Rule
 
-RULE_CLASSES: tuple[type[Rule], ...] = (OProjAllReduceResidual, MoETailAllReduceNorm, MoEFrontSharded, FusedRouting,
-                                        RoutedExperts, MoECombine, SharedExpertStream, KDAShortConv, KDADeltaRule,
-                                        MLADecode, DecodeGemm, WeightPrefetch)
+#: the rules in pipeline order: each is the name of its module here and of its Rule. Torch-free, so
+#: that `import k3fuse` can check K3FUSE_RULES against it before anything imports torch.
+RULE_NAMES: tuple[str, ...] = (
+    "oproj_allreduce_residual", "moe_tail_allreduce_norm", "moe_front_sharded", "fused_routing", "routed_experts",
+    "moe_combine", "shared_expert_stream", "kda_short_conv", "kda_delta_rule", "mla_decode", "decode_gemm",
+    "weight_prefetch",
+)
+
+
+def rule_classes() -> tuple[type[Rule], ...]:
+    """Every K3 rule's class, in pipeline order (importing a rule's module imports torch)."""
+    out = []
+    for name in RULE_NAMES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        (cls,) = [c for c in vars(module).values()
+                  if isinstance(c, type) and c.__module__ == module.__name__ and getattr(c, "name", None) == name]
+        out.append(cls)
+    return tuple(out)
 
 
 def all_rules() -> list[Rule]:
     """Fresh instances of every K3 rule, in pipeline order (off-by-default ones included)."""
-    return [cls() for cls in RULE_CLASSES]
+    return [cls() for cls in rule_classes()]
 
 
-__all__ = ["all_rules", "RULE_CLASSES", "OProjAllReduceResidual", "MoETailAllReduceNorm",
-           "MoEFrontSharded",
-           "FusedRouting", "RoutedExperts", "MoECombine", "SharedExpertStream", "KDAShortConv", "KDADeltaRule",
-           "MLADecode", "DecodeGemm", "WeightPrefetch"]
+def __getattr__(name: str) -> Any:
+    """`RULE_CLASSES` and the rules' classes by name (`from k3fuse.patterns import DecodeGemm`), loaded
+    with their modules on first use."""
+    if name == "RULE_CLASSES":
+        return rule_classes()
+    for cls in rule_classes() if name[:1].isupper() else ():
+        if cls.__name__ == name:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["RULE_NAMES", "all_rules", "rule_classes"]

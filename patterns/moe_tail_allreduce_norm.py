@@ -67,9 +67,6 @@ class MoETailAllReduceNorm(Rule):
                    "(one-shot push + epilogue, the out-projection op's protocol)")
     default_on = False
     default_off_reason = "no H200 measurement yet"
-    # same NVLink exchange as oproj_allreduce_residual (unicast one-shot): policy "require" rejects it
-    # where multicast is unavailable
-    uses_multicast = True
     site_op = ALL_REDUCE
 
     def patterns(self) -> list[PatternSpec]:

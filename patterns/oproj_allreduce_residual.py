@@ -12,7 +12,7 @@ Sites in a K3 layer:
   MoE final reduction  y = y_routed + AR(h_sh @ W_d.T); r = r + y [-> rmsnorm] -> addend = y_routed
 In-place reductions (`dist.all_reduce(t)`, as HF / third-party model code writes them) functionalise
 to all_reduce -> wait -> `copy(t, reduced)`; the matcher reads the copy as the reduced value
-(normalize.copied_value), so they match in every door without Inductor's remove_noop_ops.
+(vocabulary.copied_value), so they match in every door without Inductor's remove_noop_ops.
 Needs from the weights: the projection weight (and the norm weight) are static parameters.
 """
 from __future__ import annotations
@@ -83,9 +83,6 @@ class OProjAllReduceResidual(Rule):
     description = ("row-parallel out-projection -> all_reduce -> residual add [-> next RMSNorm] (KDA "
                    "out-projection, AttnRes prefix add, MoE final reduction + residual) -> "
                    "k3fuse.gemm_ar_residual[_rmsnorm]")
-    # the exchange is an NVLink collective: policy "require" rejects it where multicast is unavailable
-    # (the kernel itself is the unicast one-shot; a multicast variant is out of scope)
-    uses_multicast = True
     # near misses are reported from each all_reduce: the closest one and where it left the pattern
     site_op = ALL_REDUCE
 
@@ -128,11 +125,6 @@ class OProjAllReduceResidual(Rule):
         return failures(kernel_covers(ctx, spec, site_tokens(match["x"])))
 
     def rewrite(self, match: Match, ctx: DecodeContext) -> list[fx.Node]:
-        status = ctx.multicast_status()
-        why = ("multicast available, but this build has no multicast kernel" if status.available
-               else f"multicast {status.reason}")
-        match.note(f"unicast one-shot all-reduce: {why}", path="unicast_one_shot",
-                   multicast=status.reason, policy=ctx.multicast)
         operands = dict(x=match["x"], weight=match["weight"], residual=match["residual"],
                         addend=match.inputs.get("addend"), group_name=match["group_name"], world_size=ctx.tp_size,
                         max_tokens=ctx.tokens[1], strict=ctx.strict)

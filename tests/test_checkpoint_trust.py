@@ -187,7 +187,8 @@ def test_a_tensor_in_two_shards_is_refused_naming_both(ckpt):
     tensors = load_file(str(path / other))
     add(tensors)
     save_file(tensors, str(path / other))  # the index still places it in its own shard
-    refused(path, rf"tensor '{re.escape(name)}' is in shard '{other}' but the index places it in '{wm[name]}'")
+    refused(path, rf"tensor '{re.escape(name)}' is held twice: as '{re.escape(name)}' in shard '{wm[name]}' "
+                  rf"and as '{re.escape(name)}' in shard '{other}'")
 
 
 def test_a_tensor_spelled_twice_is_refused(ckpt):

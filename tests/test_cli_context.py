@@ -26,7 +26,7 @@ from k3fuse.usage_error import UsageError
     ({"dtype": "bf16"}, "dtype must be a floating torch.dtype"),
     ({"dtype": torch.int32}, "dtype must be a floating torch.dtype"),
     ({"group_name": 0}, "group_name must be the c10d group name"),
-    ({"multicast_info": "yes"}, "multicast_info must be a MulticastStatus"),
+    ({"agreed_settings": "yes"}, "agreed_settings must be (name, value) pairs"),
 ])
 def test_wrong_types_are_clear_errors(kwargs, fragment):
     with pytest.raises(ContextError) as exc:
@@ -57,3 +57,26 @@ def test_dtype_takes_part_in_the_site_guard():
     rej = wrong.rejected("decode_gemm")
     assert rej and all(e.guard == "dtype" for e in rej)
     assert rej[0].values == {"x": str(trunk), "expected": str(other)}
+
+
+@pytest.mark.parametrize("argv0", ["serve.py", "/usr/local/bin/k3fuse", "-c"])
+def test_import_k3fuse_is_the_same_however_the_process_was_launched(argv0):
+    """Issue 49.7: `import k3fuse` reads no sys.argv and never imports torch or the reference model;
+    `k3fuse.load()` (every entry point's first step, and `import k3fuse` itself once torch is
+    imported) registers the ops, still without the model."""
+    import subprocess
+    import sys
+
+    heavy = "('torch', 'k3fuse.model', 'k3fuse.model.stack', 'k3fuse.kernels')"
+    light = ("import sys\nsys.argv[0] = " + repr(argv0) + "\nimport k3fuse\n"
+             f"print(sorted(m for m in {heavy} if m in sys.modules))\n"
+             "k3fuse.load()\nimport torch\n"
+             "print(hasattr(torch.ops.k3fuse, 'decode_gemm'), 'k3fuse.model' in sys.modules)\n")
+    after_torch = ("import sys\nsys.argv[0] = " + repr(argv0) + "\nimport torch\nimport k3fuse\n"
+                   "print(hasattr(torch.ops.k3fuse, 'decode_gemm'), 'k3fuse.model' in sys.modules)\n")
+    outputs = []
+    for code in (light, after_torch):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outputs.append(res.stdout.split("\n")[:-1])
+    assert outputs == [["[]", "True False"], ["True False"]], outputs

@@ -26,6 +26,7 @@ def _export_worker(rank: int, world_size: int, out: str) -> dict:
     for twice the live group's size, on the reference implementation and on the stock fallback."""
     import torch.distributed as dist
 
+    import k3fuse.kernels  # noqa: F401  registers torch.ops.k3fuse.* (import k3fuse alone does not)
     from k3fuse import runtime
     from k3fuse.model import K3DecodeStack, get_config
     from k3fuse.offline import save_program

@@ -272,9 +272,11 @@ def test_every_bad_setting_is_named_in_one_line(work):
 
 
 def test_import_k3fuse_checks_every_setting(work):
-    """The Python API meets a bad value at `import k3fuse`, not inside a compiled model's forward."""
+    """The Python API meets a bad value at `import k3fuse` (which loads k3fuse at once where torch is
+    imported; without torch, at k3fuse's first use), not inside a compiled model's forward."""
     env = {**os.environ, "K3FUSE_STRICT": "maybe"}
-    res = subprocess.run([sys.executable, "-c", "import k3fuse"], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([sys.executable, "-c", "import torch, k3fuse"], capture_output=True, text=True, env=env,
+                         timeout=120)
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1] == (
         "k3fuse.settings.SettingsError: K3FUSE_STRICT='maybe': expected 1/0 (or true/false, yes/no, on/off)")

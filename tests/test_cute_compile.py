@@ -125,19 +125,23 @@ def test_oneshot_ar_flags_compiles_to_ptx(world, rank, addend, norm, tmp_path):
 
 
 def test_protocol_selection(monkeypatch):
-    """K3FUSE_AR_PROTOCOL picks one of two distinctly named Impls; read once per process."""
+    """K3FUSE_AR_PROTOCOL picks one of two distinctly named Impls; once a TP group agreed it, the
+    agreed value (k3fuse.runtime.path_setting: a change on one rank alone is refused)."""
+    from k3fuse import runtime
     from k3fuse.kernels import collective, dispatch
     from k3fuse.kernels.ops import oproj_allreduce as g
 
-    monkeypatch.setattr(collective, "_PROTOCOL", [])
     monkeypatch.setenv("K3FUSE_AR_PROTOCOL", "flags")
     assert collective.protocol() == "flags" and collective.flags_rank(1) == 1 and not g._pdl("gemv")
-    monkeypatch.setenv("K3FUSE_AR_PROTOCOL", "lamport")
-    assert collective.protocol() == "flags"                        # fixed after the first read
-    spec = g.OProjSpec(H=7168, K=6144, dtype=torch.bfloat16, res_dtype=torch.bfloat16, addend=False,
-                       norm_dtype=None, world_size=2, max_tokens=64)
-    assert g._accepts("lamport")(spec) == "K3FUSE_AR_PROTOCOL=flags"
-    monkeypatch.setattr(collective, "_PROTOCOL", [])
+    runtime.pin_path_settings({"K3FUSE_AR_PROTOCOL": "flags"})   # what a group's agreement does
+    try:
+        monkeypatch.setenv("K3FUSE_AR_PROTOCOL", "lamport")
+        assert collective.protocol() == "flags"                    # the agreed value, not this rank's change
+        spec = g.OProjSpec(H=7168, K=6144, dtype=torch.bfloat16, res_dtype=torch.bfloat16, addend=False,
+                           norm_dtype=None, world_size=2, max_tokens=64)
+        assert g._accepts("lamport")(spec) == "K3FUSE_AR_PROTOCOL=flags"
+    finally:
+        runtime.unpin_path_settings()
     monkeypatch.delenv("K3FUSE_AR_PROTOCOL")
     assert collective.protocol() == "lamport" and collective.flags_rank(1) is None
     names = {i.name for i in dispatch.implementations("gemm_ar_residual_rmsnorm")}

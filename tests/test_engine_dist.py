@@ -1,4 +1,5 @@
-"""Context against a live process group (2 gloo ranks), multicast agreement, and `k3fuse apply --tp 2`."""
+"""Context against a live process group (2 gloo ranks): built with the rewrite settings the ranks agreed;
+`k3fuse apply --tp 2`."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,14 @@ pytestmark = pytest.mark.slow
 def _worker(rank: int, world_size: int, out_dir: str) -> dict:
     import torch.distributed as dist
 
-    import k3fuse.context as context
-    from k3fuse.context import ContextError, DecodeContext
+    from k3fuse.context import KILL_SWITCH, ContextError, DecodeContext
     from k3fuse.model import K3DecodeStack, get_config
 
     out: dict = {}
     ctx = DecodeContext.from_process_group()
-    out["ctx"] = (ctx.tp_size, ctx.rank, ctx.group_name == dist.group.WORLD.group_name, ctx.multicast_status().reason)
+    agreed = dict(ctx.agreed_settings)
+    out["ctx"] = (ctx.tp_size, ctx.rank, ctx.group_name == dist.group.WORLD.group_name, agreed[KILL_SWITCH],
+                  agreed["K3FUSE_RULES"])
     for kwargs in ({"tp_size": 4},):
         try:
             DecodeContext.from_process_group(**kwargs)
@@ -30,12 +32,6 @@ def _worker(rank: int, world_size: int, out_dir: str) -> dict:
         DecodeContext(tp_size=4, rank=rank, group_name=dist.group.WORLD.group_name)
     except ContextError as exc:
         out["ctor_mismatch"] = str(exc)
-    # rank 0's device says yes, rank 1's says no: both must end up "unavailable"
-    context._device_supports_multicast = lambda device: context.MulticastStatus(rank == 0, "available" if rank == 0
-                                                                                  else "unavailable: test device")
-    status = context.probe_multicast("auto", group=dist.group.WORLD, env={})
-    out["agreed"] = (status.available, status.reason)
-    out["off"] = context.probe_multicast("off", group=dist.group.WORLD).reason
     model = K3DecodeStack(get_config("tiny", n_layers=1), tp_size=world_size, rank=rank, seed=0).eval()
     x = torch.randn(2, model.config.hidden)
     ep = torch.export.export(model, (x, model.init_state(2)))
@@ -52,7 +48,7 @@ def ranks(tmp_path_factory):
 def test_context_from_process_group(ranks):
     results, _ = ranks
     for rank, r in enumerate(results):
-        assert r["ctx"] == (2, rank, True, "unavailable: no CUDA device")
+        assert r["ctx"] == (2, rank, True, False, "")
 
 
 def test_tp_mismatch_with_process_group_is_a_clear_error(ranks):
@@ -60,13 +56,6 @@ def test_tp_mismatch_with_process_group_is_a_clear_error(ranks):
     for r in results:
         assert r["from_pg_mismatch"] == "tp_size=4 does not match the process group size 2"
         assert "tp_size=4 does not match process group" in r["ctor_mismatch"] and "of size 2" in r["ctor_mismatch"]
-
-
-def test_multicast_needs_every_rank(ranks):
-    results, _ = ranks
-    assert results[0]["agreed"] == (False, "unavailable: another rank reports multicast unavailable")
-    assert results[1]["agreed"] == (False, "unavailable: test device")
-    assert {r["off"] for r in results} == {"policy off"}
 
 
 def test_cli_apply_tp2_takes_group_from_graph(ranks, tmp_path):

@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import k3fuse
 from k3fuse import compat, guards
-from k3fuse.context import ContextError, DecodeContext, probe_multicast
+from k3fuse.context import ContextError, DecodeContext
 from k3fuse.guards import GuardFailure
 from k3fuse.log import RewriteLog
 from k3fuse.matcher import decomposition_table
@@ -97,7 +97,7 @@ def test_kill_switch_rewrites_nothing_and_logs_disabled():
 
 class NeedsTP(Rule):
     name = "needs_tp"
-    uses_multicast = True
+    emits = ("allreduce_rmsnorm",)   # a collective op: multicast policy "require" refuses the rule
 
     def check_contract(self, ctx):
         return guards.failures(guards.tp_at_least(ctx, 2))
@@ -107,8 +107,21 @@ def test_contract_guards_log_level_and_values():
     gm, _, _ = layers_graph(1)
     log = run_pipeline(gm, DecodeContext(multicast="require"), rules=[NeedsTP()])
     assert [(e.level, e.guard) for e in log] == [("contract", "multicast"), ("contract", "tp_size")]
-    assert log.events[0].values["reason"] == "unavailable: no CUDA device"
+    assert log.events[0].values == {"policy": "require", "ops": ["allreduce_rmsnorm"]}
+    assert "k3fuse never uses it" in log.events[0].reason
     assert log.events[1].values == {"tp_size": 1, "minimum": 2}
+
+
+def test_multicast_is_one_guard_for_rules_that_fuse_a_collective():
+    """"auto" and "off" never refuse; "require" refuses only rules that insert a collective op, saying why."""
+    gm, _, _ = layers_graph(1)
+    for policy in ("auto", "off"):
+        assert guards.multicast_refusal(DecodeContext(multicast=policy), ["allreduce_rmsnorm"]) is None
+    ctx = DecodeContext(multicast="require")
+    assert guards.multicast_refusal(ctx, ["decode_gemm"]) is None
+    refusal = guards.multicast_refusal(ctx, ["decode_gemm", "gemm_ar_residual"])
+    assert refusal.guard == "multicast" and refusal.values["ops"] == ["gemm_ar_residual"]
+    assert "unicast" in refusal.message
 
 
 def test_rules_env_and_context_selection(monkeypatch):
@@ -148,18 +161,6 @@ def test_context_validation_errors():
 def test_unsupported_torch_version_is_a_clear_error():
     with pytest.raises(compat.UnsupportedTorchVersion, match="supports torch 2.11 to 2.13; found torch 2.10.0"):
         compat.check_torch_version("2.10.0")
-
-
-@pytest.mark.parametrize("env,reason", [
-    ({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}, "unavailable: TORCH_SYMM_MEM_DISABLE_MULTICAST=1"),
-    ({"NCCL_NVLS_ENABLE": "0"}, "unavailable: NCCL_NVLS_ENABLE=0"),
-    ({"K3FUSE_DISABLE_MULTICAST": "1"}, "unavailable: K3FUSE_DISABLE_MULTICAST=1"),
-    ({}, "unavailable: no CUDA device"),
-])
-def test_multicast_probe_reasons(env, reason):
-    status = probe_multicast("auto", device=None, env=env)
-    assert not status.available and status.reason == reason
-    assert probe_multicast("off", env=env).reason == "policy off"
 
 
 def test_guard_predicates():

@@ -49,10 +49,13 @@ def _sglang_rmsnorm_forward(src: str):  # noqa: ANN202
     return namespace["forward_native"]
 
 
-def _sglang_worker(rank: int, world: int, src: str, spelling: str, log_path: str, dtype_name: str) -> dict:
+def _sglang_worker(rank: int, world: int, src: str, spelling: str, log_path: str, dtype_name: str,
+                   scenario: str | None = None) -> dict:
     sys.path.insert(0, src)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != str(REPO_ROOT)]
     os.environ["SGLANG_PLUGINS"] = "k3fuse"
+    if scenario == "rules-differ" and rank == 1:
+        os.environ["K3FUSE_RULES"] = "-oproj_allreduce_residual"   # a per-worker environment
     from sglang.srt.distributed import parallel_state
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
@@ -118,6 +121,8 @@ def _sglang_worker(rank: int, world: int, src: str, spelling: str, log_path: str
     model = OutProjNorm(w_full[:, shard].clone(), norm_w)
     torch._dynamo.reset()
     k3fuse.reset_stats()
+    if scenario is not None:
+        return _scenario(scenario, rank, model, x_full[:, shard].contiguous(), residual)
     with inductor_config.patch(force_disable_caches=True), torch.no_grad(), k3fuse.strict():
         got_res, got_out = torch.compile(model)(x_full[:, shard].contiguous(), residual)
     total = residual.double() + x_full.double() @ w_full.double().T
@@ -126,6 +131,111 @@ def _sglang_worker(rank: int, world: int, src: str, spelling: str, log_path: str
                stats=k3fuse.stats(), err=(float((got_res.double() - total).abs().max()),
                                           float((got_out.double() - ref).abs().max())))
     return out
+
+
+def _scenario(scenario: str, rank: int, model: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> dict:
+    import time
+
+    from torch._inductor import config as inductor_config
+
+    compiled = torch.compile(model)
+    if scenario == "rules-differ":   # the ranks disagree: the compile raises on each, never hangs
+        t0 = time.monotonic()
+        try:
+            with inductor_config.patch(force_disable_caches=True), torch.no_grad():
+                compiled(x, residual)
+            return {"error": None}
+        except Exception as exc:   # noqa: BLE001 - the test reads what each rank raised
+            cause = exc
+            while cause.__cause__ is not None and type(cause).__name__ != "ContextError":
+                cause = cause.__cause__
+            return {"error": f"{type(cause).__name__}: {cause}", "seconds": time.monotonic() - t0}
+    # step-failure: SGLang's registry holds k3fuse's hook on its worker step (put there by the plugin
+    # SGLang loaded); its own wrapper puts it around a step (TpModelWorker itself needs SGLang's
+    # CUDA-only dependencies to import)
+    from sglang.srt.plugins import hook_registry
+
+    from k3fuse.engines import step_check
+
+    hooks = hook_registry.HookRegistry._hooks.get(step_check.SGLANG_STEP, [])
+    registered = [(hook_type.value, hook.__qualname__) for hook_type, hook, _ in hooks]
+
+    def step() -> torch.Tensor:
+        return compiled(x, residual)[1]
+
+    for hook_type, hook, _ in hooks:
+        step = hook_registry._wrap_fn(step, hook, hook_type)
+    fail_next = _inject_device_timeout(rank)
+    out: dict = {"registered": registered, "steps": []}
+    with inductor_config.patch(force_disable_caches=True), torch.no_grad():
+        for i in range(3):
+            fail_next[0] = i == 1   # the second step fails (on rank 1)
+            try:
+                y = step()
+                out["steps"].append(("ok", bool(torch.isfinite(y).all())))
+            except Exception as exc:   # noqa: BLE001
+                out["steps"].append((type(exc).__name__, str(exc)))
+                break
+            torch.distributed.barrier()   # the ranks step together, as an engine's workers do
+    return out
+
+
+def _inject_device_timeout(rank: int) -> list[bool]:
+    """While the returned switch is on, rank 1's fused all-reduce + norm pairs its collective but
+    fails as a device timeout does under a replayed graph (recorded for the group, NaN outputs, no
+    exception: no later k3fuse code runs in the step)."""
+    from k3fuse.kernels import collective_guard, dispatch
+    from k3fuse.kernels.lib.reference import allreduce
+
+    fail_next = [False]
+
+    def run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
+        failing = rank == 1 and fail_next[0]
+        if failing:   # recorded before the sum completes anywhere, as the device words of a timed-out call are
+            collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
+                                  f"k3fuse.gemm_ar_residual_rmsnorm: rank 1 of group {group_name!r}: injected device "
+                                  "timeout (test)", "timeout")
+        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
+                                                         world_size)
+        if failing:
+            return torch.full_like(out, float("nan")), torch.full_like(normed, float("nan"))
+        return out, normed
+
+    dispatch.register_impl("gemm_ar_residual_rmsnorm", dispatch.Impl("test.device_timeout", lambda spec: None, run,
+                                                                      priority=10_000, device_types=("cpu",)))
+    return fail_next
+
+
+def test_sglang_ranks_that_would_rewrite_differently_fail_at_compile_time_on_every_rank(tmp_path):
+    """Issue 48.2 with SGLang's plugin, TP group and all-reduce: rank 1 runs with
+    K3FUSE_RULES=-oproj_allreduce_residual; every rank raises one ContextError naming it, at once."""
+    results = launch(_sglang_worker, 2, args=(_sglang_source(), "outplace", str(tmp_path / "rw.jsonl"), "float32",
+                                              "rules-differ"), timeout_s=300)
+    print("\nper-rank errors:", json.dumps(results))
+    for r in results:
+        assert r["error"] is not None and "ContextError: the ranks of TP group" in r["error"], r
+        assert "K3FUSE_RULES: rank 0='', rank 1='-oproj_allreduce_residual'" in r["error"], r
+        assert r["seconds"] < 120, r
+
+
+def test_sglang_worker_step_hook_surfaces_a_collective_failure(tmp_path):
+    """Issue 48.3 with SGLang's hook machinery: SGLang's plugin loader runs k3fuse's plugin, which
+    registers an AFTER hook on TpModelWorker.forward_batch_generation in SGLang's HookRegistry;
+    wrapped around a step by SGLang's own wrapper, it makes the step in which rank 1's fused
+    all-reduce recorded a device timeout raise on both ranks, naming rank 1."""
+    results = launch(_sglang_worker, 2, args=(_sglang_source(), "outplace", str(tmp_path / "rw.jsonl"), "float32",
+                                              "step-failure"), timeout_s=300)
+    print("\nSGLang steps:", json.dumps(results))
+    source = (Path(_sglang_source()) / "sglang" / "srt" / "managers" / "tp_worker.py").read_text()
+    worker = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "TpModelWorker")
+    assert any(isinstance(f, ast.FunctionDef) and f.name == "forward_batch_generation" for f in worker.body)
+    for rank, r in enumerate(results):
+        assert r["registered"] == [("after", "sglang_after_step")], r
+        assert tuple(r["steps"][0]) == ("ok", True), r                 # a healthy step
+        kind, message = r["steps"][1]                                   # the step that failed raises
+        assert kind == "CollectivePeerError" and "k3fuse.check_collectives" in message, r
+        assert "injected device timeout" in message and ("peer rank 1" in message if rank == 0 else True), r
+        assert len(r["steps"]) == 2, r
 
 
 #: max |error| against the float64 reference (bf16: one ulp at |x| < 4)

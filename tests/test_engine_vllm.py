@@ -1,4 +1,6 @@
-"""vLLM hosts k3fuse: vLLM's own layers, parallel state and compilation, 2 gloo ranks.
+"""vLLM hosts k3fuse: vLLM's own layers, parallel state and compilation, 2 gloo ranks; and a whole
+vLLM engine (LLM, engine core, executor, two CPU workers) whose step path must surface a collective
+failure and refuse ranks that would rewrite differently.
 
 A RowParallelLinear (the out-projection) + RMSNorm(residual) model is compiled by vLLM
 (`@support_torch_compile`, CompilationMode.VLLM_COMPILE, vLLM's PostGradPassManager) with
@@ -15,8 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,8 +48,8 @@ def _spelling_checks() -> dict:
     name this process does not have is an error."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from k3fuse.doors import context_for
     from k3fuse.engines import EngineError
-    from k3fuse.inductor import context_for_group
     from k3fuse.graph_facts import mark_static
     from k3fuse.log import RewriteLog
     from k3fuse.patterns.oproj_allreduce_residual import OProjAllReduceResidual
@@ -59,7 +65,7 @@ def _spelling_checks() -> dict:
     def ops(gm) -> set[str]:  # noqa: ANN001
         return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
 
-    ctx = context_for_group(None, "vllm")
+    ctx = context_for(None, "vllm")
     out: dict = {"ctx": (ctx.tp_size, ctx.group_name)}
     gm = block("tp:0")
     log = RewriteLog()
@@ -82,8 +88,10 @@ def _spelling_checks() -> dict:
     return out
 
 
-def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: str) -> dict:
+def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: str, rank1_rules: str | None = None) -> dict:
     os.environ["VLLM_DIST_IDENT"] = ident  # what vLLM's CPU worker sets for its shared-memory groups
+    if rank1_rules is not None and rank == 1:
+        os.environ["K3FUSE_RULES"] = rank1_rules   # a per-worker environment
     _hide_repo_root()
     import torch.distributed as dist
     import vllm._custom_ops as vllm_ops
@@ -136,6 +144,18 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: s
         with torch.no_grad():
             eager_out, eager_res = OutProjNorm.forward(model, x, residual.clone())
             k3fuse.reset_stats()
+            if rank1_rules is not None:   # the ranks disagree: the compile must raise on each, not hang
+                t0 = time.monotonic()
+                try:
+                    model(x, residual.clone())
+                    return {"error": None}
+                except Exception as exc:   # noqa: BLE001 - the test reads what each rank raised
+                    cause = exc
+                    while cause.__cause__ is not None and not type(cause).__name__ == "ContextError":
+                        cause = cause.__cause__
+                    return {"error": f"{type(cause).__name__}: {cause}", "seconds": time.monotonic() - t0}
+                finally:
+                    parallel_state.destroy_model_parallel()
             with k3fuse.strict():
                 got_out, got_res = model(x, residual.clone())
         stats = k3fuse.stats()
@@ -274,3 +294,94 @@ def test_inductor_passes_names_k3fuse_vllm_pass_after_vllms_plugin_loader():
     k3fuse's __dict__, which vLLM's general-plugin entry point fills; importing k3fuse imports no vLLM."""
     (result,) = launch(_plugin_worker, 1, timeout_s=300)  # a fresh process: nothing imported yet
     assert result == {"before": (False, False), "resolved": "VllmK3FusePass", "is_it": True}
+
+
+def test_ranks_that_would_rewrite_differently_fail_at_compile_time_on_every_rank(tmp_path):
+    """Issue 48.2 in vLLM's compilation: rank 1 runs with K3FUSE_RULES=-oproj_allreduce_residual (a
+    per-worker environment). Rank 0 alone would fuse the all-reduce and the ranks would wait in
+    different collectives until killed; instead every rank raises one ContextError naming the
+    setting and both ranks' values, within seconds of the compile."""
+    results = launch(_vllm_worker, 2, args=(_dist_ident(), str(tmp_path / "rw.jsonl"), "float32",
+                                            "-oproj_allreduce_residual"), timeout_s=300)
+    print("\nper-rank errors:", json.dumps(results))
+    for r in results:
+        assert r["error"] is not None and "ContextError: the ranks of TP group" in r["error"], r
+        assert "K3FUSE_RULES: rank 0='', rank 1='-oproj_allreduce_residual'" in r["error"], r
+        assert r["seconds"] < 120, r
+
+
+# --- a whole vLLM engine -------------------------------------------------------------------------
+TESTS_DIR = Path(__file__).resolve().parent
+#: a one-layer Llama vLLM builds with dummy weights (head_dim 64: the CPU attention's smallest)
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 256,
+              "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0}
+#: vLLM's CPU workers on this machine: no NUMA binding (one node), a small KV cache
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+#: the reason rank 1's injected device timeout records (tests/vllm_engine_helpers.py)
+INJECTED = "injected device timeout (test)"
+
+
+def _run_engine(tmp_path: Path, mode: str, timeout_s: float = 900) -> tuple[dict, str]:
+    """tests/vllm_engine_helpers.py in a process (and session) of its own: (its RESULT, its output)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3FUSE_")}
+    env.update(ENGINE_ENV, PYTHONPATH=str(TESTS_DIR), K3FUSE_LOG=str(tmp_path / "rw.jsonl"))
+    proc = subprocess.Popen([sys.executable, str(TESTS_DIR / "vllm_engine_helpers.py"), str(model), mode,
+                             str(tmp_path / "flag"), INJECTED], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # the engine core and the workers too
+        out, _ = proc.communicate()
+        pytest.fail(f"the vLLM engine did not finish within {timeout_s} s (a hang):\n{out[-4000:]}")
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, out[-4000:]
+    return json.loads(lines[-1][len("RESULT "):]), out
+
+
+def _worker_errors(out: str, rank: int) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(f"(Worker_TP{rank} ") and "Error: " in line]
+
+
+def test_vllm_engine_step_surfaces_a_collective_failure_without_check_collectives(tmp_path):
+    """Issue 48.3 on vLLM's real step path: the first generation is served; then rank 1's fused
+    all-reduce records a device timeout in the last fused call of a forward (error words set, NaN
+    outputs, no exception: what the CUDA kernel does under a replayed graph, where no later k3fuse
+    code runs in the step) and the user never calls check_collectives(). The adapters' post-step
+    check raises on both workers at the end of that step, naming rank 1 and its reason, and the
+    engine stops: no second generation is served."""
+    result, out = _run_engine(tmp_path, "step-failure")
+    print("\nengine:", json.dumps(result))
+    assert result["phase"] == "step" and len(result["first"]) == 4, (result, out[-4000:])
+    assert "EngineDeadError" in result["error"], result
+    applied = [json.loads(line) for line in (tmp_path / "rw.jsonl").read_text().splitlines()]
+    assert {(e["rank"], e["variant"]) for e in applied if e["rule"] == "oproj_allreduce_residual"
+            and e["decision"] == "applied"} == {(0, "plain+norm"), (1, "plain+norm")}
+    # the engine stops on the first worker that raised (vLLM's executor then tears the others down)
+    assert "Worker failed with error 'k3fuse.check_collectives: rank" in out and INJECTED in out, out[-4000:]
+    raised = []
+    for rank, says in ((0, "peer rank 1 of the group failed"), (1, "an earlier collective call failed")):
+        errors = _worker_errors(out, rank)
+        print(f"worker {rank}:", errors[-1] if errors else None)
+        assert all("k3fuse.check_collectives:" in e and says in e and INJECTED in e
+                   for e in errors if "CollectivePeerError" in e), errors
+        raised += [rank for e in errors if "CollectivePeerError: k3fuse.check_collectives:" in e][:1]
+    assert raised, out[-4000:]
+
+
+def test_vllm_engine_refuses_workers_that_would_rewrite_differently(tmp_path):
+    """Issue 48.2 in a whole vLLM engine: worker 1 runs with K3FUSE_RULES=-oproj_allreduce_residual.
+    The engine fails at start-up, while compiling, with k3fuse's one-line error naming the setting
+    and both ranks' values (the first worker to raise stops vLLM's executor), instead of the
+    workers hanging in different collectives."""
+    result, out = _run_engine(tmp_path, "rules-differ")
+    print("\nengine:", json.dumps(result))
+    assert result["phase"] == "start", result
+    said = "disagree on what decides their rewrites (K3FUSE_RULES: rank 0='', rank 1='-oproj_allreduce_residual')"
+    assert said in out, out[-4000:]
+    assert any(said in e for rank in (0, 1) for e in _worker_errors(out, rank)), out[-4000:]

@@ -237,7 +237,7 @@ def test_bench_times_every_as_tp_and_skips_what_the_kernel_declines(monkeypatch,
     monkeypatch.setattr(collective, "get_workspace", lambda *a, **k: types.SimpleNamespace(
         ptrs=None, gen=None, datas=[data]))
     monkeypatch.setattr(splitk_gemm, "run", lambda *a, **k: None)
-    monkeypatch.setattr(collective, "_PROTOCOL", ["lamport"])
+    monkeypatch.setattr(collective, "protocol", lambda: "lamport")
     pdl_seen = []
 
     def fake_replay(fn, steps):

@@ -53,7 +53,8 @@ def test_cpu_context_never_asks_the_kernels():
 
 
 def test_rule_refuses_only_the_site_no_kernel_serves():
-    """tiny in bf16: W_fb [128, 16] and W_up [128, 64] have K < 128 and no GEMV config; the rest is served."""
+    """tiny in bf16: W_fb [128, 16], W_up [128, 64] and the shared expert's down [128, 64] have K < 128 and no
+    GEMV config; the rest is served."""
     model = K3DecodeStack(get_config("tiny", n_layers=1, dtype="bfloat16"), seed=0)
     x = torch.randn(2, model.config.hidden, dtype=BF16)
     ep = torch.export.export(model, (x, model.init_state(2)))
@@ -61,8 +62,9 @@ def test_rule_refuses_only_the_site_no_kernel_serves():
     refused = log.rejected("decode_gemm")
     assert {(e.level, e.guard) for e in refused} == {("site", "kernel_shape")}
     assert sorted((e.values["N"], e.values["K"], e.values["tokens"]) for e in refused) == [(128, 16, "2"),
+                                                                                           (128, 64, "2"),
                                                                                            (128, 64, "2")]
-    assert log.applied("decode_gemm") == 9  # the 11 CPU sites less W_fb and W_up
+    assert log.applied("decode_gemm") == 11  # the 14 CPU sites less W_fb, W_up and the shared down
 
     _, log_fp32 = k3fuse.apply(torch.export.export(
         K3DecodeStack(get_config("tiny", n_layers=1), seed=0), (x.float(), model.init_state(2))),

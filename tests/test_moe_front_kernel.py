@@ -33,12 +33,12 @@ BF16 = torch.bfloat16
 def _decide(T=1, h=H, e=E, l_=L, x_dtype=BF16, w_dtype=BF16, world=2, max_tokens=64, protocol="lamport"):
     spec = moe_front.MoEFrontSpec(tokens=T, E=e, L=l_, H=h, dtype=w_dtype, world_size=world, max_tokens=max_tokens,
                                   x_dtype=x_dtype)
-    saved = list(collective._PROTOCOL)
-    collective._PROTOCOL[:] = [protocol]
+    saved = collective.protocol
+    collective.protocol = lambda: protocol
     try:
         return moe_front.accepts(spec)
     finally:
-        collective._PROTOCOL[:] = saved
+        collective.protocol = saved
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

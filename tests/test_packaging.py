@@ -42,7 +42,7 @@ def test_normal_install_from_the_wheel(tmp_path):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[torch_dynamo_backends]" in text and "k3fuse = k3fuse.backend:k3fuse_backend" in text
-    assert "k3fuse = k3fuse.tools.cli:main" in text
+    assert "k3fuse = k3fuse_cli:main" in text and "k3fuse_cli.py" in names  # the command's entry, beside the package
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],

@@ -6,12 +6,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from ..usage_error import UsageError
-
-
-class EngineError(UsageError, RuntimeError):
-    """An engine k3fuse cannot work with as found: a version outside the supported range, a TP
-    group that cannot be found, k3fuse's pass added twice."""
+from ..doors import EngineError
 
 
 def _dotted(version: tuple[int, ...]) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import torch.distributed as dist
 
-from .. import engine_ops, fp32_residual
+from .. import doors, engine_ops, fp32_residual
 from .base import Engine, EngineError
 
 #: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18-0.5.21
@@ -66,6 +66,7 @@ def c10d_group_name(group_name: str) -> str:
     return coordinator.device_group.group_name
 
 
+doors.register_engine_group(doors.EngineGroup("sglang", ENGINE.name, ENGINE.module, tp_group))
 engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(OUTPLACE_ALL_REDUCE, "SGLang", c10d_group_name))
 fp32_residual.register_fp32_residual_norm("SGLang")
 engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(INPLACE_ALL_REDUCE, "SGLang", c10d_group_name,

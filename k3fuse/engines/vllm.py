@@ -18,7 +18,7 @@ import sys
 
 import torch.distributed as dist
 
-from .. import engine_ops
+from .. import doors, engine_ops
 from ..spelling import rms_norm
 from .base import Engine, EngineError
 
@@ -63,6 +63,7 @@ def c10d_group_name(group_name: str) -> str:
     return coordinator.device_group.group_name
 
 
+doors.register_engine_group(doors.EngineGroup("vllm", ENGINE.name, ENGINE.module, tp_group))
 engine_ops.register_engine_spelling(engine_ops.AllReduceSpelling(ALL_REDUCE, "vLLM", c10d_group_name))
 engine_ops.register_engine_spelling(engine_ops.AddRMSNormSpelling(FUSED_ADD_RMS_NORM, "vLLM", rms_norm))
 engine_ops.register_engine_spelling(engine_ops.AddRMSNormSpelling(RMS_NORM, "vLLM", rms_norm, residual_arg=None))

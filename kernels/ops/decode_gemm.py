@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from k3fuse import settings
+from k3fuse import runtime
 
 from ..declare import OpDecl, check_gemm, declare, rows
 from ..dispatch import Impl, register_impl
@@ -27,8 +27,9 @@ GEMV_MAX_ROWS = 8  # the GEMV kernel's token limit (one register row per token)
 
 
 def gemv_max_m(N: int, K: int) -> int:
-    """Largest token count the GEMV takes for weight [N, K] (the rest goes to split-K)."""
-    forced = settings.get("K3FUSE_GEMV_MAX_M")
+    """Largest token count the GEMV takes for weight [N, K] (the rest goes to split-K);
+    K3FUSE_GEMV_MAX_M as the TP group agreed it (it decides the fused all-reduce's GEMM path)."""
+    forced = runtime.path_setting("K3FUSE_GEMV_MAX_M")
     if forced is not None:
         return forced
     return GEMV_MAX_M_BY_SHAPE.get((N, K), GEMV_MAX_M)

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from k3fuse import settings
+from k3fuse import runtime
 
 from .. import collective
 from ..declare import SYNC, OpDecl, check_gemm, declare
@@ -118,7 +118,7 @@ def _accepts(proto: str):
 
 def _pdl(path: str | None) -> bool:
     # never with flags: the epilogue's flag store must follow the whole GEMM push
-    return path == "gemv" and settings.get("K3FUSE_AR_PDL") and collective.protocol() == "lamport"
+    return path == "gemv" and bool(runtime.path_setting("K3FUSE_AR_PDL")) and collective.protocol() == "lamport"
 
 
 def _run(op, x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens):

@@ -259,7 +259,10 @@ def _failure_body(rank, world, dist):
     torch.cuda.synchronize()
     sw.check_errors()                         # (under the long bound: the ranks compile at their own pace)
     dist.barrier()
-    os.environ["K3FUSE_AR_TIMEOUT_S"] = str(TIMEOUT_S)   # read per call: the short bound from here on
+    os.environ["K3FUSE_AR_TIMEOUT_S"] = str(TIMEOUT_S)   # read per call: the short bound from here on,
+    from k3fuse.kernels.collective_guard import reagree
+
+    reagree(group)                                       # as every rank of the group agrees it
     assert sw.timeout_s() == TIMEOUT_S
 
     if mode == "push_fails" and rank == 1:    # fails before anything is pushed

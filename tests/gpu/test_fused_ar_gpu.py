@@ -106,7 +106,10 @@ def _body(rank, world, dist, protocol):
 
         # the GEMV path with programmatic dependent launch (off by default; Lamport only: the flag
         # protocol ignores K3FUSE_AR_PDL)
+        from k3fuse.kernels.collective_guard import reagree
+
         os.environ["K3FUSE_AR_PDL"] = "1"
+        reagree(group)   # a path setting reaches the fused ops through the group's agreement (every rank)
         for T in ((1, 2) if protocol == "lamport" else ()):
             x, res, add = inputs(T, 555 + T)
             poison((T, H), torch.bfloat16, dev)
@@ -116,6 +119,7 @@ def _body(rank, world, dist, protocol):
             check(got[1], normed, f"PDL T={T} normed")
             same_on_all_ranks(got[1], f"PDL T={T}")
         os.environ.pop("K3FUSE_AR_PDL")
+        reagree(group)
 
         # a late rank: rank 1 sleeps ~50 ms on its stream before the op, rank 0 waits in the kernel
         for T in (1, 17, 64):

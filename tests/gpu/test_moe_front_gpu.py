@@ -196,7 +196,10 @@ def _skipping_rank(rank, world):
     torch.cuda.synchronize()
     check_errors()                 # the healthy call, under the long bound (ranks compile at their pace)
     dist.barrier()
-    os.environ["K3FUSE_AR_TIMEOUT_S"] = "0.5"   # read per call
+    os.environ["K3FUSE_AR_TIMEOUT_S"] = "0.5"   # read per call, as the group agreed it: every rank reagrees
+    from k3fuse.kernels.collective_guard import reagree
+
+    reagree(group)
     if rank == 0:
         logits, latent = torch.ops.k3fuse.moe_front_sharded(x, wr, wd, group, world, MAX_T, True)
         with pytest.raises(CollectiveTimeoutError, match=r"moe_front_sharded.*peer rank 1"):

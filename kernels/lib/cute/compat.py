@@ -16,17 +16,70 @@ change touches one file. What differs between the versions we run:
 
 The compile cache also lives here: one `cute.compile(..., options="--enable-tvm-ffi")` per
 specialisation key on fake tensors, never while a CUDA graph is being captured.
+
+The DSL's own on-disk kernel cache: by default it lives under $TMPDIR/<user>/cutlass_python_cache
+and compiled kernels are loaded back from it with only a CRC check, so in a shared /tmp another
+user could create that directory first and plant one. Before the DSL is imported (k3fuse's kernels
+import it only through this module), `own_kernel_cache` points CUTE_DSL_CACHE_DIR at a directory
+this user owns and nobody else may write (~/.cache/k3fuse/cute-dsl, or the one already set), or
+turns the file cache off (CUTE_DSL_DISABLE_FILE_CACHING=1) when there is none, saying so in a warning.
 """
 from __future__ import annotations
 
 import glob
 import importlib.metadata
+import logging
 import os
+import stat
 import sys
 import threading
 from typing import Any, Callable
 
 import torch
+
+from k3fuse import runtime
+
+CACHE_DIR_VAR = "CUTE_DSL_CACHE_DIR"
+NO_FILE_CACHE_VAR = "CUTE_DSL_DISABLE_FILE_CACHING"
+
+
+def _private(path: str) -> bool:
+    """A real directory (no symlink) owned by this user that nobody else may write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def own_kernel_cache() -> str | None:
+    """Point the CuTe DSL's file cache at a directory this user owns (returned), or turn it off
+    (None); must run before the DSL is imported. A directory already given in CUTE_DSL_CACHE_DIR
+    is kept if it passes the same check."""
+    if os.environ.get(NO_FILE_CACHE_VAR, "").strip() not in ("", "0"):
+        return None
+    given = os.environ.get(CACHE_DIR_VAR)
+    if given:
+        path, parents = given, [given]
+    else:
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        parent = os.path.join(home, "k3fuse")
+        path, parents = os.path.join(parent, "cute-dsl"), [parent, os.path.join(parent, "cute-dsl")]
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        pass
+    if all(_private(p) for p in parents):
+        os.environ[CACHE_DIR_VAR] = path
+        return path
+    os.environ[NO_FILE_CACHE_VAR] = "1"
+    logging.getLogger("k3fuse").warning(
+        "k3fuse: the CuTe DSL's kernel file cache is off: %s is not a directory only this user can write "
+        "(kernels are compiled in each process; set %s to such a directory to keep them)", path, CACHE_DIR_VAR)
+    return None
+
+
+own_kernel_cache()
 
 try:  # CuTe DSL is optional: without it the Triton / reference paths run.
     import cutlass  # noqa: F401
@@ -65,10 +118,9 @@ def version_tuple() -> tuple[int, ...]:
 
 
 def available() -> bool:
-    """CuTe kernels may run: the DSL imports and K3FUSE_DISABLE_CUTE is not set."""
-    from k3fuse import settings
-
-    return HAVE_CUTE and not settings.get("K3FUSE_DISABLE_CUTE")
+    """CuTe kernels may run: the DSL imports and K3FUSE_DISABLE_CUTE is off, as the TP group agreed
+    it (k3fuse.runtime.path_setting: a change on one rank alone is refused)."""
+    return HAVE_CUTE and not runtime.path_setting("K3FUSE_DISABLE_CUTE")
 
 
 if HAVE_CUTE:
