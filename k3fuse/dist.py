@@ -8,6 +8,7 @@ every child and raises `LaunchTimeout`, so a deadlocked collective never hangs a
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import pickle
 import queue as queue_module
@@ -144,6 +145,9 @@ def _child(fn: Callable, rank: int, world_size: int, backend: str, port: int, ar
     # Hand the result over, then skip the interpreter teardown (seconds with torch loaded).
     results.close()
     results.join_thread()
+    # os._exit skips multiprocessing's exit hook: run its finalizers here, or the semaphores this rank
+    # made (tqdm's lock inside torch.fx's Interpreter) outlive it and the parent warns of leaks
+    mp_util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

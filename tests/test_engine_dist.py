@@ -58,7 +58,7 @@ def test_tp_mismatch_with_process_group_is_a_clear_error(ranks):
         assert "tp_size=4 does not match process group" in r["ctor_mismatch"] and "of size 2" in r["ctor_mismatch"]
 
 
-def test_cli_apply_tp2_takes_group_from_graph(ranks, tmp_path):
+def test_cli_apply_tp2_takes_group_from_graph(ranks, tmp_path, capsys):
     from k3fuse.tools.cli import main
     from k3fuse.pipeline import default_rules
 
@@ -71,9 +71,9 @@ def test_cli_apply_tp2_takes_group_from_graph(ranks, tmp_path):
     assert applied == {r.name for r in default_rules()}
     rewritten = torch.export.load(tmp_path / "out.pt2")
     assert any(str(n.target).startswith("k3fuse.") for n in rewritten.graph.nodes)
-    # an explicit group name that is not the graph's: the collective rules' site guards say no, in the log
-    other = tmp_path / "other.jsonl"
+    # an explicit group name that is not the graph's: refused up front, naming the graph's groups
     assert main(["apply", str(out_dir / "tp2_rank0.pt2"), "-o", str(tmp_path / "x.pt2"), "--tp", "2",
-                 "--group-name", "not_in_graph", "--log", str(other)]) == 0
-    rejected = [json.loads(x) for x in other.read_text().splitlines() if '"rejected"' in x]
-    assert any(e["rule"] == "oproj_allreduce_residual" and e["level"] == "site" for e in rejected)
+                 "--group-name", "not_in_graph"]) == 2
+    err = capsys.readouterr().err
+    assert "--group-name 'not_in_graph' is not a group the graph's collectives use; they use '0'" in err
+    assert not (tmp_path / "x.pt2").exists()

@@ -33,8 +33,9 @@ EXPECTED_TP2 = {"oproj_allreduce_residual": 6, "moe_front_sharded": 2, "fused_ro
                 "decode_gemm": 27}
 
 
-def _per_step_calls(kinds, tp: int) -> Counter:
-    """Fused-op calls one decode step makes, from the model's layer kinds (TP >= 2)."""
+def _per_step_calls(kinds, tp: int, compiler: str) -> Counter:
+    """Fused-op calls one decode step makes, from the model's layer kinds (TP >= 2). Inductor lowers the shared
+    expert's side-stream markers to nothing (kernels/ops/shared_expert.py), so only the eager compiler calls them."""
     calls: Counter = Counter()
     for k in kinds:
         calls["gemm_ar_residual_rmsnorm"] += 1  # the attention's out-projection + residual + the MLP's norm
@@ -48,8 +49,8 @@ def _per_step_calls(kinds, tp: int) -> Counter:
         if k.mlp == "dense":
             calls["decode_gemm"] += 2  # gate up
         else:
-            for op in ("moe_front_sharded", "route_topk", "routed_experts", "moe_combine", "shared_expert_fork",
-                       "shared_expert_join"):
+            markers = ("shared_expert_fork", "shared_expert_join") if compiler == "eager" else ()
+            for op in ("moe_front_sharded", "route_topk", "routed_experts", "moe_combine", *markers):
                 calls[op] += 1
             calls["decode_gemm"] += 3  # W_up; the shared expert's gate and up (its down feeds the reduction)
     calls["decode_gemm"] += 1  # the LM head's slice
@@ -119,6 +120,6 @@ def test_rules_fire_on_every_layer_type_and_keep_the_tokens(tp2, case):
         assert len(res["mla_oproj"]) == 2 and any(v.startswith(("plain+norm", "attnres")) for v in res["mla_oproj"]), \
             res["mla_oproj"]
         calls = {op: sum(impls.values()) for op, impls in res["stats"].items()}
-        assert calls == {op: n * STEPS for op, n in _per_step_calls(res["kinds"], 2).items()}
+        assert calls == {op: n * STEPS for op, n in _per_step_calls(res["kinds"], 2, case[1]).items()}
         for rule, guard, reason in res["rejections"]:
             assert guard and reason, (rule, guard, reason)
