@@ -13,6 +13,7 @@ against the eager model (stock). What is proved:
   roundings, not this one, are what moves a bf16 model's tokens away from the eager model's over many steps);
 * the output gate on the side stream (setting gate="side_stream"): its GEMM bracketed by the side-stream markers
   (the verifier passes them), a fork and a join per MLA layer and step at run time, the tokens still stock's;
+* under Inductor (its constant folding respells the mask's -inf), the rule still fires and the op runs;
 * declines, each logged with its guard and values: an fp32 trunk (no kernel takes fp32 queries), entries that
   are not K3's 512 + 64 (the tiny preset), more than 64 sequences, more heads than the op serves.
 Lengths past the table's width are the op's (tests/test_mla_decode.py): it attends over the whole table, as the
@@ -147,6 +148,36 @@ def test_the_gate_on_the_side_stream_keeps_stocks_tokens():
     assert stats["shared_expert_fork"] == stats["shared_expert_join"] == {"reference": 12 * n_mla}, stats
     with pytest.raises(ValueError, match="gate must be 'inline' or 'side_stream'"):
         MLADecodeSettings(gate="epilogue")
+
+
+@pytest.mark.slow
+def test_the_rule_fires_under_inductor():
+    """torch.compile's default compiler: Inductor's joint-graph constant folding spells the length mask's -inf as
+    full([], -inf), which the matcher takes for the traced scalar_tensor; the op runs under Inductor's code. The
+    tokens are those of Inductor with no rule (Inductor's own bf16 roundings move them off the eager model's)."""
+    import k3fuse
+    from k3fuse.model import DecodeStep, K3Model, get_config
+
+    model = K3Model(get_config("small", **K3_MLA), seed=0, dtype="bfloat16")
+    start = torch.tensor([5, 17, 30])
+
+    def inductor(rules: set[str], rlog=None):
+        torch._dynamo.reset()
+        ctx = k3fuse.DecodeContext(strict=True, enabled_rules=rules)
+        step = DecodeStep(model, backend="k3fuse", options={"compiler": "inductor", "context": ctx, "log": rlog})
+        return _decode(model, step, model.new_state(BATCH, 16, block_size=4), 6, start)
+
+    rlog = k3fuse.RewriteLog()
+    k3fuse.reset_stats()
+    with k3fuse.strict():
+        got = inductor({"mla_decode"}, rlog)
+    stats = k3fuse.stats()
+    want = inductor(set())
+    (applied,) = [e for e in rlog.events if e.rule == "mla_decode" and e.decision == "applied"]
+    assert applied.variant == "core[bfloat16]", applied.variant
+    n_mla = sum(1 for k in model.kinds if k.attn == "mla")
+    assert stats["mla_decode"] == {"reference": 6 * n_mla} and k3fuse.runtime.fallbacks() == {}, stats
+    assert [t.tolist() for t, _ in got] == [t.tolist() for t, _ in want]
 
 
 # --- declines ----------------------------------------------------------------------------------------------
