@@ -57,6 +57,7 @@ METADATA_CHECKS = frozenset({aten._assert_tensor_metadata.default})
 Canonical = tuple[tuple[Any, ...], tuple[Any, ...]]
 TRANSPOSE_LAST2 = ("transpose_last2",)
 CAST = ("cast",)
+SCALAR_FILL = ("scalar_fill",)
 
 
 def _rank(node: Any) -> int | None:
@@ -168,8 +169,19 @@ def _as_cast(node: fx.Node) -> Canonical | None:
     return (CAST, (node.args[0], dtype)) if dtype is not None else None
 
 
+def _as_scalar_fill(node: fx.Node) -> Canonical | None:
+    """A 0-d tensor of one value: `scalar_tensor(v)`, as traced, or `full([], v)`, which Inductor's joint-graph
+    constant folding makes of it (a masked_fill's -inf, for one). Layout, device and pin_memory are dropped,
+    as factory ops traced on meta tensors match any device."""
+    if node.target is aten.scalar_tensor.default and len(node.args) == 1:
+        return SCALAR_FILL, (node.args[0], node.kwargs.get("dtype"))
+    if node.target is aten.full.default and len(node.args) == 2 and list(node.args[0]) == []:
+        return SCALAR_FILL, (node.args[1], node.kwargs.get("dtype"))
+    return None
+
+
 #: recognisers of equivalent spellings, tried in order: each names what a node computes or passes
-EQUIVALENCES: tuple[Callable[[fx.Node], Canonical | None], ...] = (_as_transpose, _as_cast)
+EQUIVALENCES: tuple[Callable[[fx.Node], Canonical | None], ...] = (_as_transpose, _as_cast, _as_scalar_fill)
 
 
 def canonical(node: fx.Node) -> Canonical:
