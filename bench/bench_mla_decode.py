@@ -28,6 +28,13 @@ point, so a run cut short keeps what it measured.
     python scripts/prep_mla_peer.py --vllm-wheel W --flashinfer-wheel W --tvm-ffi-wheel W   # once, anywhere
     python -m bench.bench_mla_decode --json out/bench_mla_decode.json
     python -m bench.bench_mla_decode --prepare-peer   # compile FlashInfer's MLA modules only
+    python -m bench.bench_mla_decode --gate-layer --batch 1,8,64 --context 4096,32768   # the output gate's arms
+
+--gate-layer times K3's MLA attention block instead (MLADecode: the q / kv projections, the append, the core, W_UV,
+the output gate, W_o and its all-reduce; rank 0 of TP 16: 6 heads, K3's widths, a stand-in for the collective),
+compiled by k3fuse with the mla_decode rule's two output-gate arms (patterns/mla_decode.py: "inline",
+"side_stream") under the eager compiler (the only one that keeps the side stream), and "inline" under Inductor
+(what serving compiles), each in a CUDA graph of STEPS_MIN calls, pages of 64.
 """
 from __future__ import annotations
 
@@ -248,9 +255,9 @@ def _warm_task(task: tuple) -> str:
             kernel.run(q, cache, table, lens, SCALE, kv_scale, config=kernel.config_for(cache_dtype, variant),
                        splits=splits)
         elif kind == "combine":
-            S, wide, pdl = spec
+            S, pdl = spec
             kernel.combine(torch.zeros(1, 6, S, 512, device="cuda"), torch.zeros(1, 6, S, device="cuda"),
-                           out_dtype=torch.bfloat16, wide=wide, pdl=pdl)
+                           out_dtype=torch.bfloat16, pdl=pdl)
         elif kind == "vllm":
             cache_name, heads, ctx = spec
             q, cache, table, lens, kv_scale = make_inputs(1, heads, ctx, CACHE_DTYPES[cache_name], copies=1)[0]
@@ -269,7 +276,7 @@ def _warm_task(task: tuple) -> str:
 def warm(jobs: int, with_peers: bool) -> None:
     """Compile, `jobs` processes at once, what the tests and the timed arms launch (every variant on both
     caches, pages of 16 and 64, one split and several; the combines of 2-512 splits, plain and behind
-    PDL, wide and narrow; vLLM's kernels at every split count its rule picks for heads 6; FlashInfer's two
+    PDL; vLLM's kernels at every split count its rule picks for heads 6; FlashInfer's two
     MLA modules) into Triton's and FlashInfer's on-disk caches: one process compiles one kernel at a time."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
@@ -279,7 +286,7 @@ def warm(jobs: int, with_peers: bool) -> None:
     tasks = [("flashinfer", c) for c in CACHE_DTYPES] if with_peers else []
     tasks += [("split", v, c, page, splits) for v in kernel.VARIANTS for c in CACHE_DTYPES for page in (64, 16)
               for splits in (3, 1)]
-    tasks += [("combine", 1 << k, wide, pdl) for k in range(1, 10) for wide in (True, False) for pdl in (True, False)]
+    tasks += [("combine", 1 << k, pdl) for k in range(1, 10) for pdl in (True, False)]
     if with_peers:
         tasks += [("vllm", c, 6, 512 * (1 << k)) for c in CACHE_DTYPES for k in range(9)]
     t0 = time.perf_counter()
@@ -287,6 +294,47 @@ def warm(jobs: int, with_peers: bool) -> None:
         for line in pool.map(_warm_task, tasks):
             print("warm", line, flush=True)
     print(f"warm: {len(tasks)} launches in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+GATE_ARMS = (("inline", "eager"), ("side_stream", "eager"), ("inline", "inductor"))
+
+
+def gate_layer(args, cache_names: list[str]) -> dict:
+    """The MLA attention block's time per call for each output-gate arm (GATE_ARMS), µs, by cache, batch,
+    context."""
+    import k3fuse
+    from k3fuse.model import K3Model, get_config
+    from k3fuse.patterns.mla_decode import MLADecodeSettings
+    from k3fuse.tools.bench.timing import capture, median, time_graph
+    from k3fuse.tools.model_run import fill_context
+
+    dev = torch.device("cuda")
+    model = K3Model(get_config("k3", n_layers=4), tp_size=16, rank=0, standin=True, device=dev,
+                    init_on_device=True).eval()
+    index = next(i for i, k in enumerate(model.kinds) if k.attn == "mla")
+    rows = []
+    for cache_name in cache_names:
+        for B in (int(b) for b in args.batch.split(",")):
+            for ctx in (int(c) for c in args.context.split(",")):
+                state = model.new_state(B, ctx + STEPS_MIN + 1, block_size=PAGE,
+                                        kv_dtype="fp8" if cache_name == "fp8" else "auto", kv_scale=0.25)
+                fill_context(model, state, [ctx] * B, seed=B)
+                x = torch.randn(B, model.config.hidden, device=dev, dtype=model.dtype)
+                row = {"cache": cache_name, "batch": B, "context": ctx}
+                for gate, compiler in GATE_ARMS:
+                    torch._dynamo.reset()
+                    options = {"compiler": compiler, "context": k3fuse.DecodeContext(
+                        strict=True, rule_settings={"mla_decode": MLADecodeSettings(gate=gate)})}
+                    block = torch.compile(model.layers[index].attn, backend="k3fuse", options=options, fullgraph=True)
+                    args_ = (x, *model.layer_state(index, state))
+                    with torch.no_grad():
+                        graph = capture(lambda: [block(*args_) for _ in range(STEPS_MIN)])
+                        row[f"{gate}/{compiler}"] = median(time_graph(graph, STEPS_MIN, args.replays))
+                    del graph
+                rows.append(row)
+                print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                      flush=True)
+    return {"device": torch.cuda.get_device_name(), "arms": [f"{g}/{c}" for g, c in GATE_ARMS], "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--prepare-peer", action="store_true", help="only compile FlashInfer's MLA modules")
+    ap.add_argument("--gate-layer", action="store_true", help="time the MLA + MoE layer's output-gate arms instead")
     ap.add_argument("--warm", type=int, default=0, metavar="JOBS",
                     help="only compile every kernel the tests and arms launch, JOBS processes at once")
     args = ap.parse_args(argv)
@@ -320,6 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         import k3fuse  # noqa: F401
 
         warm(args.warm, with_peers="vllm" in args.arms or "flashinfer" in args.arms)
+        return 0
+    if args.gate_layer:
+        doc = gate_layer(args, args.cache.split(","))
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
         return 0
 
     import k3fuse  # noqa: F401  (registers torch.ops.k3fuse)

@@ -11,6 +11,7 @@ these tables and functions:
   default: `topk(x, k, -1, True)`) are dropped, and dims are counted from the end (`DIM_ARGS`:
   `gather(x, 1, i)` on a 2-D x is `gather(x, -1, i)`). A new spelling of an existing computation is
   one more recogniser or table entry here. The recognisers besides transposes and casts:
+  - `scalar_tensor(v)` and `full([], v)` (Inductor's constant folding of it) are one 0-d fill;
   - `unsqueeze(f(x), d)` and `f(unsqueeze(x, d))` are one value for an elementwise unary f
     (`UNSQUEEZE_COMMUTES`: `exp(g).unsqueeze(-1)` is `g[..., None].exp()`); the inner node of the
     pair is `absorbed` by the match of the outer one;
@@ -80,6 +81,7 @@ METADATA_CHECKS = frozenset({aten._assert_tensor_metadata.default})
 Canonical = tuple[tuple[Any, ...], tuple[Any, ...]]
 TRANSPOSE_LAST2 = ("transpose_last2",)
 CAST = ("cast",)
+SCALAR_FILL = ("scalar_fill",)
 SQUEEZE = ("squeeze",)
 SILU = ("silu",)
 SPLIT = ("split_with_sizes",)
@@ -288,9 +290,21 @@ def _as_split(node: fx.Node) -> Canonical | None:
     return SPLIT, (node.args[0], [node.args[1]] * (size // node.args[1]), _from_end(dim, val.dim()))
 
 
+def _as_scalar_fill(node: fx.Node) -> Canonical | None:
+    """A 0-d tensor of one value: `scalar_tensor(v)`, as traced, or `full([], v)`, which Inductor's joint-graph
+    constant folding makes of it (a masked_fill's -inf, for one). Layout, device and pin_memory are dropped,
+    as factory ops traced on meta tensors match any device."""
+    if node.target is aten.scalar_tensor.default and len(node.args) == 1:
+        return SCALAR_FILL, (node.args[0], node.kwargs.get("dtype"))
+    if node.target is aten.full.default and len(node.args) == 2 and list(node.args[0]) == []:
+        return SCALAR_FILL, (node.args[1], node.kwargs.get("dtype"))
+    return None
+
+
 #: recognisers of equivalent spellings, tried in order: each names what a node computes or passes
-EQUIVALENCES: tuple[Callable[[fx.Node], Canonical | None], ...] = (_as_transpose, _as_cast, _as_unsqueezed,
-                                                                   _as_squeeze, _as_topk, _as_silu, _as_split)
+EQUIVALENCES: tuple[Callable[[fx.Node], Canonical | None], ...] = (_as_transpose, _as_cast, _as_scalar_fill,
+                                                                   _as_unsqueezed, _as_squeeze, _as_topk, _as_silu,
+                                                                   _as_split)
 #: the recognisers that read an inner node into the outer one (`absorbed`); `canonical(fold=False)` skips them
 FOLDING = frozenset({_as_unsqueezed, _as_silu})
 
@@ -500,7 +514,7 @@ def _fake_mm(x: Any, w: Any) -> torch.Tensor | None:
 
 
 __all__ = ["VIEW_LIKE", "COPY_OPS", "CAST_OPS", "TRANSPOSES", "COMMUTATIVE", "DEFAULT_KWARGS", "METADATA_CHECKS",
-           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "FOLDING", "TRANSPOSE_LAST2", "CAST", "SQUEEZE",
-           "UNSQUEEZED", "SILU", "SPLIT", "Canonical", "canonical", "absorbed", "op_key", "cast_dtype", "copied_value",
-           "is_commutative", "is_transparent", "is_layout_only", "is_metadata_check", "skip_transparent", "value_root",
-           "forward_users", "op_name", "op_names_apart", "split_addmm", "restore_addmm", "strip_transparent"]
+           "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "FOLDING", "TRANSPOSE_LAST2", "CAST", "SCALAR_FILL",
+           "SQUEEZE", "UNSQUEEZED", "SILU", "SPLIT", "Canonical", "canonical", "absorbed", "op_key", "cast_dtype",
+           "copied_value", "is_commutative", "is_transparent", "is_layout_only", "is_metadata_check",
+           "skip_transparent", "value_root", "forward_users", "op_name", "op_names_apart", "split_addmm", "restore_addmm", "strip_transparent"]

@@ -10,8 +10,9 @@
 7. shared_expert_stream      shared-expert MLP -> side stream (fork/join)
 8. kda_short_conv            KDA short conv over [q; k; v] (window, taps, silu, new state) -> one kernel
 9. kda_delta_rule            KDA delta-rule step -> one pass over the fp32 recurrent state
-10. decode_gemm              remaining static-weight projections -> decode GEMM
-11. weight_prefetch          native collectives left -> L2 prefetch of the next static weights
+10. mla_decode               MLA attention core over the paged latent cache -> flash-decoding kernel
+11. decode_gemm              remaining static-weight projections -> decode GEMM
+12. weight_prefetch          native collectives left -> L2 prefetch of the next static weights
 
 The order matters: 1 takes the shared down-projection into the MoE reduction before 7 moves the
 rest of the shared MLP to the side stream; 2 runs after 1 (1's patterns start at a linear and go
@@ -24,7 +25,9 @@ rewired); 7 anchors its join on the routed output downstream of 5's and 6's ops 
 all-reduce, norm and W_up), which still reads the MoE input, so 6 and 7 find their sites in either
 order; 8 and 9 touch no projection or collective, so they do not interact with the others (8 reads
 the q, k, v projections' outputs and 9's operands are computed from 8's conv output: either order
-finds both sites); 10 takes only what 1-7 left (W_up reads 2's normed output); 11 runs last so it
+finds both sites); 10 reads only the cache, the table, the lengths and q, whatever produced q (decode_gemm's
+projections or the model's), and touches no projection or collective; 11 takes only what 1-7 left (W_up reads
+2's normed output, and the MLA layer's q_a, q_b, kv_a and gate projections stay for it); 12 runs last so it
 sees the final ops after each remaining wait (e.g. decode_gemm(W_up) after the latent all-reduce,
 when 2 is off).
 """
@@ -40,7 +43,8 @@ if TYPE_CHECKING:
 #: that `import k3fuse` can check K3FUSE_RULES against it before anything imports torch.
 RULE_NAMES: tuple[str, ...] = (
     "oproj_allreduce_residual", "moe_tail_allreduce_norm", "moe_front_sharded", "fused_routing", "routed_experts",
-    "moe_combine", "shared_expert_stream", "kda_short_conv", "kda_delta_rule", "decode_gemm", "weight_prefetch",
+    "moe_combine", "shared_expert_stream", "kda_short_conv", "kda_delta_rule", "mla_decode", "decode_gemm",
+    "weight_prefetch",
 )
 
 

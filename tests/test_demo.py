@@ -7,10 +7,11 @@ from k3fuse.tools.demo import DemoConfig, demo_passed, run_demo
 # short conv and delta-rule step; weight_prefetch is off by default
 # (measured slower in the layer, docs/perf.md), moe_tail_allreduce_norm too (no H200 measurement yet);
 # fused_routing replaces the router tail, routed_experts the routed experts and moe_combine their
-# weighted combine once per layer.
+# weighted combine once per layer; mla_decode has no site (the stack has no MLA layer).
 EXPECTED_PER_LAYER = {"oproj_allreduce_residual": 2, "moe_tail_allreduce_norm": 0, "moe_front_sharded": 1,
                       "fused_routing": 1, "routed_experts": 1, "moe_combine": 1,
-                      "shared_expert_stream": 1, "kda_short_conv": 1, "kda_delta_rule": 1, "decode_gemm": 10,
+                      "shared_expert_stream": 1, "kda_short_conv": 1, "kda_delta_rule": 1, "mla_decode": 0,
+                      "decode_gemm": 10,
                       "weight_prefetch": 0}
 
 

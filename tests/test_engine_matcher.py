@@ -129,6 +129,21 @@ def test_spelling_casts_to_copy_vs_float():
         assert found[0].scalars == {"eps": pytest.approx(1e-5)}
 
 
+def test_scalar_tensor_matches_inductors_folded_full():
+    """Inductor's joint-graph constant folding turns a masked_fill's scalar_tensor(-inf) into full([], -inf):
+    one 0-d fill either way; another value is another computation."""
+    spec = PatternSpec("mask", lambda x, m: torch.softmax(x.masked_fill(m, float("-inf")), -1),
+                       lambda: (torch.randn(4, 8), torch.ones(4, 8, dtype=torch.bool)))
+    pattern = compile_pattern(spec)
+    x, m = torch.randn(4, 8), torch.rand(4, 8) > 0.5
+
+    def folded(fill):
+        return lambda x, m: torch.softmax(torch.where(m, torch.full([], fill), x), -1)
+
+    assert len(find_matches(trace(folded(float("-inf")), x, m), [pattern])) == 1
+    assert find_matches(trace(folded(0.0), x, m), [pattern]) == []
+
+
 def test_literal_wildcard_captures_model_eps():
     def two_eps(x, w):  # the wildcard captures whatever eps the model uses
         xf = x.float()

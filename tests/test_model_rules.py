@@ -5,7 +5,9 @@ residuals, torch.compile(backend="k3fuse") region by region (DecodeStep):
 * every rule that applies fires in every graph it applies to: the KDA and the MLA out-projections with their
   all-reduce and residual (+ the next norm), the dense MLP's down projection and the MoE's final reduction, the
   sharded MoE front, routing, routed experts, combine, shared expert, KDA conv and delta rule, the remaining
-  projections as decode GEMMs; MLA attention itself stays stock (its fusion is another issue);
+  projections as decode GEMMs; MLA attention itself stays stock here: the mla_decode rule finds the site and
+  declines it by name (the small preset's entry is 64 + 16, not K3's 512 + 64; tests/test_mla_decode_rule.py
+  runs the rule on the small preset with K3's MLA widths);
 * at run time every layer runs its fused ops (runtime counters per step = the layer kinds' sum), with no
   fallback in strict mode, and the tokens, logits and every state (KDA, KV cache) match the eager model;
 * five graphs (embedding, the three layer types, head) serve the four layers;
@@ -123,3 +125,4 @@ def test_rules_fire_on_every_layer_type_and_keep_the_tokens(tp2, case):
         assert calls == {op: n * STEPS for op, n in _per_step_calls(res["kinds"], 2, case[1]).items()}
         for rule, guard, reason in res["rejections"]:
             assert guard and reason, (rule, guard, reason)
+        assert {guard for rule, guard, _ in res["rejections"] if rule == "mla_decode"} == {"entry"}, res["rejections"]

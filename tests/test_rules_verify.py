@@ -170,12 +170,13 @@ def test_side_stream_never_carries_a_collective(k3_program, k3_graph):
 def test_default_rules_are_the_contract_order():
     assert [r.name for r in all_rules()] == ["oproj_allreduce_residual", "moe_tail_allreduce_norm", "moe_front_sharded",
                                              "fused_routing", "routed_experts", "moe_combine", "shared_expert_stream",
-                                             "kda_short_conv", "kda_delta_rule", "decode_gemm", "weight_prefetch"]
+                                             "kda_short_conv", "kda_delta_rule", "mla_decode", "decode_gemm",
+                                             "weight_prefetch"]
     # off by default: weight_prefetch (measured slower in the layer) and moe_tail_allreduce_norm (not yet
     # measured)
     rules = default_rules()
     assert [r.name for r in rules] == ["oproj_allreduce_residual", "moe_front_sharded", "fused_routing",
                                        "routed_experts", "moe_combine", "shared_expert_stream", "kda_short_conv",
-                                       "kda_delta_rule", "decode_gemm"]
+                                       "kda_delta_rule", "mla_decode", "decode_gemm"]
     assert all(r.description for r in rules) and "gemm_ar_residual" in rules[0].emits
     assert default_rules()[5] is not rules[5] and isinstance(rules[5], SharedExpertStream)  # fresh instances

@@ -83,6 +83,10 @@ class VllmKDALayer(DecoderLayer):
         self.attn = KDADecode(cfg, layer, src, tp)
         self.cache_name = cache_name
 
+    # each layer class its own forward, as k3fuse/model's layers: Dynamo keeps its graphs per code object
+    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, stores: list[torch.Tensor]) -> torch.Tensor:
+        return self._step(r, bank, stores)
+
     def _attend(self, h: torch.Tensor, stores: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
         recurrent, conv = _ops.kda_states(h, self.cache_name)
         y, new_recurrent, new_conv = self.attn(h, recurrent, conv)
@@ -120,6 +124,9 @@ class VllmMLALayer(DecoderLayer):
         super().__init__(cfg, layer, kind, src, tp)
         self.attn = VllmMLADecode(cfg, layer, src, tp)
         self.cache_name = cache_name
+
+    def forward(self, r: torch.Tensor, bank: torch.Tensor | None, stores: list[torch.Tensor]) -> torch.Tensor:
+        return self._step(r, bank, stores)
 
     def _attend(self, h: torch.Tensor, stores: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
         return self.attn(h, self.cache_name)

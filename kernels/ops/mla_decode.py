@@ -3,11 +3,13 @@
 For each sequence b and head h (k3-model.md section 2.4, absorbed form):
     out[b, h] = sum_{j < seq_lens[b]} softmax_j(softmax_scale * q[b, h] . entry_j) * c_kv_j
 q [B, H, 576] = [q_lat (512) | q_sh (64)] per head (W_UK already absorbed into q_lat), the cache
-kv_cache [num_blocks, block_size, 576] of entries [c_kv (512) | k_sh (64)] in q's dtype, or fp8
-e4m3 with kv_scale (fp32, one element: entry = kv_scale * stored), block_table int32 [B, max_blocks]
+kv_cache [num_blocks, block_size, 576] of entries [c_kv (512) | k_sh (64)] in q's dtype or fp8 e4m3,
+kv_scale (fp32, one element: entry = kv_scale * stored; an fp8 cache needs it, a 16-bit cache may have
+it, as the model's spelling multiplies every cache by its scale), block_table int32 [B, max_blocks]
 (token j of sequence b in page block_table[b, j // block_size], row j % block_size), seq_lens
-int32 [B] (the current token's entry included) -> out [B, H, 512] in q's dtype. The output gate,
-W_UV and the cache append stay outside (issue 51's rule decides what it fuses around this core).
+int32 [B] (the current token's entry included; a length past max_blocks * block_size attends over
+the whole table, as the plain spelling does) -> out [B, H, 512] in q's dtype. The output gate, W_UV
+and the cache append stay outside (patterns/mla_decode.py says why).
 
 Stock: the plain spelling (pages gathered, fp32 scores, length mask, softmax, weighted sum);
 reference: one sequence at a time in fp32 (lib/reference/mla_decode.py); CUDA: flash-decoding
@@ -75,8 +77,8 @@ def _layout_misfit(q, kv_cache, block_table, seq_lens, kv_scale) -> str | None:
     size = kv_cache.element_size()
     if any(s * size % 16 for s in (kv_cache.storage_offset(), *kv_cache.stride()[:2])):
         return f"kv_cache rows must be 16-byte aligned (strides {kv_cache.stride()}, {size}-byte elements)"
-    if (kv_cache.dtype == FP8) != (kv_scale is not None):
-        return "an fp8 cache needs its kv_scale, and only an fp8 cache takes one"
+    if kv_cache.dtype == FP8 and kv_scale is None:
+        return "an fp8 cache needs its kv_scale"
     if kv_scale is not None and (kv_scale.dtype != torch.float32 or kv_scale.numel() != 1):
         return f"kv_scale must be one float32 element, got {kv_scale.dtype} {tuple(kv_scale.shape)}"
     return None
@@ -106,9 +108,10 @@ def run(q, kv_cache, block_table, seq_lens, softmax_scale, kv_scale=None, **_):
 
 def warmup(shapes) -> None:
     """Triton compiles on first launch: launch once per {"B", "heads", "block_size", "max_context",
-    "cache_dtype", "dtype"} over zero lengths (the compiled code depends on the page size, the
-    cache dtype, whether one split serves the call, and the 16-divisibility of heads and strides;
-    never on the lengths), so warm every batch size the graphs will capture."""
+    "cache_dtype", "dtype", "kv_scale" (whether calls pass a scale; default: fp8 caches only)} over
+    zero lengths (the compiled code depends on the page size, the cache dtype, the scale, whether one
+    split serves the call, and the 16-divisibility of heads and strides; never on the lengths), so
+    warm every batch size the graphs will capture."""
     from ..lib.triton import mla_decode as kernel
 
     for s in shapes:
@@ -119,7 +122,7 @@ def warmup(shapes) -> None:
         cache = torch.zeros((1, page, ENTRY), dtype=cache_dtype, device=dev)
         table = torch.zeros((s["B"], width), dtype=torch.int32, device=dev)
         lens = torch.zeros((s["B"],), dtype=torch.int32, device=dev)
-        scale = torch.ones(1, dtype=torch.float32, device=dev) if cache_dtype == FP8 else None
+        scale = torch.ones(1, dtype=torch.float32, device=dev) if s.get("kv_scale", cache_dtype == FP8) else None
         if accepts(MLADecodeSpec.from_call(q, cache, table, lens, 1.0, scale)) is None:
             kernel.run(q, cache, table, lens, 1.0, scale)
 
@@ -136,9 +139,8 @@ def _fake(q, kv_cache, block_table, seq_lens, softmax_scale, kv_scale=None, stri
                  lambda: f"{name}: seq_lens must be [B={q.shape[0]}], got {tuple(seq_lens.shape)}")
     torch._check(block_table.dtype == torch.int32 and seq_lens.dtype == torch.int32,
                  lambda: f"{name}: block_table and seq_lens must be int32, got {block_table.dtype} / {seq_lens.dtype}")
-    torch._check((kv_cache.dtype == FP8) == (kv_scale is not None),
-                 lambda: f"{name}: an fp8 kv_cache needs kv_scale (fp32, one element) and a {kv_cache.dtype} cache "
-                         "takes none")
+    torch._check(kv_cache.dtype != FP8 or kv_scale is not None,
+                 lambda: f"{name}: an fp8 kv_cache needs kv_scale (fp32, one element)")
     torch._check(q.dtype.is_floating_point, lambda: f"{name}: q must be floating point, got {q.dtype}")
     return q.new_empty((q.shape[0], q.shape[1], LATENT))
 

@@ -2,17 +2,20 @@
 
 * batch 1 at 128K tokens, batch 8 mixed up to 32K, batch 64 mixed up to 4K (lengths 0 and 1
   included), heads 3 / 6 / 12, pages 16 and 64, bf16 and fp8 (e4m3 + scale) caches, into
-  NaN-poisoned outputs over caches whose rows no sequence owns hold NaN, every kernel variant made
-  for the cache (kernels/lib/triton/mla_decode.py CACHE_VARIANTS): within the roundings of p and of
-  the output of the float64 attention; every split count from 1 to the chosen one's double, and
-  every variant on either cache, gives that too; deterministic;
+  NaN-poisoned outputs over caches whose rows no sequence owns hold NaN, both kernel variants made
+  for the cache (kernels/lib/triton/mla_decode.py CACHE_VARIANTS: the Gluon default, as itself on
+  pages of 64 and as the Triton fallback on pages of 16, and the Triton fallback) and the trial
+  variants (TRIAL_VARIANTS: the fp8 kernel that widens a tile ahead): within the
+  roundings of p and of the output of the float64 attention; every split count from 1 to the chosen
+  one's double, and every variant on either cache, gives that too; deterministic;
+* a scaled 16-bit cache and lengths past the table's width (the whole table), every variant;
 * the combine alone against a float64 merge (empty parts: NaN behind a -inf lse), one step and two,
-  wide and round 1's narrow, plain and behind PDL;
+  plain and behind PDL;
 * the op through the dispatcher in strict mode: k3fuse.stats() shows the Triton kernel; the kill
   switch runs the plain spelling; a call no kernel takes (fp32 q) falls back to it, strict raises;
-* one CUDA graph replayed 1000 times over changing lengths (and queries), the default variant (its
-  combine behind PDL), 200 times for every other variant: each replay against the plain spelling,
-  every 100th against float64.
+* one CUDA graph replayed 1000 times over changing lengths (and queries), the default variant through
+  the op (its combine behind PDL), 200 times for the fallback and each trial: each replay against the plain
+  spelling, every 100th against float64.
 
     python -m pytest -m gpu tests/gpu/test_mla_decode_gpu.py -q
 """
@@ -77,6 +80,7 @@ def f64_attention(q, cache, table, lens, kv_scale=None):
     out = torch.zeros(B, H, 512, dtype=torch.float64, device=DEV)
     mag = torch.zeros_like(out)
     for b, n in enumerate(lens.tolist()):
+        n = min(n, table.shape[1] * page)  # past the table: all of it (the plain spelling's mask)
         if n == 0:
             continue
         tok = torch.arange(n, device=DEV)
@@ -95,6 +99,11 @@ def check(out, ref, mag, where):
     assert not torch.isnan(out).any(), where
     excess = float(((out.double() - ref).abs() - 2 ** -8 * (ref.abs() + mag) * 1.05 - 1e-5).max())
     assert excess <= 0, (where, excess)
+
+
+def variants_for(cache_dtype):
+    """The variants a call on this cache can take (its Gluon default, its Triton fallback), and the trials."""
+    return kernel.CACHE_VARIANTS[cache_dtype.itemsize] + kernel.TRIAL_VARIANTS[cache_dtype.itemsize]
 
 
 def poisoned(q, cache, table, lens, kv_scale, **kw):
@@ -119,9 +128,9 @@ def test_against_float64_up_to_128k(lengths, heads, page, cache_dtype):
     spec = mla_op.MLADecodeSpec.from_call(*case[:4], SCALE, case[4])
     assert mla_op.accepts(spec) is None
     ref, mag = f64_attention(*case[:4], case[4])
-    for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]:
+    for variant in variants_for(cache_dtype):
         cfg = kernel.VARIANTS[variant]
-        # a Gluon variant runs as itself on an H100 wherever a page holds whole tiles (else the default)
+        # a Gluon variant runs as itself on an H100 wherever a page holds whole tiles (else the Triton fallback)
         assert kernel.resolve(cfg, cache_dtype, case[0].device, page).gluon == (cfg.gluon and page % cfg.block_n == 0)
         out = poisoned(*case, config=cfg)
         check(out, ref, mag, (variant, len(lengths), max(lengths), heads, page, cache_dtype))
@@ -148,6 +157,23 @@ def test_every_split_count_and_every_variant(cache_dtype):
         check(poisoned(*case, config=cfg, splits=5), ref, mag, (name, 5))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_scaled_cache_and_lengths_past_the_table(cache_dtype):
+    """The model's spelling multiplies every cache by its scale (a 16-bit one too) and attends over the whole
+    table when a length runs past it: every variant does the same, the Gluon ones on pages of 64."""
+    case = make_case([4096, 4096, 640, 0], 6, 64, cache_dtype, seed=11)
+    q, cache, table, lens, kv_scale = case
+    kv_scale = torch.tensor([0.37], device=DEV) if kv_scale is None else kv_scale
+    lens = lens.clone()
+    lens[0] += 5000  # a full row of the table, and a length past it
+    ref, mag = f64_attention(q, cache, table, lens, kv_scale)
+    assert mla_op.accepts(mla_op.MLADecodeSpec.from_call(q, cache, table, lens, SCALE, kv_scale)) is None
+    for variant in variants_for(cache_dtype):
+        for splits in (None, 3):
+            out = poisoned(q, cache, table, lens, kv_scale, config=kernel.VARIANTS[variant], splits=splits)
+            check(out, ref, mag, (variant, splits))
+
+
 @pytest.mark.parametrize("S", [150, 300])
 def test_combine_alone_against_a_float64_merge(S):
     g = torch.Generator(device=DEV).manual_seed(9)
@@ -164,9 +190,9 @@ def test_combine_alone_against_a_float64_merge(S):
     assert not torch.isnan(out).any() and not out[2, 3].any() and lse_out[2, 3] == float("-inf")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_out.double(), lse64, rtol=1e-6, atol=1e-5)
-    for wide, pdl in ((False, False), (True, True)):  # round 1's narrow combine; the wide one behind PDL
+    for pdl in (False, True):  # launched plainly and behind PDL (no primary before it here: it waits on none)
         out.fill_(float("nan"))
-        kernel.combine(pout, plse, out=out, wide=wide, pdl=pdl)
+        kernel.combine(pout, plse, out=out, pdl=pdl)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -194,8 +220,7 @@ def test_op_strict_counts_the_kernel_disable_and_fallback_run_the_plain_spelling
 
 
 def _graph_cases():
-    return [(cache_dtype, variant) for cache_dtype in (torch.bfloat16, FP8)
-            for variant in kernel.CACHE_VARIANTS[cache_dtype.itemsize]]
+    return [(cache_dtype, variant) for cache_dtype in (torch.bfloat16, FP8) for variant in variants_for(cache_dtype)]
 
 
 @pytest.mark.parametrize("cache_dtype,variant", _graph_cases())

@@ -3,10 +3,11 @@
 For each sequence b and head h, over the entries j < seq_lens[b] of its cache (token j sits in
 page block_table[b, j // block_size], row j % block_size; an entry is [c_kv (512) | k_sh (64)]):
 
-    score_j = softmax_scale * (q[b, h] . entry_j)       (entry_j * kv_scale for an fp8 cache)
-    out[b, h] = sum_j softmax(score)_j * c_kv_j          (c_kv_j * kv_scale for an fp8 cache)
+    score_j = softmax_scale * (q[b, h] . entry_j)       (entry_j * kv_scale where a scale is given)
+    out[b, h] = sum_j softmax(score)_j * c_kv_j          (c_kv_j * kv_scale likewise)
 
-a sequence of length 0 gives zeros. `mla_decode` is the oracle and the CPU path: one sequence at a
+a sequence of length 0 gives zeros; a length past the table's max_blocks * block_size entries attends
+over all of them (the plain spelling's mask admits every gathered entry). `mla_decode` is the oracle and the CPU path: one sequence at a
 time, its pages gathered, in `compute_dtype` (fp32 by default; float64 for the tests' oracle),
 cast to q's dtype (or `out_dtype`). `plain_spelling` is the op's stock sequence, the unfused torch an engine would
 run: every sequence's pages gathered to the table's width, fp32 scores, a length mask, softmax,
@@ -34,7 +35,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     out = torch.zeros((B, H, LATENT), dtype=compute_dtype, device=q.device)
     lengths = seq_lens.tolist()
     for b in range(B):
-        n = int(lengths[b])
+        n = min(int(lengths[b]), block_table.shape[1] * page)
         if n == 0:
             continue
         tok = torch.arange(n, device=q.device)
