@@ -517,4 +517,5 @@ __all__ = ["VIEW_LIKE", "COPY_OPS", "CAST_OPS", "TRANSPOSES", "COMMUTATIVE", "DE
            "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "FOLDING", "TRANSPOSE_LAST2", "CAST", "SCALAR_FILL",
            "SQUEEZE", "UNSQUEEZED", "SILU", "SPLIT", "Canonical", "canonical", "absorbed", "op_key", "cast_dtype",
            "copied_value", "is_commutative", "is_transparent", "is_layout_only", "is_metadata_check",
-           "skip_transparent", "value_root", "forward_users", "op_name", "op_names_apart", "split_addmm", "restore_addmm", "strip_transparent"]
+           "skip_transparent", "value_root", "forward_users", "op_name", "op_names_apart", "split_addmm",
+           "restore_addmm", "strip_transparent"]
