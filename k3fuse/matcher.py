@@ -37,8 +37,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .guards import GuardFailure
 from .graph_facts import node_order
 from .rewrite_site import Match, PatternSpec
-from .vocabulary import (canonical, forward_users, is_commutative, is_layout_only, is_metadata_check, op_key, op_name,
-                         skip_transparent, split_addmm, strip_transparent, value_root)
+from .vocabulary import (absorbed, canonical, forward_users, is_commutative, is_layout_only, is_metadata_check, op_key,
+                         op_name, op_names_apart, skip_transparent, split_addmm, strip_transparent, value_root)
 
 
 class HasPatterns(Protocol):
@@ -220,22 +220,32 @@ class _Matcher:
             return
         gn, passed = skip_transparent(gn)
         if pn in st.nodes:
-            if st.nodes[pn] is gn:
+            if st.nodes[pn] is gn:  # reached again, maybe through views of its own: they join the match
+                if passed:
+                    st = st.copy()
+                    st.passed.extend(passed)
                 yield st
             return
         if gn.op != "call_function" or gn in st.claimed:
             return
         if any(gn is b for b in st.inputs.values()):
             return
-        gkey, gargs = canonical(gn)
         pkey, pargs = canonical(pn)
-        if gkey != pkey or len(gargs) != len(pargs):
+        # the folded reading first; then the node as written, for a pattern whose input sits at the
+        # inner node the fold reads through (`vocabulary.FOLDING`)
+        for fold in (True, False):
+            gkey, gargs = canonical(gn, fold)
+            if gkey == pkey and len(gargs) == len(pargs):
+                break
+        else:
             self._fail(st, pn, gn)
             return
         st = st.copy()
         st.nodes[pn] = gn
         st.claimed[gn] = pn
         st.passed.extend(passed)
+        if fold:
+            st.passed.extend(absorbed(gn))  # the inner node of a spelling the vocabulary read as one op
         orders = [pargs]
         if is_commutative(pn):
             orders.append((pargs[1], pargs[0], *pargs[2:]))
@@ -349,11 +359,12 @@ def _dtype_agreement(pattern: CompiledPattern, st: _State) -> int:
 
 
 def _nodes_by_key(graph: fx.Graph) -> dict[Any, list[fx.Node]]:
-    """The graph's call nodes by canonical op key, in graph order."""
+    """The graph's call nodes by canonical op key, folded and as written (see `match_node`), in graph order."""
     by_key: dict[Any, list[fx.Node]] = {}
     for n in graph.nodes:
         if n.op == "call_function":
-            by_key.setdefault(op_key(n), []).append(n)
+            for key in dict.fromkeys((op_key(n), op_key(n, fold=False))):
+                by_key.setdefault(key, []).append(n)
     return by_key
 
 
@@ -457,13 +468,14 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
         for ga in by_key.get(m.keys[start], ()):
             g, depth, miss = ga, 1, None
             for prev_p, pn in zip(path, path[1:]):
-                nxt = [u for u in forward_users(g) if op_key(u) == m.keys[pn]]
+                nxt = [u for u in forward_users(g) if m.keys[pn] in (op_key(u), op_key(u, fold=False))]
                 if not nxt:
                     found = forward_users(g)
+                    expected, names = op_names_apart(pn, found)
                     miss = (f"{pattern.variant}: {op_name(g)} ({g.name}) feeds "
-                            f"{', '.join(f'{op_name(u)} ({u.name})' for u in found) or 'nothing'}, not {op_name(pn)}",
-                            {"candidate": ga.name, "diverged_at": g.name, "expected": op_name(pn),
-                             "found": [op_name(u) for u in found]})
+                            f"{', '.join(f'{n} ({u.name})' for n, u in zip(names, found)) or 'nothing'}, "
+                            f"not {expected}",
+                            {"candidate": ga.name, "diverged_at": g.name, "expected": expected, "found": names})
                     break
                 g, depth = nxt[0], depth + 1
             if miss is None:
@@ -480,10 +492,11 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
                 depth += got
                 reader = next((u for u in pn.users if u.op == "call_function"), None)
                 where = f"the {op_name(reader)} input" if reader is not None else "the output"
-                found = f"{op_name(gn)} ({gn.name})" if isinstance(gn, fx.Node) else repr(gn)
-                miss = (f"{pattern.variant}: {where} is {found}, not {op_name(pn)}",
+                expected, (found_name,) = op_names_apart(pn, [gn])
+                found = f"{found_name} ({gn.name})" if isinstance(gn, fx.Node) else repr(gn)
+                miss = (f"{pattern.variant}: {where} is {found}, not {expected}",
                         {"candidate": ga.name, "diverged_at": gn.name if isinstance(gn, fx.Node) else repr(gn),
-                         "expected": op_name(pn), "found": op_name(gn), "output": g.name})
+                         "expected": expected, "found": found_name, "output": g.name})
             if best is None or depth > best[0]:
                 best = (depth, *miss)
     if best is None:

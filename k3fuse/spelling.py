@@ -6,10 +6,17 @@ The reference model (k3fuse/model/layers.py) computes with these functions, the 
 definition, so the model, the patterns and the fallbacks cannot drift apart: changing a function here
 changes what every rule matches, so change the rules with it.
 
+The `*_hf` functions are the same math as other people's code writes it (Hugging Face transformers'
+Kimi Linear, DeepSeek-V3 and Kimi K2.5, FLA's recurrence), in forms the vocabulary cannot equate with
+K3's one node at a time (a broadcast contraction for a bmm, a conv1d for a windowed sum, the
+group-limited router's extra block, packed experts): the rules trace them beside K3's spellings.
+
 A leaf module: it imports torch and k3fuse.quant (itself a leaf: the checkpoint formats'
 dequantization) only, so anything may import it.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -68,6 +75,18 @@ def delta_rule(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kc:
     return S, o
 
 
+def delta_rule_hf(recurrent: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, kc: torch.Tensor,
+                  vc: torch.Tensor, qc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule` with both contractions a broadcast multiply and a sum over the key dim, as HF's
+    `recurrent_kimi_delta_attention` (Kimi Linear) and FLA's `naive_recurrent_kda` write one step:
+    `(S * k[..., None]).sum(-2)` for S^T k. The same values as `delta_rule` up to summation order."""
+    S = recurrent * torch.exp(g).unsqueeze(-1)
+    e = beta.unsqueeze(-1) * (vc - (S * kc.unsqueeze(-1)).sum(-2))
+    S = S + kc.unsqueeze(-1) * e.unsqueeze(-2)
+    o = (S * qc.unsqueeze(-1)).sum(-2)
+    return S, o
+
+
 def short_conv(conv_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                conv_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA's short causal depthwise conv over [q; k; v] with a rolling window of K-1 past inputs.
@@ -81,6 +100,24 @@ def short_conv(conv_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     new_state = window[..., 1:].contiguous()  # the input's layout: one compiled graph per shape
     conv = F.silu((window.float() * conv_weight).sum(-1))
     return conv, new_state
+
+
+def short_conv_hf(conv_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  conv_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` as HF's Kimi Linear decodes it (`causal_conv1d_update` over [q; k; v]).
+
+    q/k/v [T, 1, C/3] (HF keeps a sequence dim of one), moved to [T, C, 1]; the window
+    cat([conv_state, x], -1) cast to the taps' dtype; the new state its last K-1 positions (of the cast
+    window: HF copies them into the state in place); the conv `F.conv1d(window, w.unsqueeze(1),
+    groups=C)` over the window's K positions, one output position, then silu. conv_weight is the
+    nn.Conv1d weight [C, 1, K], squeezed and unsqueezed as HF does. Returns (silu(conv) [T, C, 1] in the
+    taps' dtype, new_state [T, C, K-1])."""
+    x = torch.cat([q, k, v], dim=-1).transpose(1, 2)
+    weight = conv_weight.squeeze(1)
+    window = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+    new_state = window[:, :, -conv_state.shape[-1]:]
+    conv = F.conv1d(window, weight.unsqueeze(1), None, padding=0, groups=window.shape[1])
+    return F.silu(conv[:, :, -x.shape[-1]:]), new_state
 
 
 def use_grouped_mm(a: torch.Tensor) -> bool:
@@ -129,6 +166,30 @@ def routed_experts(a: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w3:
     """The model's routed experts: grouped GEMMs where `use_grouped_mm`, else the gathered bmm."""
     spelled = routed_experts_grouped if use_grouped_mm(a) else routed_experts_gathered
     return spelled(a, experts, w1, w3, w2, top_k, beta, linear_beta)
+
+
+def routed_experts_batched_hf(a: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, w2: torch.Tensor,
+                              top_k: int, gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed experts as HF's `batched_mm_experts_forward` writes them: z [T*k, L] in pair order.
+
+    a's rows repeated top_k times (`repeat_interleave`), the packed gate/up table gate_up [E, 2I, L]
+    (rows [0, I) the gate's, [I, 2I) the up projection's) gathered per pair and one bmm, its output
+    split in halves (`chunk`), `gate(g, u)` (SiTU-GLU for K3: `situ_glu`), the down table w2 [E, L, I]
+    gathered and a second bmm. The same math as `routed_experts_gathered` with w1 = gate_up[:, :I],
+    w3 = gate_up[:, I:]."""
+    x = a.repeat_interleave(top_k, dim=0)
+    gu = torch.bmm(gate_up[experts], x.unsqueeze(-1)).squeeze(-1)
+    g, u = gu.chunk(2, dim=-1)
+    return torch.bmm(w2[experts], gate(g, u).unsqueeze(-1)).squeeze(-1)
+
+
+def routed_experts_batched_ungated_hf(a: torch.Tensor, experts: torch.Tensor, w_up: torch.Tensor, w2: torch.Tensor,
+                                      top_k: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`routed_experts_batched_hf` for ungated experts (HF's `has_gate=False`: one up table w_up
+    [E, I, L], `act` on its output, e.g. Nemotron-H's relu^2)."""
+    x = a.repeat_interleave(top_k, dim=0)
+    h = torch.bmm(w_up[experts], x.unsqueeze(-1)).squeeze(-1)
+    return torch.bmm(w2[experts], act(h).unsqueeze(-1)).squeeze(-1)
 
 
 def slot_count(pairs: int | torch.SymInt, n_experts: int) -> int | torch.SymInt:
@@ -250,6 +311,29 @@ def route(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling
     return weights * routed_scaling, idx
 
 
+def route_grouped_hf(logits: torch.Tensor, b_corr: torch.Tensor, top_k: int, routed_scaling: float, eps: float,
+                     topk_group: int, n_group: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` as HF's DeepSeek-V3 / Kimi K2.5 / Kimi Linear routers write it, group-limited top-k included.
+
+    The E experts form n_group groups of E / n_group; a group's score is the sum of its two best biased
+    scores; each token keeps its topk_group best groups and fills the others' scores with `fill`
+    (HF: -inf, older code 0.0) before the final top-k (unsorted), gathered from the unbiased scores on
+    dim 1. With topk_group == n_group (Kimi K2.5 and Kimi Linear: one group) every group is kept and the
+    block changes nothing: the result is `route`'s. With fewer (DeepSeek-V3: 4 of 8) it is not."""
+    scores = logits.sigmoid()
+    choice = scores + b_corr
+    per_group = choice.shape[-1] // n_group
+    group_scores = choice.view(-1, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, per_group).reshape(-1, choice.shape[-1])
+    choice = choice.masked_fill(~score_mask.bool(), fill)
+    idx = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, idx)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    return weights * routed_scaling, idx
+
+
 def kv_cache_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """Each sequence's slot for its newest token in a paged cache: int64 [B], `block_table[b, pos // block_size]
     * block_size + pos % block_size` with pos = seq_lens[b] - 1 (seq_lens counts the tokens after this step's
@@ -290,6 +374,8 @@ def paged_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale: torch
 
 __all__ = ["K3_SITU_BETA", "K3_SITU_LINEAR_BETA", "ROUTE_EPS", "route", "linear", "all_reduce_sum", "rms_norm", "situ",
            "situ_glu", "delta_rule", "short_conv", "use_grouped_mm", "routed_experts", "routed_experts_grouped",
-           "routed_experts_gathered", "slot_count", "expert_slots", "dequantize_experts", "routed_experts_quantized",
+           "routed_experts_gathered", "delta_rule_hf", "short_conv_hf", "routed_experts_batched_hf",
+           "routed_experts_batched_ungated_hf", "route_grouped_hf", "slot_count", "expert_slots", "dequantize_experts",
+           "routed_experts_quantized",
            "routed_experts_quantized_grouped", "routed_experts_quantized_gathered", "moe_combine", "kv_cache_slots",
            "kv_cache_append", "paged_mla_attention"]

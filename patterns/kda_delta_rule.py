@@ -13,7 +13,14 @@ same function, so the two cannot drift):
     o = torch.einsum("thkv,thk->thv", S, qc)
 einsum lowers to bmm with an operand order that depends on which of T and h are 1 (a size-1
 batch dim is folded differently), so the one spelling is traced at four example shapes: the same
-computation in the four ATen forms a decode graph can hold. Inductor's post-grad graph (the
+computation in the four ATen forms a decode graph can hold. HF transformers' Kimi Linear (and FLA's
+naive recurrence) write both contractions as a broadcast multiply and a sum over the key dim,
+`(S * k[..., None]).sum(-2)`: `delta_rule_hf` of k3fuse/spelling.py, variant "broadcast" (one trace:
+no bmm, no shape-dependent form). HF's decay `g[..., None].exp()` (unsqueeze, then exp) is K3's
+`exp(g).unsqueeze(-1)` to the matcher (k3fuse.vocabulary: unary ops commute with unsqueeze).
+The decay's own form is outside the site (g is an operand): Kimi Linear's unbounded
+`-exp(A_log) * softplus(z)` and K3's lower-bounded `lb * sigmoid(exp(A_log) * z)` feed the same step,
+which the op computes for any g. Inductor's post-grad graph (the
 `inductor_pass` door) holds yet other layouts of the same bmm operands (it cancels the einsum's
 permute pairs and composes others), so sites the traced forms miss are found structurally
 (variant "layout"): the same pointwise ops, and each contraction's bmm is accepted only when its
@@ -31,7 +38,7 @@ import torch.fx as fx
 from k3fuse.kernels.ops.kda_delta import KDADeltaSpec
 from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, compiled_patterns, failures,
                              find_matches, kernel_covers, node_order, shape_of, tensor_value, token_count)
-from k3fuse.spelling import delta_rule
+from k3fuse.spelling import delta_rule, delta_rule_hf
 
 from ._pattern_tools import randn
 
@@ -79,7 +86,8 @@ class KDADeltaRule(Rule):
                    "state) -> k3fuse.kda_delta_rule (reads and writes the state once)")
 
     def patterns(self) -> list[PatternSpec]:
-        return [PatternSpec(name, delta_rule, lambda T=T, h=h: _example(T, h)) for name, T, h in FORMS]
+        return [*(PatternSpec(name, delta_rule, lambda T=T, h=h: _example(T, h)) for name, T, h in FORMS),
+                PatternSpec("broadcast", delta_rule_hf, lambda: _example(2, 2))]
 
     def find(self, graph: fx.Graph, ctx: DecodeContext) -> list[Match]:
         """The traced forms first; then, structurally, the sites whose bmm operands another

@@ -27,6 +27,17 @@ is still computed from the MoE input through the op, so it finds its join as bef
 Needs: a [T, L] (any trunk dtype), experts int64 [T*top_k], w1/w3 [E, I, L] and w2 [E, L, I] static
 in a's dtype, decode tokens; on a GPU, a kernel that covers (E, I, L, top_k, dtype) at those tokens.
 
+HF transformers' experts (`batched_mm_experts_forward`, Kimi Linear / DeepSeek-V3 / Kimi K2.5) are
+`routed_experts_batched_hf` (variant "batched"): the tokens copied with `repeat_interleave`, a packed
+gate_up_proj [E, 2I, L] with one bmm and a `chunk` into gate and up, `squeeze` after each bmm
+(torch.export's core decomposition writes `squeeze.dims`, the vocabulary reads it as `squeeze.dim`);
+I (the split size) is a free size. The op takes w1 = gate_up[:, :I] and w3 = gate_up[:, I:] (slices of
+the static table, views); the CUDA kernels read contiguous w1/w3, so on a GPU context the packed form
+is refused (`kernel_layout`) until a kernel takes the expert stride. The same form is traced with the
+activations HF's models use, SiLU-GLU (Kimi Linear, DeepSeek-V3, K2.5) and ungated relu^2 (Nemotron-H,
+`has_gate=False`), so that their sites are refused with the activation named (`activation`): the op
+computes SiTU-GLU.
+
 Quantized experts (K3's MXFP4, K2.x's int4; k3fuse/quant.py): `routed_experts_quantized_grouped` and
 `_gathered` (the step's distinct experts gathered into min(T*k, E) slots, dequantized, then the
 spellings above) -> k3fuse.routed_experts_w4a16, whose kernel reads the packed weights and scales
@@ -48,14 +59,16 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from k3fuse.kernels.ops.routed_experts import RoutedExpertsSpec
 from k3fuse.kernels.ops.routed_experts_w4a16 import RoutedExpertsW4A16Spec
 from k3fuse.rule_api import (DecodeContext, GuardFailure, Match, PatternSpec, Rule, Variant, compiled_patterns,
                              failures, int_sentinel, kernel_covers, near_miss, shape_of, site_tokens, static_weight,
                              token_count)
-from k3fuse.spelling import (routed_experts_gathered, routed_experts_grouped, routed_experts_quantized_gathered,
-                             routed_experts_quantized_grouped)
+from k3fuse.spelling import (routed_experts_batched_hf, routed_experts_batched_ungated_hf, routed_experts_gathered,
+                             routed_experts_grouped, routed_experts_quantized_gathered,
+                             routed_experts_quantized_grouped, situ_glu)
 
 from k3fuse import quant, spelling
 
@@ -67,7 +80,7 @@ aten = torch.ops.aten
 #: sizes); L and I multiples of 8 (torch._grouped_mm's 16-byte row alignment in bf16)
 T, L, E, I = 1031, 1048, 1021, 1040
 TOP_K, BETA, LINEAR_BETA = 16, 4.0, 25.0
-GATHERED, GROUPED = "gathered", "grouped"
+GATHERED, GROUPED, BATCHED = "gathered", "grouped", "batched"
 #: the quantized patterns' example widths: whole groups of GROUP_SIZE, distinct from every other size
 QL, QI = 47 * quant.GROUP_SIZE, 41 * quant.GROUP_SIZE
 QUANT_FORMATS = ("mxfp4", "int4")
@@ -78,9 +91,10 @@ class Form:
     """A variant's spelling (grouped GEMMs or gathered bmm) and, for 4-bit experts, their checkpoint
     format and the layout the model holds the packed tables in (None: BF16 experts)."""
 
-    spelling: str  # GROUPED | GATHERED
+    spelling: str  # GROUPED | GATHERED | BATCHED (HF's packed gate/up)
     format: str | None = None  # a quant format ("mxfp4", "int4"), None for BF16
     layout: str = "rows"
+    activation: str = "situ"  # what the experts compute between the projections: ACTIVATIONS
 
 
 def _top_k_sentinel() -> int:
@@ -99,6 +113,84 @@ def _example(dtype: torch.dtype) -> tuple:
 def _spec(form: str, fn: Any, dtype: torch.dtype, free_sizes: tuple[tuple[str, int], ...]) -> PatternSpec:
     key = Variant(form, dtype, Form(form))
     return PatternSpec(str(key), fn, lambda: _example(dtype), key, free_sizes)
+
+
+# --- HF's batched_mm experts: one traced function per activation -----------------------------------
+#: the activations HF's experts compute, by name: what the log says of a refused site
+ACTIVATIONS = {"situ": "SiTU-GLU", "silu": "SiLU-GLU, silu(g) * u", "relu2": "ungated relu^2, relu(u)^2"}
+
+
+def _batched_situ(a, experts, gate_up, w2, top_k, beta, linear_beta):
+    return routed_experts_batched_hf(a, experts, gate_up, w2, top_k, lambda g, u: situ_glu(g, u, beta, linear_beta))
+
+
+def _batched_silu(a, experts, gate_up, w2, top_k):
+    return routed_experts_batched_hf(a, experts, gate_up, w2, top_k, lambda g, u: F.silu(g) * u)
+
+
+def _batched_relu2(a, experts, w_up, w2, top_k):
+    return routed_experts_batched_ungated_hf(a, experts, w_up, w2, top_k, lambda h: torch.square(F.relu(h)))
+
+
+_BATCHED = {"situ": _batched_situ, "silu": _batched_silu, "relu2": _batched_relu2}
+
+
+def _batched_example(activation: str, dtype: torch.dtype) -> tuple:
+    """Meta tensors (top_k, parameter 4, is the int wildcard: T*k expert ids); the gated forms' packed
+    table [E, 2I, L], the ungated one's [E, I, L]."""
+    meta = {"device": "meta", "dtype": dtype}
+    pairs = T * int_sentinel(4)
+    up_rows = I if activation == "relu2" else 2 * I
+    out = (torch.empty(T, L, **meta), torch.empty(pairs, device="meta", dtype=torch.int64),
+           torch.empty(E, up_rows, L, **meta), torch.empty(E, L, I, **meta), TOP_K)
+    return (*out, BETA, LINEAR_BETA) if activation == "situ" else out
+
+
+def _batched_spec(activation: str, dtype: torch.dtype) -> PatternSpec:
+    form = BATCHED if activation == "situ" else f"{BATCHED}_{activation}"
+    key = Variant(form, dtype, Form(BATCHED, activation=activation))
+    sizes = (("tokens", T), ("latent", L)) + ((("inter", I),) if activation != "relu2" else ())
+    return PatternSpec(str(key), _BATCHED[activation], lambda: _batched_example(activation, dtype), key, sizes)
+
+
+def _activation_failure(match: Match, form: Form) -> GuardFailure | None:
+    """A form traced with another activation than K3's: what the op computes is not what the site does."""
+    if form.activation == "situ":
+        return None
+    return GuardFailure("site", "activation", f"the experts compute {ACTIVATIONS[form.activation]}; "
+                        "k3fuse.routed_experts computes K3's SiTU-GLU, another function of the same projections",
+                        {"activation": form.activation, "spelling": form.spelling})
+
+
+def _batched_failure(match: Match, ctx: DecodeContext) -> GuardFailure | None:
+    """The packed form: gate_up [E, 2I, L] with the captured split size I, w2 [E, L, I], a [T, L], experts
+    int64 [T*k] in a's dtype; on a GPU context the op's kernels need w1/w3 apart (contiguous)."""
+    a, experts, gate_up, w2 = (shape_of(match[n]) for n in ("a", "experts", "gate_up", "w2"))
+    top_k, inter = match.scalars.get("top_k"), match.scalars.get("inter")
+    values: dict[str, Any] = {n: [str(d) for d in s] if s is not None else None
+                              for n, s in (("a", a), ("experts", experts), ("gate_up", gate_up), ("w2", w2))}
+    values.update(top_k=top_k, inter=inter)
+    dtypes = {n: dtype_of(match[n]) for n in ("a", "gate_up", "w2")}
+    if len(set(dtypes.values())) != 1 or dtype_of(match["experts"]) != torch.int64:
+        return GuardFailure("site", "dtype", "a and the expert tables do not share a dtype, or the expert ids are "
+                            "not int64", {**values, **{f"{n}_dtype": str(d) for n, d in dtypes.items()}})
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        return GuardFailure("site", "top_k", "top_k is not a positive int literal", values)
+    if (a is None or len(a) != 2 or experts is None or len(experts) != 1 or gate_up is None or len(gate_up) != 3
+            or w2 is None or len(w2) != 3 or not isinstance(inter, int)
+            or [str(d) for d in gate_up] != [str(w2[0]), str(2 * inter), str(a[1])]
+            or [str(d) for d in w2[1:]] != [str(a[1]), str(inter)] or str(experts[0]) != str(a[0] * top_k)):
+        return GuardFailure("site", "shape", "operands are not a [T, L], experts [T*top_k], gate_up [E, 2I, L] split "
+                            "at I and w2 [E, L, I]", values)
+    for name, want in {"tokens": a[0], "latent": a[1]}.items():
+        if name in match.scalars and str(match.scalars[name]) != str(want):
+            return GuardFailure("site", "shape", f"the traced size {name} is not the operands'",
+                                {**values, name: match.scalars[name], "expected": str(want)})
+    if ctx.device_capability is not None:
+        return GuardFailure("site", "kernel_layout", "packed gate_up_proj: the CUDA kernels read w1/w3 [E, I, L] "
+                            "contiguous, and the halves of the packed [E, 2I, L] table are strided views",
+                            values)
+    return numeric_literals(match.scalars, ("beta", "linear_beta"), values)
 
 
 # --- quantized experts: one traced function per format and form (the format is not a wildcard: it
@@ -263,35 +355,41 @@ class RoutedExperts(Rule):
         forms = ((GROUPED, (torch.bfloat16,)), (GATHERED, (torch.float32, torch.bfloat16)))
         quantized = [_quantized_spec(fmt, form, layout, dtype) for fmt in QUANT_FORMATS
                      for layout in quant.EXPERT_LAYOUTS for form, dtypes in forms for dtype in dtypes]
+        batched = [_batched_spec(activation, dtype) for activation in ACTIVATIONS
+                   for dtype in (torch.float32, torch.bfloat16)]
         return quantized + [_spec(GROUPED, routed_experts_grouped, torch.bfloat16,
                       (("pairs", T * _top_k_sentinel()), ("latent", L), ("n_experts", E))),
                 _spec(GATHERED, routed_experts_gathered, torch.float32, gathered_sizes),
-                _spec(GATHERED, routed_experts_gathered, torch.bfloat16, gathered_sizes)]
+                _spec(GATHERED, routed_experts_gathered, torch.bfloat16, gathered_sizes)] + batched
 
     def explain_miss(self, graph: fx.Graph, ctx: DecodeContext) -> tuple[str, dict[str, Any]] | None:
         """The matcher's near-miss search from the spelling whose GEMM the graph has: _grouped_mm
         for the grouped spelling, bmm for the gathered one."""
         present = {n.target for n in graph.nodes if n.op == "call_function"}
         compiled = compiled_patterns(self)
-        for site_op, form in ((aten._grouped_mm.default, GROUPED), (aten.bmm.default, GATHERED)):
+        for site_op, forms in ((aten._grouped_mm.default, (GROUPED,)), (aten.bmm.default, (GATHERED, BATCHED))):
             if site_op in present:
-                return near_miss(graph, [c for c in compiled if c.spec.key.params.spelling == form],
+                return near_miss(graph, [c for c in compiled if c.spec.key.params.spelling in forms],
                                  site_op=site_op)
         return "no aten._grouped_mm or aten.bmm in the graph (no routed experts)", {}
 
     def check_site(self, match: Match, ctx: DecodeContext) -> list[GuardFailure]:
         form = match.params(Form)
+        found = failures(_activation_failure(match, form))
+        if found:
+            return found
         if form.format is not None:
             return self._check_quantized(match, ctx, form.format, form.layout)
-        found = failures(_operand_failure(match),
-                         *(static_weight(match[n], n) for n in ("w1", "w3", "w2")))
+        tables = ("gate_up", "w2") if form.spelling == BATCHED else ("w1", "w3", "w2")
+        operands = _batched_failure(match, ctx) if form.spelling == BATCHED else _operand_failure(match)
+        found = failures(operands, *(static_weight(match[n], n) for n in tables))
         if found:
             return found
         found = failures(token_count(match["a"], ctx))
         if found:
             return found
-        w1 = shape_of(match["w1"])
-        spec = RoutedExpertsSpec(E=w1[0], I=w1[1], L=w1[2], top_k=match["top_k"], dtype=dtype_of(match["a"]))
+        E, I, L = _table_sizes(match, form)  # noqa: E741
+        spec = RoutedExpertsSpec(E=E, I=I, L=L, top_k=match["top_k"], dtype=dtype_of(match["a"]))
         return failures(kernel_covers(ctx, spec, site_tokens(match["a"])))
 
     def _check_quantized(self, match: Match, ctx: DecodeContext, fmt: str, layout: str) -> list[GuardFailure]:
@@ -322,11 +420,25 @@ class RoutedExperts(Rule):
             match.note(format=form.format, layout=form.layout, top_k=match["top_k"], E=w1[0], I=w1[1],
                        group_size=quant.GROUP_SIZE)
             return new
-        new = match.replace_with(torch.ops.k3fuse.routed_experts.default, **common,
-                                 **{n: match[n] for n in ("w1", "w3", "w2")})
-        w1 = shape_of(match["w1"])
-        match.note(top_k=match["top_k"], E=w1[0], I=w1[1])
+        if form.spelling == BATCHED:  # the packed table's halves, views of the static weight
+            inter = match["inter"]
+            tables = {"w1": match.insert(aten.slice.Tensor, (match["gate_up"], 1, 0, inter)),
+                      "w3": match.insert(aten.slice.Tensor, (match["gate_up"], 1, inter, 2 * inter)),
+                      "w2": match["w2"]}
+        else:
+            tables = {n: match[n] for n in ("w1", "w3", "w2")}
+        new = match.replace_with(torch.ops.k3fuse.routed_experts.default, **common, **tables)
+        E, I, _ = _table_sizes(match, form)  # noqa: E741
+        match.note(top_k=match["top_k"], E=E, I=I, **({"packed_gate_up": True} if form.spelling == BATCHED else {}))
         return new
+
+
+def _table_sizes(match: Match, form: Form) -> tuple[int, int, int]:
+    """(E, I, L) of a BF16 site: w1's shape, or the packed table's with its split size."""
+    if form.spelling == BATCHED:
+        E, _, L = shape_of(match["gate_up"])
+        return E, match["inter"], L
+    return tuple(shape_of(match["w1"]))
 
 
 __all__ = ["RoutedExperts"]

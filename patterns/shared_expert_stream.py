@@ -58,6 +58,18 @@ def _lead_shape(node: fx.Node) -> list[str] | None:
     return [str(s) for s in v.shape[:-1]] if isinstance(v, torch.Tensor) else None
 
 
+def _tokens(node: fx.Node) -> str | None:
+    """The product of the leading dims (symbolic ones too), as text: [B, 1, H] and its view [B, H]
+    (HF's 3-D hidden states, a partial flattened to join the routed one) hold the same tokens."""
+    v = node_value(node)
+    if not isinstance(v, torch.Tensor) or v.dim() < 1:
+        return None
+    n: Any = 1
+    for d in v.shape[:-1]:
+        n = n * d
+    return str(n)
+
+
 def _check_structure(b: MLPBranch) -> None:
     """What makes an MLP of static-weight projections unfit for the fork (raises _NearMiss)."""
     if is_static(b.x):
@@ -81,8 +93,8 @@ def _check_structure(b: MLPBranch) -> None:
         if outside:
             raise _NearMiss("interior_use", "a value inside the branch is also read outside it",
                             {"node": n.name, "users": outside})
-    if _lead_shape(b.out) != _lead_shape(b.x):
-        raise _NearMiss("output_shape", "the branch output's token dims differ from its input's",
+    if _tokens(b.out) is None or _tokens(b.out) != _tokens(b.x):
+        raise _NearMiss("output_shape", "the branch output's tokens differ from its input's",
                         {"input": _lead_shape(b.x), "output": _lead_shape(b.out)})
 
 
