@@ -68,7 +68,7 @@ def test_cli_apply_tp2_takes_group_from_graph(ranks, tmp_path, capsys):
                  "--tokens", "1-64", "--log", str(log)]) == 0
     events = [json.loads(x) for x in log.read_text().splitlines()]
     applied = {e["rule"] for e in events if e["decision"] == "applied"}
-    assert applied == {r.name for r in default_rules()}
+    assert applied == {r.name for r in default_rules()} - {"mla_decode"}  # the tiny KDA + MoE stack has no MLA
     rewritten = torch.export.load(tmp_path / "out.pt2")
     assert any(str(n.target).startswith("k3fuse.") for n in rewritten.graph.nodes)
     # an explicit group name that is not the graph's: refused up front, naming the graph's groups

@@ -23,8 +23,12 @@ def run_example(name: str, *args: str) -> str:
     return res.stdout
 
 
+#: the examples decode K3DecodeStack (KDA + MoE layers): no MLA attention for mla_decode to find
+NO_SITE_IN_EXAMPLES = {"mla_decode"}
+
+
 def check_log(path: Path, door: str) -> RewriteLog:
-    """Both ranks logged every K3 rule, and every K3 rule rewrote at least one site on each rank."""
+    """Both ranks logged every K3 rule, and every K3 rule with a site in the stack rewrote one on each rank."""
     log = RewriteLog.from_jsonl(path)
     assert {e.rank for e in log} == {0, 1}
     assert {e.door for e in log} == {door}
@@ -32,7 +36,8 @@ def check_log(path: Path, door: str) -> RewriteLog:
         per_rank = [e for e in log if e.rank == rank]
         for rule in default_rules():
             decisions = {e.decision for e in per_rank if e.rule == rule.name}
-            assert "applied" in decisions, f"rank {rank}: {rule.name} did not fire ({decisions})"
+            expected = "not_matched" if rule.name in NO_SITE_IN_EXAMPLES else "applied"
+            assert expected in decisions, f"rank {rank}: {rule.name} logged {decisions}, expected {expected}"
     return log
 
 
