@@ -3,13 +3,16 @@
 Inductor's joint-graph pass drops `x * 1`, `x / 1`, `x + 0`, `x - 0` before any post-grad pass runs;
 from torch 2.14 also with a literal scalar, so K3's router at `routed_scaling` 1.0 (the small preset's)
 reaches k3fuse without its final `* routed_scaling`. Proved here:
-* torch.compile(backend="k3fuse") under Inductor and eager, at scale 1.0 and 2.5: fused_routing fires and
-  k3fuse.route_topk runs on every call in strict mode (the counters, not only the log), same answers;
+* torch.compile(backend="k3fuse") under Inductor and eager, and k3fuse as Inductor's post-grad pass, at scale
+  1.0 and 2.5: fused_routing fires and k3fuse.route_topk runs on every call in strict mode (the counters,
+  not only the log), same answers;
 * the matcher, on the router's graph with that mul erased as Inductor erases it: the site matches with
   `routed_scaling` bound to 1.0 and the division as its output; with the mul in the graph (any scale)
   the match keeps it.
 """
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -39,17 +42,27 @@ class Router(nn.Module):
         return route(h @ self.weight.t(), self.b_corr, TOP_K, self.routed_scaling)
 
 
-@pytest.mark.parametrize("compiler", ["inductor", "eager"])
+def _compiled(router: Router, door: str, ctx: k3fuse.DecodeContext, log: k3fuse.RewriteLog, stack: ExitStack):
+    """The router compiled through a door: the backend with either compiler, or plain torch.compile with
+    k3fuse as Inductor's post-grad pass (SGLang's way; installed while `stack` is open)."""
+    if door == "post_grad":
+        stack.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=k3fuse.inductor_pass(ctx, log=log),
+                                                         force_disable_caches=True))
+        return torch.compile(router)
+    return torch.compile(router, backend="k3fuse", options={"compiler": door, "context": ctx, "log": log})
+
+
+@pytest.mark.parametrize("door", ["inductor", "eager", "post_grad"])
 @pytest.mark.parametrize("routed_scaling", [1.0, 2.5])
-def test_router_fires_and_runs_route_topk_at_any_scaling(compiler, routed_scaling):
+def test_router_fires_and_runs_route_topk_at_any_scaling(door, routed_scaling):
     router = Router(routed_scaling).eval()
     log = k3fuse.RewriteLog()
     ctx = k3fuse.DecodeContext(strict=True, enabled_rules=frozenset({"fused_routing"}))
     torch._dynamo.reset()
-    compiled = torch.compile(router, backend="k3fuse", options={"compiler": compiler, "context": ctx, "log": log})
-    runtime.reset_stats()
     steps = [torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    with torch.no_grad(), runtime.strict():
+    with ExitStack() as stack, torch.no_grad(), runtime.strict():
+        compiled = _compiled(router, door, ctx, log, stack)
+        runtime.reset_stats()
         for h in steps:
             weights, idx = compiled(h)
             ref_weights, ref_idx = router(h)
