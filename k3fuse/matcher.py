@@ -13,7 +13,11 @@ addmm-split (vocabulary.py). Matching walks backwards from the pattern's outputs
 * literal wildcards (float/int/str example inputs, and `PatternSpec.free_sizes`) capture the
   graph's literal; a free size also binds a symbolic size (a SymInt-valued node: a dynamic token
   count), captured as its SymInt;
-* a `meta` device literal (a factory op in a pattern traced on meta tensors) matches any device.
+* a `meta` device literal (a factory op in a pattern traced on meta tensors) matches any device;
+* a pattern op `x * c`, `x / c`, `x + c`, `x - c` with a float wildcard c may be absent from the graph,
+  which then has x where the op was: c binds its identity (1 or 0). Inductor removes these ops at
+  their identity before any post-grad pass runs (torch 2.14 also with a literal c: the router's
+  `* routed_scaling` at 1.0); the match prefers the op present (`find_matches` ranks by ops matched).
 
 A match whose interior nodes (matched, but not outputs) feed anything outside the match is
 returned with `refused` set: rewriting it would compute that value twice. Layout-only interior
@@ -37,8 +41,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .guards import GuardFailure
 from .graph_facts import node_order
 from .rewrite_site import Match, PatternSpec
-from .vocabulary import (absorbed, canonical, forward_users, is_commutative, is_layout_only, is_metadata_check, op_key,
-                         op_name, op_names_apart, skip_transparent, split_addmm, strip_transparent, value_root)
+from .vocabulary import (absorbed, canonical, forward_users, identity_operand, is_commutative, is_layout_only,
+                         is_metadata_check, op_key, op_name, op_names_apart, skip_transparent, split_addmm,
+                         strip_transparent, value_root)
 
 
 class HasPatterns(Protocol):
@@ -218,6 +223,10 @@ class _Matcher:
             st.inputs[name] = gn
             yield st
             return
+        yield from self._match_present(pn, gn, st)
+        yield from self._match_elided(pn, gn, st)
+
+    def _match_present(self, pn: fx.Node, gn: fx.Node, st: _State) -> Iterator[_State]:
         gn, passed = skip_transparent(gn)
         if pn in st.nodes:
             if st.nodes[pn] is gn:  # reached again, maybe through views of its own: they join the match
@@ -251,6 +260,41 @@ class _Matcher:
             orders.append((pargs[1], pargs[0], *pargs[2:]))
         for order in orders:
             yield from self.match_args(list(zip(order, gargs)), st)
+
+    def elidable(self, pn: fx.Node) -> tuple[fx.Node, str, float] | None:
+        """(x, wildcard, identity) when the graph may leave out pattern op `pn` = `x op c` (c a float
+        wildcard at its identity, see the module doc); x an op (the match keeps an op at each output)."""
+        found = identity_operand(pn) if pn.op == "call_function" else None
+        if found is None:
+            return None
+        operand, literal, identity = found
+        name = self._wildcard(literal)
+        if name is None or name in self.free_names or operand.op != "call_function" or not isinstance(literal, float):
+            return None
+        return operand, name, identity
+
+    def _match_elided(self, pn: fx.Node, gn: fx.Node, st: _State) -> Iterator[_State]:
+        """`pn` read as absent: its operand matches `gn` and its wildcard binds the identity."""
+        found = self.elidable(pn)
+        if found is None or pn in st.nodes:
+            return
+        operand, name, identity = found
+        if name in st.scalars and not _same_literal(st.scalars[name], identity):
+            return
+        st = st.copy()
+        st.scalars[name] = identity
+        for s in self.match_node(operand, gn, st):
+            s = s.copy()
+            s.nodes[pn] = s.nodes[operand]
+            yield s
+
+    def candidates(self, pn: fx.Node, by_key: dict[Any, list[fx.Node]]) -> list[fx.Node]:
+        """Graph nodes pattern output `pn` may start at: its op's, and its operand's where the op may be absent."""
+        found = list(by_key.get(self.keys[pn], ()))
+        elided = self.elidable(pn)
+        if elided is not None:
+            found += [n for n in self.candidates(elided[0], by_key) if n not in found]
+        return found
 
     def match_args(self, pairs: list[tuple[Any, Any]], st: _State) -> Iterator[_State]:
         if not pairs:
@@ -309,7 +353,7 @@ class _Matcher:
             if po in st.nodes:
                 yield from rest(i + 1, st)
                 return
-            for cand in by_key.get(self.keys[po], ()):
+            for cand in self.candidates(po, by_key):
                 for s in self.match_node(po, cand, st):
                     yield from rest(i + 1, s)
 
@@ -345,6 +389,11 @@ def _interior_escape(st: _State, outputs: set[fx.Node]) -> GuardFailure | None:
 def _exclusive(st: _State) -> set[fx.Node]:
     """Matched nodes one match owns; layout-only nodes (a shared weight transpose) can be shared."""
     return {n for n in (*st.claimed, *st.passed) if not is_layout_only(n)}
+
+
+def _ops_present(st: _State) -> int:
+    """Pattern ops the graph spells out: an op matched as absent (its operand's graph node) does not count."""
+    return sum(1 for p, g in st.nodes.items() if st.claimed.get(g) is p)
 
 
 def _dtype_agreement(pattern: CompiledPattern, st: _State) -> int:
@@ -383,18 +432,17 @@ def find_matches(graph: fx.Graph, patterns: Sequence[CompiledPattern], *, overla
     refusals: dict[fx.Node, tuple[tuple[int, int, int], CompiledPattern, _State, GuardFailure]] = {}
     for index, pattern in enumerate(patterns):
         m = _Matcher(pattern)
-        size = sum(1 for n in pattern.graph.nodes if n.op == "call_function")
-        for gn in by_key.get(m.keys[pattern.outputs[0]], ()):
+        for gn in m.candidates(pattern.outputs[0], by_key):
             refusal: tuple[_State, GuardFailure] | None = None
             for st in m.match_at(gn, by_key):
                 escape = _interior_escape(st, {st.nodes[p] for p in pattern.outputs})
                 if escape is None:
-                    accepted.append(((size, _dtype_agreement(pattern, st), -index), pattern, st))
+                    accepted.append(((_ops_present(st), _dtype_agreement(pattern, st), -index), pattern, st))
                     refusal = None
                     break
                 refusal = refusal or (st, escape)
             if refusal is not None:
-                score = (size, _dtype_agreement(pattern, refusal[0]), -index)
+                score = (_ops_present(refusal[0]), _dtype_agreement(pattern, refusal[0]), -index)
                 if gn not in refusals or refusals[gn][0] < score:
                     refusals[gn] = (score, pattern, refusal[0], refusal[1])
     found: list[Match] = []
@@ -469,6 +517,8 @@ def near_miss(graph: fx.Graph, patterns: Sequence[CompiledPattern], site_op: Any
             g, depth, miss = ga, 1, None
             for prev_p, pn in zip(path, path[1:]):
                 nxt = [u for u in forward_users(g) if m.keys[pn] in (op_key(u), op_key(u, fold=False))]
+                if not nxt and m.elidable(pn) is not None:
+                    continue  # the graph may leave this op out: the match from `g` decides
                 if not nxt:
                     found = forward_users(g)
                     expected, names = op_names_apart(pn, found)

@@ -388,6 +388,31 @@ def is_commutative(node: fx.Node) -> bool:
             and node.kwargs.get("alpha", 1) == 1)
 
 
+#: `x op c` that is `x` when the scalar c is the identity: op -> (identity, c's positions). Inductor's joint-graph
+#: pass (`remove_no_ops`) drops them; from torch 2.14 also with a literal c, e.g. the router's `* routed_scaling`
+#: at 1.0, so a pattern traced with c as a literal wildcard meets x where it expects the op
+IDENTITY_LITERALS: dict[Any, tuple[float, tuple[int, ...]]] = {
+    aten.mul.Tensor: (1.0, (0, 1)), aten.div.Tensor: (1.0, (1,)),
+    aten.add.Tensor: (0.0, (0, 1)), aten.sub.Tensor: (0.0, (1,))}
+
+
+def identity_operand(node: fx.Node) -> tuple[fx.Node, Any, float] | None:
+    """(x, c, identity) when `node` is `x op c` with a literal scalar c that Inductor removes at its
+    identity (`IDENTITY_LITERALS`) and the op keeps x's dtype; else None. Read on patterns: the
+    matcher lets the graph leave such an op out when c is a literal wildcard (bound to the identity)."""
+    if node.op != "call_function" or node.target not in IDENTITY_LITERALS or len(node.args) != 2 \
+            or node.kwargs.get("alpha", 1) != 1:
+        return None
+    identity, positions = IDENTITY_LITERALS[node.target]
+    for i in positions:
+        x, c = node.args[1 - i], node.args[i]
+        if isinstance(x, fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool):
+            xv, v = node_value(x), node_value(node)
+            if isinstance(xv, torch.Tensor) and isinstance(v, torch.Tensor) and xv.dtype == v.dtype:
+                return x, c, identity
+    return None
+
+
 def is_layout_only(node: fx.Node) -> bool:
     """Views and transposes: no kernel, free to keep alive beside a fused op for another reader."""
     return is_transparent(node) or (node.op == "call_function" and op_key(node) == TRANSPOSE_LAST2)
@@ -516,6 +541,6 @@ def _fake_mm(x: Any, w: Any) -> torch.Tensor | None:
 __all__ = ["VIEW_LIKE", "COPY_OPS", "CAST_OPS", "TRANSPOSES", "COMMUTATIVE", "DEFAULT_KWARGS", "METADATA_CHECKS",
            "UNSQUEEZE_COMMUTES", "DIM_ARGS", "EQUIVALENCES", "FOLDING", "TRANSPOSE_LAST2", "CAST", "SCALAR_FILL",
            "SQUEEZE", "UNSQUEEZED", "SILU", "SPLIT", "Canonical", "canonical", "absorbed", "op_key", "cast_dtype",
-           "copied_value", "is_commutative", "is_transparent", "is_layout_only", "is_metadata_check",
-           "skip_transparent", "value_root", "forward_users", "op_name", "op_names_apart", "split_addmm",
-           "restore_addmm", "strip_transparent"]
+           "copied_value", "IDENTITY_LITERALS", "identity_operand", "is_commutative", "is_transparent",
+           "is_layout_only", "is_metadata_check", "skip_transparent", "value_root", "forward_users", "op_name",
+           "op_names_apart", "split_addmm", "restore_addmm", "strip_transparent"]

@@ -159,8 +159,11 @@ def test_context_validation_errors():
 
 
 def test_unsupported_torch_version_is_a_clear_error():
-    with pytest.raises(compat.UnsupportedTorchVersion, match="supports torch 2.11 to 2.13; found torch 2.10.0"):
+    with pytest.raises(compat.UnsupportedTorchVersion, match="supports torch 2.11 to 2.14; found torch 2.10.0"):
         compat.check_torch_version("2.10.0")
+    assert compat.check_torch_version("2.14.1+cu130") == (2, 14)
+    with pytest.raises(compat.UnsupportedTorchVersion, match="found torch 2.15.0"):
+        compat.check_torch_version("2.15.0")
 
 
 def test_guard_predicates():

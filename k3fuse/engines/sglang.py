@@ -22,8 +22,8 @@ import torch.distributed as dist
 from .. import doors, engine_ops, fp32_residual
 from .base import Engine, EngineError
 
-#: SGLang releases with K3 model code whose torch k3fuse supports (0.5.17 pins torch 2.11, 0.5.18-0.5.21
-#: 2.13; 0.5.22 and 0.5.23 pin 2.14.1, which k3fuse does not support yet)
+#: SGLang releases with K3 model code that k3fuse's adapters were checked against (0.5.17 pins torch 2.11,
+#: 0.5.18-0.5.21 2.13; 0.5.22 and 0.5.23 pin 2.14.1, which k3fuse supports, but their APIs are not checked yet)
 ENGINE = Engine("SGLang", "sglang", ("sglang",), (0, 5, 17), (0, 5, 22))
 
 OUTPLACE_ALL_REDUCE = "sglang::outplace_all_reduce"

