@@ -32,7 +32,7 @@ import time
 import pytest
 import torch
 
-from ar_helpers import spawn
+from ar_helpers import captured_rmsnorm_tail, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -191,22 +191,8 @@ def _graph_peer_missing(rank, world):
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
     from k3fuse.kernels import collective_guard as cg, dispatch
-    from k3fuse.kernels.lib.triton import lamport_push
 
-    dev = torch.device("cuda", rank)
-    group = dist.group.WORLD.group_name
-    nw = torch.ones(H, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(2, H, device=dev, dtype=torch.bfloat16)
-    torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T)      # warm-up before capture
-    torch.cuda.synchronize()
-    dist.barrier()
-    if world == 1:   # the push left out of the graph: its epilogue waits for a push that never comes
-        lamport_push.run = lambda *a, **k: None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        summed, _ = torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T)
-    torch.cuda.synchronize()
-    dist.barrier()
+    g, summed = captured_rmsnorm_tail(rank, world, H, EPS, MAX_T)
     runtime.reset_stats()
     if world > 1:    # healthy replays first, each followed by the post-step check
         for _ in range(20):
