@@ -1,5 +1,6 @@
 """The engine tests' case: a row-parallel out-projection, its all-reduce, the residual add and RMSNorm,
-on seeded inputs, with the float64 reference of the whole (unsharded) computation."""
+on seeded inputs, with the float64 reference of the whole (unsharded) computation; and what every engine's
+ranks must report when their rule selections differ."""
 from __future__ import annotations
 
 import torch
@@ -28,3 +29,21 @@ def reference(w_full: torch.Tensor, norm_w: torch.Tensor, x_full: torch.Tensor,
     """(residual + x @ w.T, its RMSNorm) in float64."""
     total = residual.double() + x_full.double() @ w_full.double().T
     return total, total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + EPS) * norm_w.double()
+
+
+def compile_refusal(exc: BaseException, seconds: float) -> dict:
+    """What a rank reports when its compile raised: the ContextError in `exc`'s cause chain (else the last
+    cause), as "Type: message", and how long the compile took."""
+    cause = exc
+    while cause.__cause__ is not None and type(cause).__name__ != "ContextError":
+        cause = cause.__cause__
+    return {"error": f"{type(cause).__name__}: {cause}", "seconds": seconds}
+
+
+def check_rules_differ_refused(results: list[dict]) -> None:
+    """Issue 48.2: with K3FUSE_RULES=-oproj_allreduce_residual on rank 1 alone, every rank raised one
+    ContextError naming the setting and both ranks' values, within seconds (no rank waits in a collective)."""
+    for r in results:
+        assert r["error"] is not None and "ContextError: the ranks of TP group" in r["error"], r
+        assert "K3FUSE_RULES: rank 0='', rank 1='-oproj_allreduce_residual'" in r["error"], r
+        assert r["seconds"] < 120, r
