@@ -65,3 +65,17 @@ def captured_rmsnorm_tail(rank: int, world: int, H: int, eps: float, max_tokens:
     torch.cuda.synchronize()
     dist.barrier()
     return graph, summed
+
+
+def check_stopped_rank_learns(world: int, stopped: bool, check) -> None:
+    """After a rank stopped stepping (world 2): the ranks meet, and the stopped one's next post-step
+    `check` raises K3FuseCollectiveError naming rank 0, whose collective timed out without it."""
+    import torch.distributed as dist
+
+    from k3fuse.kernels import dispatch
+
+    if world > 1:
+        dist.barrier()
+        if stopped:
+            with pytest.raises(dispatch.K3FuseCollectiveError, match="rank 0"):
+                check()

@@ -32,7 +32,7 @@ import time
 import pytest
 import torch
 
-from ar_helpers import captured_rmsnorm_tail, spawn
+from ar_helpers import captured_rmsnorm_tail, check_stopped_rank_learns, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -217,11 +217,7 @@ def _graph_peer_missing(rank, world):
         assert "peer rank" in errors[0], errors
         assert torch.isnan(summed.float()).all()
         assert runtime.collective_errors(), runtime.stats()
-    if world > 1:
-        dist.barrier()                       # the peer that stopped learns of it at its next check
-        if stopped:
-            with pytest.raises(dispatch.K3FuseCollectiveError, match="rank 0"):
-                cg.check_collectives()
+    check_stopped_rank_learns(world, stopped, cg.check_collectives)
 
 
 @pytest.mark.parametrize("world", WORLDS)
