@@ -26,7 +26,7 @@ from k3fuse.kernels import dispatch  # noqa: E402
 from k3fuse.kernels.lib.reference import stock  # noqa: E402
 from k3fuse.kernels.lib.triton import kda_conv  # noqa: E402
 from k3fuse.kernels.ops import kda_conv as conv_op  # noqa: E402
-from replay_helpers import graph_replays  # noqa: E402
+from op_helpers import graph_replays, strict_deterministic_run  # noqa: E402
 
 DEV = "cuda"
 OP = "kda_short_conv"
@@ -94,12 +94,7 @@ def test_odd_widths_other_taps_strided_rows_and_trunks(dtype, width, taps, row_s
 
 def test_op_strict_counts_the_kernel_and_is_deterministic():
     args = _operands(33, 6144, seed=7)
-    runtime.reset_stats()
-    with runtime.strict():
-        first = torch.ops.k3fuse.kda_short_conv(*args)
-        again = torch.ops.k3fuse.kda_short_conv(*args)
-    assert runtime.stats() == {OP: {"triton.kda_conv": 2}}
-    assert all(torch.equal(a, b) for a, b in zip(first, again))  # a fixed tap order
+    first = strict_deterministic_run(torch.ops.k3fuse.kda_short_conv, args, {OP: {"triton.kda_conv": 2}})
     _check(args, *first)
     # and close to what the model computes (stock: the window, a sum over it, silu)
     conv_st, state_st = stock.kda_short_conv(*args)

@@ -1,4 +1,5 @@
-"""CUDA-graph replay on changing inputs, as the GPU tests of the single-GPU ops check it."""
+"""What the GPU tests of the single-GPU ops share: strict runs counted and compared, CUDA-graph replay on
+changing inputs."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -27,3 +28,16 @@ def graph_replays(op: Callable[..., Sequence[torch.Tensor]], operands: Callable[
         graph.replay()
         torch.cuda.synchronize()
         yield fresh, outs
+
+
+def strict_deterministic_run(op: Callable[..., Sequence[torch.Tensor]], args: Sequence[torch.Tensor],
+                             counts: dict[str, dict[str, int]]) -> Sequence[torch.Tensor]:
+    """`op(*args)` twice in strict mode; checks that the runtime counted `counts` (op -> impl -> calls) and that
+    both runs gave the same bits (a fixed reduction order); returns the first run's outputs."""
+    runtime.reset_stats()
+    with runtime.strict():
+        first = op(*args)
+        again = op(*args)
+    assert runtime.stats() == counts
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    return first
