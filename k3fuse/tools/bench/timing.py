@@ -158,5 +158,5 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
     return src.numel() * src.element_size() / _device_seconds(lambda: torch.sum(src, dim=0, out=out), reps)
 
 
-__all__ = ["warm_up", "record", "capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_seconds",
-           "copy_bandwidth", "read_bandwidth"]
+__all__ = ["warm_up", "record", "capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median",
+           "copy_seconds", "copy_bandwidth", "read_bandwidth"]
