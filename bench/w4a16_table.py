@@ -30,29 +30,13 @@ STEPS = 8
 SITU = (K3_SITU_BETA, K3_SITU_LINEAR_BETA)
 READ_ARMS = ("read", "read_rows", "read_block")  # bench/touched_read.py's readers of the step's bytes
 COPY_BUFFER = 256 << 20  # bytes: the copy bandwidth the targets are stated against
-MXFP4_CODE_RMS = math.sqrt(sum(v * v for v in quant.E2M1_MAGNITUDES) / 8)
-INT4_CODE_RMS = math.sqrt(sum((q - 8) ** 2 for q in range(16)) / 16)
-
-
-def random_packed(fmt: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """E experts [rows, cols] in `fmt`'s layout: uniform codes, scales for an RMS near cols^-0.5."""
-    std = cols ** -0.5
-    shape, sshape = (E, *quant.packed_shape(fmt, rows, cols)), (E, *quant.scale_shape(fmt, rows, cols))
-    if fmt == "mxfp4":
-        packed = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=gen)
-        centre = quant.E8M0_BIAS + round(math.log2(std / MXFP4_CODE_RMS))
-        scale = torch.randint(centre - 1, centre + 2, sshape, device="cuda", dtype=torch.int32, generator=gen)
-        return packed, scale.to(torch.uint8)
-    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, shape, device="cuda", dtype=torch.int32, generator=gen)
-    scale = std / INT4_CODE_RMS * (0.75 + 0.5 * torch.rand(sshape, device="cuda", generator=gen))
-    return packed, scale.to(torch.bfloat16)
 
 
 def packed_table(fmt: str, I: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for rows, cols in ((I, L), (I, L), (L, I)):
-        out += list(random_packed(fmt, rows, cols, gen))
+        out += list(quant.random_experts(fmt, E, rows, cols, gen, "cuda"))
     return out
 
 

@@ -20,6 +20,7 @@ A leaf module: it imports torch only, so the model, the spelling and the kernels
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -328,9 +329,32 @@ def _reorder(packed: torch.Tensor, scale: torch.Tensor, to_blocks: bool) -> tupl
     return out[0], out[1]
 
 
+#: RMS of a uniformly drawn code: E2M1's 16 values, int4's q - 8 over the 16 nibbles
+E2M1_CODE_RMS = math.sqrt(sum(v * v for v in E2M1_MAGNITUDES) / 8)
+INT4_CODE_RMS = math.sqrt(sum((q - INT4_OFFSET) ** 2 for q in range(16)) / 16)
+
+
+def random_experts(fmt: str, n_experts: int, rows: int, columns: int, generator: torch.Generator,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scale) of `n_experts` random experts [rows, columns] in `fmt` for benchmarks and GPU tests:
+    uniform codes, scales giving an RMS near columns^-0.5 (E8M0 exponents centre -1..+1; int4 scales x0.75 to
+    x1.25). The model's synthetic weights (k3fuse/model/weights.py) draw theirs per expert and shard."""
+    std = columns ** -0.5
+    shape = (n_experts, *packed_shape(fmt, rows, columns))
+    sshape = (n_experts, *scale_shape(fmt, rows, columns))
+    if fmt == "mxfp4":
+        packed = torch.randint(0, 256, shape, device=device, dtype=torch.uint8, generator=generator)
+        centre = E8M0_BIAS + round(math.log2(std / E2M1_CODE_RMS))
+        scale = torch.randint(centre - 1, centre + 2, sshape, device=device, dtype=torch.int32, generator=generator)
+        return packed, scale.to(torch.uint8)
+    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, shape, device=device, dtype=torch.int32, generator=generator)
+    scale = std / INT4_CODE_RMS * (0.75 + 0.5 * torch.rand(sshape, device=device, generator=generator))
+    return packed, scale.to(torch.bfloat16)
+
+
 __all__ = ["GROUP_SIZE", "E2M1_MAGNITUDES", "E2M1_SIGN", "E8M0_BIAS", "E8M0_NAN", "INT4_OFFSET", "INT4_MAX",
            "INT4_PER_WORD", "FP4_PER_BYTE", "EXPERT_FORMATS", "CHECKPOINT_FORMATS", "QuantizedWeight",
            "e2m1_table", "packed_shape", "scale_shape", "packed_dtype", "scale_dtype", "check_mxfp4_columns",
            "quantize", "dequantize", "quantize_mxfp4", "dequantize_mxfp4", "quantize_int4", "dequantize_int4",
            "BLOCK_ROWS", "BLOCK_STEP", "block_order", "from_block_order", "EXPERT_LAYOUTS", "to_layout",
-           "from_layout", "check_layout", "from_block_order_op"]
+           "from_layout", "check_layout", "from_block_order_op", "E2M1_CODE_RMS", "INT4_CODE_RMS", "random_experts"]

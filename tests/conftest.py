@@ -12,3 +12,11 @@ def with_weight_prefetch():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("K3FUSE_RULES", "+weight_prefetch")
         yield
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """The CLI tests' small exported programs (cli_helpers.save_programs), saved once per module."""
+    from cli_helpers import save_programs
+
+    return save_programs(tmp_path_factory.mktemp("programs"))

@@ -11,17 +11,12 @@ import sys
 
 import pytest
 import torch
-from cli_helpers import digest, k3fuse, one_line_error, save_programs
+from cli_helpers import digest, k3fuse, one_line_error
 
 from k3fuse.tools.cli import decide_tp
 from k3fuse.usage_error import UsageError
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    return save_programs(tmp_path_factory.mktemp("programs"))
 
 
 @pytest.fixture()

@@ -20,17 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import digest, k3fuse, one_line_error, save_programs
+from cli_helpers import digest, k3fuse, one_line_error
 
 pytestmark = pytest.mark.slow
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="links owned by another user need root (lchown)")
 OTHER_UID = 4321
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    return save_programs(tmp_path_factory.mktemp("programs"))
 
 
 @pytest.fixture()

@@ -18,16 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import BIN, save_programs
+from cli_helpers import BIN
 
 pytestmark = pytest.mark.slow
 
 OLD = b"old program"
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    return save_programs(tmp_path_factory.mktemp("programs"))
 
 
 def _check(res_code: int, stderr: str, out: Path, work: Path) -> str:

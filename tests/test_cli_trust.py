@@ -20,14 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import digest, k3fuse, one_line_error, save_programs
+from cli_helpers import digest, k3fuse, one_line_error
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    return save_programs(tmp_path_factory.mktemp("programs"))
 
 
 @pytest.fixture()

@@ -8,6 +8,7 @@ stays failed), under the launcher's timeout: a hang fails the test instead of bl
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from datetime import timedelta
@@ -35,6 +36,17 @@ def _error(fn):
     except Exception as exc:   # noqa: BLE001 - the scenarios compare what each rank raised
         return type(exc).__name__, str(exc)
     return None
+
+
+@contextlib.contextmanager
+def _winning_impl(name: str, run):
+    """`run` registered as allreduce_rmsnorm's CPU impl, ahead of every other, for the block."""
+    impl = dispatch.Impl(name, accepts=lambda spec: None, run=run, priority=10_000, device_types=("cpu",))
+    dispatch.register_impl("allreduce_rmsnorm", impl)
+    try:
+        yield
+    finally:
+        dispatch.unregister_impl("allreduce_rmsnorm", impl.name)
 
 
 def _scenarios(rank: int, world: int) -> dict:
@@ -96,13 +108,8 @@ def _scenarios(rank: int, world: int) -> dict:
     #    naming the failed rank and its reason; the failed rank's later calls raise too
     g = groups[5]
     _tail(x, g)
-    boom = dispatch.Impl("test.fails_on_rank1", accepts=lambda spec: None, run=_fail_after_reduce,
-                         priority=10_000, device_types=("cpu",))
-    dispatch.register_impl("allreduce_rmsnorm", boom)
-    try:
+    with _winning_impl("test.fails_on_rank1", _fail_after_reduce):
         out["after_call"] = _error(lambda: _tail(x, g))
-    finally:
-        dispatch.unregister_impl("allreduce_rmsnorm", boom.name)
     dist.barrier()    # WORLD: rank 1 has posted its failure (it does so as it raises)
     out["after_next"] = _error(lambda: _tail(x, g))
     out["after_check"] = _error(cg.check_collectives)
@@ -112,13 +119,8 @@ def _scenarios(rank: int, world: int) -> dict:
     g = groups[6]
     dist.barrier()
     _tail(x, g)
-    early = dispatch.Impl("test.fails_early_on_rank1", accepts=lambda spec: None, run=_fail_before_reduce,
-                          priority=10_000, device_types=("cpu",))
-    dispatch.register_impl("allreduce_rmsnorm", early)
-    try:
+    with _winning_impl("test.fails_early_on_rank1", _fail_before_reduce):
         out["before_call"] = _error(lambda: _tail(x, g))
-    finally:
-        dispatch.unregister_impl("allreduce_rmsnorm", early.name)
     dist.barrier()    # WORLD: both ranks are past the failed call
     out["before_next"] = _error(lambda: _tail(x, g))
     out["errors"] = runtime.collective_errors()

@@ -27,11 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import oproj_norm_case as case
+from oproj_norm_case import H, K_LOCAL, T
 from k3fuse.dist import launch
 
 pytestmark = [pytest.mark.engines, pytest.mark.slow]
 
-T, K_LOCAL, H = 4, 16, 32  # tokens, each rank's share of the reduction dim, hidden
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -129,12 +130,8 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: s
         tp = parallel_state.get_tp_group()
         tp.use_custom_op_call = True  # vLLM's CUDA spelling: torch.ops.vllm.all_reduce
         model = OutProjNorm(vllm_config=config, prefix="layer").eval()
-        gen = torch.Generator().manual_seed(0)
-        w_full = (torch.randn(H, K_LOCAL * world, generator=gen) / K_LOCAL).to(dtype)
-        norm_w = (torch.rand(H, generator=gen) + 0.5).to(dtype)
-        x_full = torch.randn(T, K_LOCAL * world, generator=gen).to(dtype)
-        residual = torch.randn(T, H, generator=gen).to(dtype)
-        shard = slice(rank * K_LOCAL, (rank + 1) * K_LOCAL)
+        w_full, norm_w, x_full, residual = case.inputs(world, dtype)
+        shard = case.shard(rank)
         with torch.no_grad():
             model.o_proj.weight.copy_(w_full[:, shard])
             model.norm.weight.copy_(norm_w)
@@ -150,10 +147,7 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: s
                     model(x, residual.clone())
                     return {"error": None}
                 except Exception as exc:   # noqa: BLE001 - the test reads what each rank raised
-                    cause = exc
-                    while cause.__cause__ is not None and not type(cause).__name__ == "ContextError":
-                        cause = cause.__cause__
-                    return {"error": f"{type(cause).__name__}: {cause}", "seconds": time.monotonic() - t0}
+                    return case.compile_refusal(exc, time.monotonic() - t0)
                 finally:
                     parallel_state.destroy_model_parallel()
             with k3fuse.strict():
@@ -162,8 +156,7 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: s
         if dtype == torch.float32:
             out["spelling"] = _spelling_checks()
     # float64 reference from the full (unsharded) tensors
-    total = residual.double() + x_full.double() @ w_full.double().T
-    ref_out = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    total, ref_out = case.reference(w_full, norm_w, x_full, residual)
     out.update(
         group=(tp.unique_name, tp.device_group.group_name, dist.get_world_size(tp.device_group)),
         stats=stats,
@@ -304,10 +297,7 @@ def test_ranks_that_would_rewrite_differently_fail_at_compile_time_on_every_rank
     results = launch(_vllm_worker, 2, args=(_dist_ident(), str(tmp_path / "rw.jsonl"), "float32",
                                             "-oproj_allreduce_residual"), timeout_s=300)
     print("\nper-rank errors:", json.dumps(results))
-    for r in results:
-        assert r["error"] is not None and "ContextError: the ranks of TP group" in r["error"], r
-        assert "K3FUSE_RULES: rank 0='', rank 1='-oproj_allreduce_residual'" in r["error"], r
-        assert r["seconds"] < 120, r
+    case.check_rules_differ_refused(results)
 
 
 # --- a whole vLLM engine -------------------------------------------------------------------------

@@ -249,3 +249,17 @@ def test_layouts_and_the_graph_op_that_un_blocks():
     ep = torch.export.export(Unblock(), blocked)
     assert [n.target for n in ep.graph.nodes if n.op == "call_function"].count(op.default) == 1
     assert torch.equal(ep.module()(*blocked)[0], q.packed)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+def test_random_experts_are_checkpoint_layout_at_the_target_rms(fmt):
+    """quant.random_experts (the benchmarks' and GPU tests' experts): the checkpoint's shapes and dtypes,
+    reproducible from the generator, dequantizing to an RMS near columns^-0.5."""
+    rows, cols = 64, 256
+    packed, scale = quant.random_experts(fmt, 3, rows, cols, torch.Generator().manual_seed(0), "cpu")
+    assert packed.shape == (3, *quant.packed_shape(fmt, rows, cols)) and packed.dtype == quant.packed_dtype(fmt)
+    assert scale.shape == (3, *quant.scale_shape(fmt, rows, cols)) and scale.dtype == quant.scale_dtype(fmt)
+    again = quant.random_experts(fmt, 3, rows, cols, torch.Generator().manual_seed(0), "cpu")
+    assert torch.equal(packed, again[0]) and torch.equal(scale, again[1])
+    rms = quant.dequantize(packed, scale, fmt, torch.float32).pow(2).mean().sqrt().item()
+    assert 0.8 < rms * math.sqrt(cols) < 1.25, rms

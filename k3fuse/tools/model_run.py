@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..model import DecodeStep, K3Model, ModelState, SamplingConfig
+from .bench.timing import record, warm_up
 from .model_args import ModelArgs
 
 #: the arms a model verb compares: stock torch.compile (Inductor), k3fuse (strict), eager (no compile)
@@ -119,19 +120,10 @@ class GraphedSteps:
             self.logits = logits
 
         saved, first = snapshot(state), self.tokens.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                steps()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_up(steps, warmup)
         restore(state, saved)
         self.tokens.copy_(first)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            steps()
-        torch.cuda.synchronize()
+        self.graph = record(steps)
 
     def replay(self) -> torch.Tensor:
         """n more tokens per sequence: [n, B] (a view of the graph's buffer: copy it before the next replay)."""

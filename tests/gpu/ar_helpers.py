@@ -40,3 +40,42 @@ def spawn(fn, world: int, args: tuple = (), **env: str) -> None:
             launch(fn, world, backend="nccl", args=args, timeout_s=900)
         except RankFailedError as exc:
             pytest.fail(f"worker failed:\n{exc}")
+
+
+def captured_rmsnorm_tail(rank: int, world: int, H: int, eps: float, max_tokens: int):
+    """allreduce_rmsnorm over 2 tokens of width H on the WORLD group, warmed up and captured in a CUDA
+    graph, ranks met after each; returns (graph, summed output). At world 1 the push is left out of
+    the graph, so its epilogue waits for a push that never comes (a missing peer with one GPU)."""
+    import torch.distributed as dist
+
+    from k3fuse.kernels.lib.triton import lamport_push
+
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name
+    nw = torch.ones(H, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(2, H, device=dev, dtype=torch.bfloat16)
+    torch.ops.k3fuse.allreduce_rmsnorm(x, nw, eps, group, world, max_tokens)   # warm-up before capture
+    torch.cuda.synchronize()
+    dist.barrier()
+    if world == 1:
+        lamport_push.run = lambda *a, **k: None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        summed, _ = torch.ops.k3fuse.allreduce_rmsnorm(x, nw, eps, group, world, max_tokens)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return graph, summed
+
+
+def check_stopped_rank_learns(world: int, stopped: bool, check) -> None:
+    """After a rank stopped stepping (world 2): the ranks meet, and the stopped one's next post-step
+    `check` raises K3FuseCollectiveError naming rank 0, whose collective timed out without it."""
+    import torch.distributed as dist
+
+    from k3fuse.kernels import dispatch
+
+    if world > 1:
+        dist.barrier()
+        if stopped:
+            with pytest.raises(dispatch.K3FuseCollectiveError, match="rank 0"):
+                check()

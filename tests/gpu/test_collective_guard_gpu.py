@@ -32,7 +32,7 @@ import time
 import pytest
 import torch
 
-from ar_helpers import spawn
+from ar_helpers import captured_rmsnorm_tail, check_stopped_rank_learns, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -191,22 +191,8 @@ def _graph_peer_missing(rank, world):
     import k3fuse.kernels  # noqa: F401
     from k3fuse import runtime
     from k3fuse.kernels import collective_guard as cg, dispatch
-    from k3fuse.kernels.lib.triton import lamport_push
 
-    dev = torch.device("cuda", rank)
-    group = dist.group.WORLD.group_name
-    nw = torch.ones(H, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(2, H, device=dev, dtype=torch.bfloat16)
-    torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T)      # warm-up before capture
-    torch.cuda.synchronize()
-    dist.barrier()
-    if world == 1:   # the push left out of the graph: its epilogue waits for a push that never comes
-        lamport_push.run = lambda *a, **k: None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        summed, _ = torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T)
-    torch.cuda.synchronize()
-    dist.barrier()
+    g, summed = captured_rmsnorm_tail(rank, world, H, EPS, MAX_T)
     runtime.reset_stats()
     if world > 1:    # healthy replays first, each followed by the post-step check
         for _ in range(20):
@@ -231,11 +217,7 @@ def _graph_peer_missing(rank, world):
         assert "peer rank" in errors[0], errors
         assert torch.isnan(summed.float()).all()
         assert runtime.collective_errors(), runtime.stats()
-    if world > 1:
-        dist.barrier()                       # the peer that stopped learns of it at its next check
-        if stopped:
-            with pytest.raises(dispatch.K3FuseCollectiveError, match="rank 0"):
-                cg.check_collectives()
+    check_stopped_rank_learns(world, stopped, cg.check_collectives)
 
 
 @pytest.mark.parametrize("world", WORLDS)

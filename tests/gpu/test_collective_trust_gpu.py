@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from ar_helpers import spawn
+from ar_helpers import captured_rmsnorm_tail, check_stopped_rank_learns, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -54,22 +54,8 @@ def _replay_steps(rank, world):
     from k3fuse import runtime
     from k3fuse.engines import step_check
     from k3fuse.kernels import dispatch
-    from k3fuse.kernels.lib.triton import lamport_push
 
-    dev = torch.device("cuda", rank)
-    group = dist.group.WORLD.group_name
-    nw = torch.ones(H, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(2, H, device=dev, dtype=torch.bfloat16)
-    torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T)   # warm-up before capture
-    torch.cuda.synchronize()
-    dist.barrier()
-    if world == 1:   # the push left out of the graph: its epilogue waits for a push that never comes
-        lamport_push.run = lambda *a, **k: None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        summed, _ = torch.ops.k3fuse.allreduce_rmsnorm(x, nw, EPS, group, world, MAX_T)
-    torch.cuda.synchronize()
-    dist.barrier()
+    graph, summed = captured_rmsnorm_tail(rank, world, H, EPS, MAX_T)
     runtime.reset_stats()
     def engine_step() -> None:
         """What an engine's worker does per step: replay, read the step's result back (the sampled
@@ -98,11 +84,7 @@ def _replay_steps(rank, world):
         assert torch.isnan(summed.float()).all()
         assert runtime.collective_errors(), runtime.stats()
         assert time.perf_counter() - t0 < 30
-    if world > 1:
-        dist.barrier()   # the rank that stopped learns of it at its next step's check
-        if stopped:
-            with pytest.raises(dispatch.K3FuseCollectiveError, match="rank 0"):
-                step_check.after_step()
+    check_stopped_rank_learns(world, stopped, step_check.after_step)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -26,6 +26,7 @@ from k3fuse.kernels import dispatch  # noqa: E402
 from k3fuse.kernels.lib.reference import stock  # noqa: E402
 from k3fuse.kernels.lib.triton import kda_conv  # noqa: E402
 from k3fuse.kernels.ops import kda_conv as conv_op  # noqa: E402
+from op_helpers import graph_replays, strict_deterministic_run  # noqa: E402
 
 DEV = "cuda"
 OP = "kda_short_conv"
@@ -93,12 +94,7 @@ def test_odd_widths_other_taps_strided_rows_and_trunks(dtype, width, taps, row_s
 
 def test_op_strict_counts_the_kernel_and_is_deterministic():
     args = _operands(33, 6144, seed=7)
-    runtime.reset_stats()
-    with runtime.strict():
-        first = torch.ops.k3fuse.kda_short_conv(*args)
-        again = torch.ops.k3fuse.kda_short_conv(*args)
-    assert runtime.stats() == {OP: {"triton.kda_conv": 2}}
-    assert all(torch.equal(a, b) for a, b in zip(first, again))  # a fixed tap order
+    first = strict_deterministic_run(torch.ops.k3fuse.kda_short_conv, args, {OP: {"triton.kda_conv": 2}})
     _check(args, *first)
     # and close to what the model computes (stock: the window, a sum over it, silu)
     conv_st, state_st = stock.kda_short_conv(*args)
@@ -126,20 +122,9 @@ def test_coverage_for_k3_shapes():
 
 @pytest.mark.parametrize("T,width", [(1, 12288), (8, 6144), (64, 12288)])
 def test_cuda_graph_replay_on_changing_inputs(T, width):
-    static = _operands(T, width, seed=3)
     dispatch.warmup(OP, [{"M": T, "channels": 3 * width, "taps": K, "dtype": torch.bfloat16}])
-    with runtime.strict():
-        torch.ops.k3fuse.kda_short_conv(*static)  # compiled for these strides before capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            conv_out, state_out = torch.ops.k3fuse.kda_short_conv(*static)
-    for step in range(20):
-        fresh = _operands(T, width, seed=100 + step)
-        for dst, src in zip(static, fresh):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
+    replays = graph_replays(torch.ops.k3fuse.kda_short_conv, lambda seed: _operands(T, width, seed=seed))
+    for fresh, (conv_out, state_out) in replays:
         conv64, state64 = _ref64(*fresh)
         torch.testing.assert_close(conv_out.double(), conv64, rtol=RTOL, atol=ATOL)
         assert torch.equal(state_out.double(), state64)

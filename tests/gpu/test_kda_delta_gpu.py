@@ -24,6 +24,7 @@ from k3fuse.kernels import dispatch  # noqa: E402
 from k3fuse.kernels.lib.reference import stock  # noqa: E402
 from k3fuse.kernels.lib.triton import kda_delta  # noqa: E402
 from k3fuse.kernels.ops import kda_delta as kda_op  # noqa: E402
+from op_helpers import graph_replays, strict_deterministic_run  # noqa: E402
 
 DEV = "cuda"
 D = 128
@@ -94,12 +95,7 @@ def test_small_widths_and_ragged_value_blocks(dk, dv):
 
 def test_op_strict_counts_the_kernel_and_is_deterministic():
     args = _operands(33, 48, seed=7)
-    runtime.reset_stats()
-    with runtime.strict():
-        first = torch.ops.k3fuse.kda_delta_rule(*args)
-        again = torch.ops.k3fuse.kda_delta_rule(*args)
-    assert runtime.stats() == {"kda_delta_rule": {"triton.kda_delta": 2}}
-    assert all(torch.equal(a, b) for a, b in zip(first, again))  # fixed reduction order
+    first = strict_deterministic_run(torch.ops.k3fuse.kda_delta_rule, args, {"kda_delta_rule": {"triton.kda_delta": 2}})
     S_ref, o_ref = _ref64(*args)
     torch.testing.assert_close(first[0].double(), S_ref, rtol=RTOL, atol=ATOL)
     # and close to what the model computes (stock: einsum/bmm in fp32)
@@ -125,20 +121,9 @@ def test_coverage_for_k3_shapes():
 
 @pytest.mark.parametrize("T,h", [(1, 96), (8, 48), (64, 96)])
 def test_cuda_graph_replay_on_changing_inputs(T, h):
-    static = _operands(T, h, seed=3)
     dispatch.warmup("kda_delta_rule", [{"M": T, "heads": h, "dk": D, "dv": D}])
-    with runtime.strict():
-        torch.ops.k3fuse.kda_delta_rule(*static)  # compiled for these strides before capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            S_out, o_out = torch.ops.k3fuse.kda_delta_rule(*static)
-    for step in range(20):
-        fresh = _operands(T, h, seed=100 + step)
-        for dst, src in zip(static, fresh):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
+    replays = graph_replays(torch.ops.k3fuse.kda_delta_rule, lambda seed: _operands(T, h, seed=seed))
+    for fresh, (S_out, o_out) in replays:
         S_ref, o_ref = _ref64(*fresh)
         torch.testing.assert_close(S_out.double(), S_ref, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(o_out.double(), o_ref, rtol=RTOL, atol=ATOL)

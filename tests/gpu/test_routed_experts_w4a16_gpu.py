@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 import pytest
@@ -52,23 +51,6 @@ LAUNCH = json.loads(os.environ.get("K3FUSE_TEST_W4A16_CONFIG") or "{}")
 CONFIG = {"gate_up": dict(LAUNCH), "down": dict(LAUNCH)} if LAUNCH else {}
 MODES = pytest.mark.parametrize("mode", [{"pairwise": True, **CONFIG}, {"pairwise": False, **CONFIG}],
                                 ids=["pairwise", "grouped"])
-#: E2M1 magnitudes' RMS (uniform codes) and int4's (q - 8 for uniform nibbles)
-MXFP4_CODE_RMS = math.sqrt(sum(v * v for v in quant.E2M1_MAGNITUDES) / 8)
-INT4_CODE_RMS = math.sqrt(sum((q - 8) ** 2 for q in range(16)) / 16)
-
-
-def random_experts(fmt: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed, scale) of E experts [rows, cols] in `fmt`: uniform codes, scales giving an RMS near cols^-0.5."""
-    std = cols ** -0.5
-    shape, sshape = (E, *quant.packed_shape(fmt, rows, cols)), (E, *quant.scale_shape(fmt, rows, cols))
-    if fmt == "mxfp4":
-        packed = torch.randint(0, 256, shape, device=DEV, dtype=torch.uint8, generator=gen)
-        centre = quant.E8M0_BIAS + round(math.log2(std / MXFP4_CODE_RMS))
-        scale = torch.randint(centre - 1, centre + 2, sshape, device=DEV, dtype=torch.int32, generator=gen)
-        return packed, scale.to(torch.uint8)
-    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, shape, device=DEV, dtype=torch.int32, generator=gen)
-    scale = std / INT4_CODE_RMS * (0.75 + 0.5 * torch.rand(sshape, device=DEV, generator=gen))
-    return packed, scale.to(BF16)
 
 
 class Experts:
@@ -79,7 +61,7 @@ class Experts:
         self.fmt, self.I = fmt, I
         self.packed = []
         for rows, cols in ((I, L), (I, L), (L, I)):
-            self.packed += list(random_experts(fmt, rows, cols, gen))
+            self.packed += list(quant.random_experts(fmt, E, rows, cols, gen, DEV))
         self.table = quant.e2m1_table(DEV) if fmt == "mxfp4" else None
 
     def dequantized(self, e: int) -> list[torch.Tensor]:

@@ -86,18 +86,24 @@ def add_model_bench_flags(p: Any) -> None:
                    help="--model: skip the per-region graphs (the KDA / MLA / head shares)")
 
 
+def _check_destinations(args: argparse.Namespace) -> None:
+    """--json and --log, checked before any work: a mistake found after the run loses the run."""
+    from ...fileio import check_append_file, check_output_file
+
+    if args.json is not None:
+        check_output_file(args.json, option="--json")
+    if args.log is not None:
+        check_append_file(args.log, option="--log")
+
+
 def model_config_from_args(args: argparse.Namespace) -> Any:
     """`bench --model`'s ModelBenchConfig; every mistake one line before any work."""
-    from ...fileio import check_append_file, check_output_file
     from ..flags import check_moved_tokens, use_rules
     from ..model_args import MAX_CONTEXT, model_args
     from .model import ARMS, ModelBenchConfig
 
     check_moved_tokens(args, "bench")
-    if args.json is not None:
-        check_output_file(args.json, option="--json")
-    if args.log is not None:
-        check_append_file(args.log, option="--log")
+    _check_destinations(args)
     if args.plots is not None:
         raise UsageError("--plots is the layer bench's (bench --model prints its table and writes --json)",
                          "drop --plots")
@@ -132,19 +138,15 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """A checked BenchConfig; every mistake is one line (UsageError) before any work starts."""
     import torch
 
-    from ...fileio import check_append_file, check_output_dir, check_output_file
+    from ...fileio import check_output_dir
     from ..flags import check_moved_tokens, rule_selection
     from .arms import parse_arms
     from .runner import BenchConfig
 
     check_moved_tokens(args, "bench")
-    # the destinations first: a mistake found after the run loses the run
-    if args.json is not None:
-        check_output_file(args.json, option="--json")
+    _check_destinations(args)
     if args.plots is not None:
         check_output_dir(args.plots, option="--plots")
-    if args.log is not None:
-        check_append_file(args.log, option="--log")
     default_rules = rule_selection(args.rules) if args.rules is not None else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

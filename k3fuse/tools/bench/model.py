@@ -76,17 +76,13 @@ def read_bandwidth(device: Any, nbytes: int = 2 << 30, reps: int = 10) -> float:
 def step_bytes(model: Any, batch: int, lengths: list[int], kv_dtype_bytes: int, state_bytes: int) -> dict[str, float]:
     """Bytes one decode step of this rank must read: weights touched, live KV, KDA states read and written."""
     from .routing import expected_uniform
+    from .runner import weight_bytes
 
     cfg = model.config
-    experts = dense = 0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".routed.w1" in name or ".routed.w2" in name or ".routed.w3" in name:
-            experts += nbytes
-        elif name == "embed.weight":
-            dense += batch * p.shape[1] * p.element_size()  # the rows the tokens look up
-        else:
-            dense += nbytes
+    experts, dense = weight_bytes(model)
+    embed = dict(model.named_parameters()).get("embed.weight")
+    if embed is not None:  # only the rows the tokens look up
+        dense += (batch - embed.shape[0]) * embed.shape[1] * embed.element_size()
     touched = expected_uniform(cfg.n_experts, cfg.top_k, batch)
     n_mla = sum(1 for k in model.kinds if k.attn == "mla")
     kv = n_mla * sum(n + 1 for n in lengths) * cfg.kv_entry * kv_dtype_bytes

@@ -73,12 +73,9 @@ def _random_state(model: Any, T: int, gen: torch.Generator) -> Any:
                        conv=tuple(rnd(c, 1.0) for c in state.conv))
 
 
-def weight_floor(model: Any, T: int, touched: float | None = None) -> dict[str, float]:
-    """Per-rank bytes a decode step must read at T tokens: every parameter once, the routed experts
-    (packed weights and scales when quantized) only for the experts T tokens touch: `touched`, the
-    measured distinct experts per step, or the expectation under uniform routing. The KDA state, read
-    and written once per step, is given apart (it grows with T: 400 MB at 64 tokens)."""
-    cfg = model.config
+def weight_bytes(model: Any) -> tuple[int, int]:
+    """(routed experts' bytes, every other parameter's bytes) of this rank: the experts' packed weights
+    and scales when quantized."""
     expert_bytes = dense_bytes = 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
@@ -86,6 +83,16 @@ def weight_floor(model: Any, T: int, touched: float | None = None) -> dict[str, 
             expert_bytes += nbytes
         else:
             dense_bytes += nbytes
+    return expert_bytes, dense_bytes
+
+
+def weight_floor(model: Any, T: int, touched: float | None = None) -> dict[str, float]:
+    """Per-rank bytes a decode step must read at T tokens: every parameter once, the routed experts
+    (packed weights and scales when quantized) only for the experts T tokens touch: `touched`, the
+    measured distinct experts per step, or the expectation under uniform routing. The KDA state, read
+    and written once per step, is given apart (it grows with T: 400 MB at 64 tokens)."""
+    cfg = model.config
+    expert_bytes, dense_bytes = weight_bytes(model)
     uniform = routing.expected_uniform(cfg.n_experts, cfg.top_k, T)
     touched = uniform if touched is None else touched
     state = model.init_state(1) if model.device.type != "meta" else None
@@ -252,4 +259,4 @@ def bench_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
     return report
 
 
-__all__ = ["BenchConfig", "bench_rank", "weight_floor", "w4a16_launches"]
+__all__ = ["BenchConfig", "bench_rank", "weight_bytes", "weight_floor", "w4a16_launches"]

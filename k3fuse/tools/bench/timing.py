@@ -20,8 +20,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def capture(steps: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGraph:
-    """Warm `steps` up on a side stream (compiles, workspaces, side streams), then capture it."""
+def warm_up(steps: Callable[[], object], warmup: int = 2) -> None:
+    """Run `steps` `warmup` times on a side stream (compiles, workspaces, side streams), as CUDA-graph
+    capture asks, and wait for it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -29,11 +30,21 @@ def capture(steps: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGrap
             steps()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+
+
+def record(steps: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`steps` captured in a CUDA graph (warmed up before: `warm_up`)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         steps()
     torch.cuda.synchronize()
     return graph
+
+
+def capture(steps: Callable[[], object], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Warm `steps` up on a side stream, then capture it."""
+    warm_up(steps, warmup)
+    return record(steps)
 
 
 def _check_collectives() -> None:
@@ -147,5 +158,5 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
     return src.numel() * src.element_size() / _device_seconds(lambda: torch.sum(src, dim=0, out=out), reps)
 
 
-__all__ = ["capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median", "copy_seconds",
-           "copy_bandwidth", "read_bandwidth"]
+__all__ = ["warm_up", "record", "capture", "time_graph", "graph_replay_us", "time_host", "slowest_rank", "median",
+           "copy_seconds", "copy_bandwidth", "read_bandwidth"]
