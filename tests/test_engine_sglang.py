@@ -182,14 +182,18 @@ def _inject_device_timeout(rank: int) -> list[bool]:
     fail_next = [False]
 
     def run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
-        failing = rank == 1 and fail_next[0]
-        if failing:   # recorded before the sum completes anywhere, as the device words of a timed-out call are
+        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
+                                                         world_size)
+        if not fail_next[0]:
+            return out, normed
+        if rank == 1:   # recorded once the sum paired, so only the post-step checks can see it in this step
             collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
                                   f"k3fuse.gemm_ar_residual_rmsnorm: rank 1 of group {group_name!r}: injected device "
                                   "timeout (test)", "timeout")
-        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
-                                                         world_size)
-        if failing:
+        # both ranks wait here until it is recorded: a device's error words are set before any later check
+        # reads them, and without this rank 0's check could run first (a race, not the behaviour under test)
+        torch.distributed.barrier()
+        if rank == 1:
             return torch.full_like(out, float("nan")), torch.full_like(normed, float("nan"))
         return out, normed
 

@@ -62,14 +62,20 @@ def _inject_device_timeout(rank: int, flag: str, injected: str) -> None:
 
     def run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
         # told by the site's width, not by counting calls: the engine's warm-up forwards vary in number
-        failing = rank == 1 and not state["done"] and os.path.exists(flag) and weight.shape[-1] == LAST_SITE_K
+        failing = not state["done"] and os.path.exists(flag) and weight.shape[-1] == LAST_SITE_K
         out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
                                                          world_size)
-        if failing:   # recorded once the peer's call has returned: no k3fuse call of this step can see it before
-            state["done"] = True  # the post-step checks (recorded earlier, the peer's own entry check may)
+        if not failing:
+            return out, normed
+        state["done"] = True
+        if rank == 1:   # recorded once the sum paired, so only the post-step checks can see it in this step
             collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
                                   f"k3fuse.gemm_ar_residual_rmsnorm: rank {rank} of group {group_name!r}: {injected}",
                                   "timeout")
+        # both ranks wait here until it is recorded: a device's error words are set before any later check
+        # reads them, and without this rank 0's check could run first (a race, not the behaviour under test)
+        torch.distributed.barrier()
+        if rank == 1:
             return torch.full_like(out, float("nan")), torch.full_like(normed, float("nan"))
         return out, normed
 
