@@ -1,7 +1,9 @@
 """The engine tests' case: a row-parallel out-projection, its all-reduce, the residual add and RMSNorm,
 on seeded inputs, with the float64 reference of the whole (unsharded) computation; and what every engine's
-ranks must report when their rule selections differ."""
+ranks must report when their rule selections differ; and a device timeout injected into the fused op."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -47,3 +49,30 @@ def check_rules_differ_refused(results: list[dict]) -> None:
         assert r["error"] is not None and "ContextError: the ranks of TP group" in r["error"], r
         assert "K3FUSE_RULES: rank 0='', rank 1='-oproj_allreduce_residual'" in r["error"], r
         assert r["seconds"] < 120, r
+
+
+def inject_device_timeout(rank: int, fails: Callable[[torch.Tensor], bool], reason: str) -> None:
+    """Register a CPU implementation of k3fuse.gemm_ar_residual_rmsnorm that, in a call where `fails(weight)`
+    (asked on every rank alike), pairs the sum and then fails on rank 1 as a timed-out kernel does under a
+    replayed graph: recorded for the group with `reason`, NaN outputs, no exception."""
+    from k3fuse.kernels import collective_guard, dispatch
+    from k3fuse.kernels.lib.reference import allreduce
+
+    def run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
+        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
+                                                         world_size)
+        if not fails(weight):
+            return out, normed
+        if rank == 1:   # recorded once the sum paired, so only the post-step checks can see it in this step
+            collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
+                                  f"k3fuse.gemm_ar_residual_rmsnorm: rank 1 of group {group_name!r}: {reason}",
+                                  "timeout")
+        # both ranks wait here until it is recorded: a device's error words are set before any later check
+        # reads them, and without this rank 0's check could run first (a race, not the behaviour under test)
+        torch.distributed.barrier()
+        if rank == 1:
+            return torch.full_like(out, float("nan")), torch.full_like(normed, float("nan"))
+        return out, normed
+
+    dispatch.register_impl("gemm_ar_residual_rmsnorm", dispatch.Impl("test.device_timeout", lambda spec: None, run,
+                                                                      priority=10_000, device_types=("cpu",)))

@@ -157,7 +157,8 @@ def _scenario(scenario: str, rank: int, model: torch.nn.Module, x: torch.Tensor,
 
     for hook_type, hook, _ in hooks:
         step = hook_registry._wrap_fn(step, hook, hook_type)
-    fail_next = _inject_device_timeout(rank)
+    fail_next = [False]
+    case.inject_device_timeout(rank, lambda weight: fail_next[0], "injected device timeout (test)")
     out: dict = {"registered": registered, "steps": []}
     with inductor_config.patch(force_disable_caches=True), torch.no_grad():
         for i in range(3):
@@ -170,36 +171,6 @@ def _scenario(scenario: str, rank: int, model: torch.nn.Module, x: torch.Tensor,
                 break
             torch.distributed.barrier()   # the ranks step together, as an engine's workers do
     return out
-
-
-def _inject_device_timeout(rank: int) -> list[bool]:
-    """While the returned switch is on, rank 1's fused all-reduce + norm pairs its collective but
-    fails as a device timeout does under a replayed graph (recorded for the group, NaN outputs, no
-    exception: no later k3fuse code runs in the step)."""
-    from k3fuse.kernels import collective_guard, dispatch
-    from k3fuse.kernels.lib.reference import allreduce
-
-    fail_next = [False]
-
-    def run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
-        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
-                                                         world_size)
-        if not fail_next[0]:
-            return out, normed
-        if rank == 1:   # recorded once the sum paired, so only the post-step checks can see it in this step
-            collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
-                                  f"k3fuse.gemm_ar_residual_rmsnorm: rank 1 of group {group_name!r}: injected device "
-                                  "timeout (test)", "timeout")
-        # both ranks wait here until it is recorded: a device's error words are set before any later check
-        # reads them, and without this rank 0's check could run first (a race, not the behaviour under test)
-        torch.distributed.barrier()
-        if rank == 1:
-            return torch.full_like(out, float("nan")), torch.full_like(normed, float("nan"))
-        return out, normed
-
-    dispatch.register_impl("gemm_ar_residual_rmsnorm", dispatch.Impl("test.device_timeout", lambda spec: None, run,
-                                                                      priority=10_000, device_types=("cpu",)))
-    return fail_next
 
 
 def test_sglang_ranks_that_would_rewrite_differently_fail_at_compile_time_on_every_rank(tmp_path):

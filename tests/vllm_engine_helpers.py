@@ -47,40 +47,23 @@ class K3FuseCPUWorker(CPUWorker):
 
 
 def _inject_device_timeout(rank: int, flag: str, injected: str) -> None:
-    """On rank 1, once `flag` exists: the fused all-reduce + norm completes its collective (so the
-    peers' sums pair), then fails as a device timeout does: recorded for the group, NaN outputs.
-    It does so in the last fused call of a forward (the model has two: the attention's and the
-    MLP's out-projection), so no later k3fuse call of the step can notice: under a replayed CUDA
-    graph none would run at all, and only the adapters' post-step check is left to surface it."""
-    import torch
-
+    """Once `flag` exists, rank 1's fused all-reduce + norm fails as a timed-out kernel does (oproj_norm_case)
+    in the last fused call of a forward (the model has two: the attention's and the MLP's out-projection),
+    so no later k3fuse call of the step can notice: under a replayed CUDA graph none would run at all, and
+    only the adapters' post-step check is left to surface it."""
     import k3fuse.kernels  # noqa: F401
-    from k3fuse.kernels import collective_guard, dispatch
-    from k3fuse.kernels.lib.reference import allreduce
+    from oproj_norm_case import inject_device_timeout
 
-    state = {"done": False}
+    done = [False]
 
-    def run(x, weight, residual, addend, norm_weight, eps, group_name, world_size, max_tokens=64, **_):
+    def fails(weight) -> bool:
         # told by the site's width, not by counting calls: the engine's warm-up forwards vary in number
-        failing = not state["done"] and os.path.exists(flag) and weight.shape[-1] == LAST_SITE_K
-        out, normed = allreduce.gemm_ar_residual_rmsnorm(x, weight, residual, addend, norm_weight, eps, group_name,
-                                                         world_size)
-        if not failing:
-            return out, normed
-        state["done"] = True
-        if rank == 1:   # recorded once the sum paired, so only the post-step checks can see it in this step
-            collective_guard.fail(group_name, "gemm_ar_residual_rmsnorm",
-                                  f"k3fuse.gemm_ar_residual_rmsnorm: rank {rank} of group {group_name!r}: {injected}",
-                                  "timeout")
-        # both ranks wait here until it is recorded: a device's error words are set before any later check
-        # reads them, and without this rank 0's check could run first (a race, not the behaviour under test)
-        torch.distributed.barrier()
-        if rank == 1:
-            return torch.full_like(out, float("nan")), torch.full_like(normed, float("nan"))
-        return out, normed
+        if done[0] or not os.path.exists(flag) or weight.shape[-1] != LAST_SITE_K:
+            return False
+        done[0] = True
+        return True
 
-    dispatch.register_impl("gemm_ar_residual_rmsnorm", dispatch.Impl("test.device_timeout", lambda spec: None, run,
-                                                                      priority=10_000, device_types=("cpu",)))
+    inject_device_timeout(rank, fails, injected)
 
 
 def main(model: str, mode: str, flag: str, injected: str) -> None:
