@@ -43,7 +43,7 @@ def compile_refusal(exc: BaseException, seconds: float) -> dict:
 
 
 def check_rules_differ_refused(results: list[dict]) -> None:
-    """Issue 48.2: with K3FUSE_RULES=-oproj_allreduce_residual on rank 1 alone, every rank raised one
+    """With K3FUSE_RULES=-oproj_allreduce_residual on rank 1 alone, every rank raised one
     ContextError naming the setting and both ranks' values, within seconds (no rank waits in a collective)."""
     for r in results:
         assert r["error"] is not None and "ContextError: the ranks of TP group" in r["error"], r

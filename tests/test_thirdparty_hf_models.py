@@ -1,5 +1,5 @@
 """The K3 rules on whole decode models written as transformers 5 writes Kimi Linear, DeepSeek-V3, Kimi K2.5
-and a K3 (issue 52, item 6): tests/thirdparty_models.py's `HFDecodeModel`, hidden states [B, 1, H], the KDA
+and a K3: tests/thirdparty_models.py's `HFDecodeModel`, hidden states [B, 1, H], the KDA
 conv state updated in place as HF's cache is.
 
 Each model runs through the doors (k3fuse.apply on torch.export; torch.compile(backend="k3fuse") with the

@@ -1,4 +1,4 @@
-"""The K3 rules on each spelling of transformers 5's Kimi Linear / DeepSeek-V3 / Kimi K2.5 code (issue 52, item 6).
+"""The K3 rules on each spelling of transformers 5's Kimi Linear / DeepSeek-V3 / Kimi K2.5 code.
 
 One small module per spelling (tests/thirdparty_models.py writes them as HF does), exported and run through
 k3fuse.apply in one process (TP 1): the rule fires with the HF variant, the rewritten program equals the
