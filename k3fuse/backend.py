@@ -97,10 +97,13 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str, c
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+        from .kernels.ops.shared_expert import outline_regions
+
         def inner_compile(aot_gm: fx.GraphModule, aot_inputs: Sequence[Any], **kwargs: Any) -> Any:
             static = set(kwargs.get("static_input_idxs") or ())
             mutated = mutated_input_indices()
             _rewrite(aot_gm, static - mutated, ctx, rlog, registry, door="backend.inductor")
+            outline_regions(aot_gm)   # the shared expert's side stream, which Inductor's own code cannot switch to
             return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
         # the AOT cache would skip inner_compile (and so the rewrite and its log) on a hit
