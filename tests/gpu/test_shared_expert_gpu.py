@@ -16,8 +16,8 @@ backend's eager compiler, a torch.export program), the region's kernels go to th
 * CUDA-graph capture over the node-by-node program, replays with changing inputs (plain and with the
   slowed side stream captured), the same bits as uncaptured runs; a profile of the replay shows the
   side-stream kernels overlapping the routed experts;
-* with Inductor, the markers are compiled away (Inductor launches a graph's kernels on one stream):
-  no marker runs, the numbers match.
+* with the backend's Inductor, each region is outlined into one op (Inductor launches its own kernels on
+  one stream): the region and its join run on the side stream, the numbers match, the replay overlaps.
 
 Run: python -m pytest -q -m gpu tests/gpu/test_shared_expert_gpu.py   (one GPU)
 """
@@ -289,8 +289,9 @@ def test_cuda_graph_capture_and_replays_with_changing_inputs(slow, monkeypatch):
     assert runtime.fallbacks() == {}
 
 
-def test_replayed_graph_overlaps_the_side_stream_with_the_routed_experts():
-    fn, rlog = _compiled("eager")
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_replayed_graph_overlaps_the_side_stream_with_the_routed_experts(compiler):
+    fn, rlog = _compiled(compiler)
     x = torch.randn(8, H, device=DEV).to(BF16)
     with torch.no_grad():
         for _ in range(3):
@@ -334,10 +335,21 @@ def _timeline_summary(kernels) -> str:
     return "\n".join(f"  +{k.start_us - t0:8.1f} {k.dur_us:7.1f} s{k.stream:<5} {k.name[:90]}" for k in kernels[:40])
 
 
-# --- Inductor: the markers compiled away ------------------------------------------------------------------
-def test_inductor_compiles_the_bracket_on_the_main_stream():
+# --- Inductor: the region outlined into one op ------------------------------------------------------------
+def test_inductor_runs_the_outlined_region_on_the_side_stream():
     fn, rlog = _compiled("inductor")
     for stats in _steps_match_the_model(fn):
         assert not {"shared_expert_fork", "shared_expert_join"} & set(stats), stats
+        assert stats["shared_expert_region"] == {"torch.side_stream": 1}, stats
+        assert stats["shared_expert_region_join"] == {"torch.side_stream": 1}, stats
     graphs = {e.graph_id for e in rlog.events}  # 1 token compiles a static graph, 8 a dynamic one
     assert rlog.applied("shared_expert_stream") == len(graphs) >= 1
+    with torch.no_grad():
+        x = torch.randn(8, H, device=DEV).to(BF16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn(x)
+                torch.cuda.synchronize()
+    kernels = kernel_events(prof)
+    assert len({k.stream for k in kernels}) >= 2, [(k.stream, k.name[:60]) for k in kernels]
