@@ -125,11 +125,16 @@ def test_pass_added_twice_is_an_error():
 def test_engine_versions_and_missing_tp_group_are_clear_errors():
     from k3fuse.engines import EngineError, find_tp_group, sglang, vllm
 
-    assert vllm.ENGINE.check_version("0.32.0") == "0.32.0"
-    with pytest.raises(EngineError, match=r"vLLM 0.26.1 is not supported.*0.27.0 up to \(not including\) 0.33.0"):
-        vllm.ENGINE.check_version("0.26.1")
-    with pytest.raises(EngineError, match=r"SGLang 0.5.23 is not supported.*0.5.17"):
-        sglang.ENGINE.check_version("0.5.23")
+    for version in ("0.27.0", "0.32.0", "0.34.0", "0.34.2+cpu"):
+        assert vllm.ENGINE.check_version(version) == version
+    for version in ("0.26.1", "0.35.0"):
+        with pytest.raises(EngineError, match=rf"vLLM {version} is not supported.*0.27.0 up to \(not including\) 0.35"):
+            vllm.ENGINE.check_version(version)
+    for version in ("0.5.17", "0.5.21", "0.5.23", "0.5.23.post1"):
+        assert sglang.ENGINE.check_version(version) == version
+    for version in ("0.5.16", "0.5.24", "0.6.0"):
+        with pytest.raises(EngineError, match=rf"SGLang {version} is not supported.*0.5.17 up to .*0.5.24"):
+            sglang.ENGINE.check_version(version)
     with pytest.raises(EngineError, match="no vLLM TP group in this process"):
         find_tp_group("vllm")
     with pytest.raises(EngineError, match="unknown TP group source"):

@@ -95,12 +95,12 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: s
         os.environ["K3FUSE_RULES"] = rank1_rules   # a per-worker environment
     _hide_repo_root()
     import torch.distributed as dist
-    import vllm._custom_ops as vllm_ops
     from vllm.compilation.decorators import support_torch_compile
     from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm_engine_helpers import use_fallback_gemm
 
     import k3fuse
 
@@ -135,7 +135,7 @@ def _vllm_worker(rank: int, world: int, ident: str, log_path: str, dtype_name: s
         with torch.no_grad():
             model.o_proj.weight.copy_(w_full[:, shard])
             model.norm.weight.copy_(norm_w)
-        vllm_ops._supports_onednn = False  # vLLM's own fallback GEMM: F.linear
+        use_fallback_gemm()
         model.o_proj.quant_method.process_weights_after_loading(model.o_proj)
         x = x_full[:, shard].contiguous()
         with torch.no_grad():
@@ -220,12 +220,12 @@ def _stock_worker(rank: int, world: int, ident: str, log_path: str) -> dict:
     backend "k3fuse", through vLLM's own compile_model_with_stock_torch."""
     os.environ["VLLM_DIST_IDENT"] = ident
     _hide_repo_root()
-    import vllm._custom_ops as vllm_ops
     from vllm.compilation.wrapper import compile_model_with_stock_torch
     from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm_engine_helpers import use_fallback_gemm
 
     import k3fuse
 
@@ -248,7 +248,7 @@ def _stock_worker(rank: int, world: int, ident: str, log_path: str) -> dict:
         model = OutProjNorm().eval()
         with torch.no_grad():
             model.o_proj.weight.copy_(torch.randn(H, K_LOCAL, generator=torch.Generator().manual_seed(rank)))
-        vllm_ops._supports_onednn = False
+        use_fallback_gemm()
         model.o_proj.quant_method.process_weights_after_loading(model.o_proj)
         compile_model_with_stock_torch(model, config)
         x, residual = torch.randn(T, K_LOCAL), torch.randn(T, H)

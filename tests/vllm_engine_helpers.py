@@ -30,15 +30,24 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 LAST_SITE_K = 128
 
 
+def use_fallback_gemm() -> None:
+    """vLLM's fallback CPU GEMM (F.linear: aten.mm, the spelling CUDA builds have), not oneDNN's, for the linear
+    layers whose weights are processed after this call."""
+    try:
+        from vllm import _cpu_ops as ops   # vLLM 0.34 moved the switch here
+    except ImportError:
+        from vllm import _custom_ops as ops
+    ops._supports_onednn = False
+
+
 class K3FuseCPUWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
-        import vllm._custom_ops as vllm_ops
         from vllm.distributed import parallel_state
 
         tp = parallel_state.get_tp_group()
         tp.use_custom_op_call = True   # vLLM's CUDA spelling: torch.ops.vllm.all_reduce
-        vllm_ops._supports_onednn = False   # vLLM's fallback GEMM: F.linear (aten.mm, as on CUDA)
+        use_fallback_gemm()
         mode = os.environ["ENGINE_TEST_MODE"]
         if mode == "rules-differ" and tp.rank_in_group == 1:
             os.environ["K3FUSE_RULES"] = "-oproj_allreduce_residual"

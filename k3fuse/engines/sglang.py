@@ -22,14 +22,16 @@ import torch.distributed as dist
 from .. import doors, engine_ops, fp32_residual
 from .base import Engine, EngineError
 
-#: SGLang releases with K3 model code that k3fuse's adapters were checked against (0.5.17 pins torch 2.11,
-#: 0.5.18-0.5.21 2.13; 0.5.22 and 0.5.23 pin 2.14.1, which k3fuse supports, but their APIs are not checked yet)
-ENGINE = Engine("SGLang", "sglang", ("sglang",), (0, 5, 17), (0, 5, 22))
+#: SGLang releases with K3 model code that k3fuse's adapters were checked against: 0.5.17 (torch 2.11), 0.5.18-0.5.21
+#: (2.13), 0.5.22 and 0.5.23 (2.14.1). 0.5.22 and 0.5.23 by reading their release wheels' source (the ops, parallel
+#: state, plugin loader, hook registry, worker step and decode compile are unchanged) and by running
+#: tests/test_engine_sglang.py on that source; CI runs 0.5.21's source (SGLang pins CUDA torch).
+ENGINE = Engine("SGLang", "sglang", ("sglang",), (0, 5, 17), (0, 5, 24))
 
 OUTPLACE_ALL_REDUCE = "sglang::outplace_all_reduce"
 INPLACE_ALL_REDUCE = "sglang::inplace_all_reduce"
-#: `flashinfer_allreduce(Tensor tensor, str group_name) -> Tensor` (srt/distributed/parallel_state.py, 0.5.21): what
-#: GroupCoordinator.all_reduce emits under torch.compile where FlashInfer's all-reduce applies; out of place
+#: `flashinfer_allreduce(Tensor tensor, str group_name) -> Tensor` (srt/distributed/parallel_state.py, 0.5.21-0.5.23):
+#: what GroupCoordinator.all_reduce emits under torch.compile where FlashInfer's all-reduce applies; out of place
 FLASHINFER_ALL_REDUCE = "sglang::flashinfer_allreduce"
 
 

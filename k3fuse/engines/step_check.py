@@ -23,9 +23,9 @@ import functools
 import sys
 from typing import Any
 
-#: the method every vLLM executor calls on every worker for each step (vLLM 0.27-0.32)
+#: the method every vLLM executor calls on every worker for each step (vLLM 0.27-0.34)
 VLLM_STEP = "vllm.v1.worker.worker_base.WorkerWrapperBase.execute_model"
-#: SGLang's per-step worker call, hooked through its HookRegistry (SGLang 0.5.17-0.5.21)
+#: SGLang's per-step worker call, hooked through its HookRegistry (SGLang 0.5.17-0.5.23)
 SGLANG_STEP = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 _MARK = "_k3fuse_step_check"
 

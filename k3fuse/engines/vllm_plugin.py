@@ -21,7 +21,8 @@ logger = logging.getLogger("vllm.k3fuse")  # under vLLM's logger: its handler pr
 
 #: this plugin's entry-point name (what VLLM_PLUGINS lists)
 PLUGIN = "k3fuse_model"
-#: the architectures the plugin serves: K3's, and Kimi Linear's (which vLLM maps to the same model code)
+#: the architectures the plugin serves: K3's, and Kimi Linear's (which vLLM maps to the same model code). Not K3.1's
+#: KimiK31ForConditionalGeneration (vLLM 0.34 maps it to its K3 class too): its DSA layers are not K3's; vLLM keeps it
 ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
 MODEL_CLASS = "k3fuse.engines.vllm_model:K3FuseForCausalLM"
 ENV = "K3FUSE_VLLM_MODEL"
