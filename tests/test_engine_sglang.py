@@ -1,7 +1,7 @@
 """SGLang hosts k3fuse: SGLang's own plugin loader, process groups and all-reduce ops, 2 gloo ranks.
 
 SGLang's releases pin CUDA torch builds, so SGLang is not installed: its wheel's source is put on
-sys.path (scripts/install_engines.sh unpacks 0.5.21 into .engines/; K3FUSE_SGLANG_SRC overrides).
+sys.path (scripts/install_engines.sh unpacks 0.5.21 into .engines/; K3FUSE_TEST_SGLANG_SRC overrides).
 What runs is SGLang's code: `sglang.srt.plugins.load_plugins()` discovers k3fuse's entry point and
 installs the pass; `init_model_parallel_group` builds SGLang's TP group on gloo; the model calls
 `torch.ops.sglang.outplace_all_reduce` / `inplace_all_reduce` / `flashinfer_allreduce`, whose kernels are
@@ -31,9 +31,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sglang_source() -> str:
-    src = os.environ.get("K3FUSE_SGLANG_SRC") or str(REPO_ROOT / ".engines" / "sglang")
+    src = os.environ.get("K3FUSE_TEST_SGLANG_SRC") or str(REPO_ROOT / ".engines" / "sglang")
     if not (Path(src) / "sglang" / "srt" / "distributed" / "parallel_state.py").exists():
-        pytest.fail(f"no SGLang source at {src}: run scripts/install_engines.sh or set K3FUSE_SGLANG_SRC")
+        pytest.fail(f"no SGLang source at {src}: run scripts/install_engines.sh or set K3FUSE_TEST_SGLANG_SRC")
     return src
 
 
