@@ -36,8 +36,9 @@ EXPECTED_TP2 = {"oproj_allreduce_residual": 6, "moe_front_sharded": 2, "fused_ro
 
 
 def _per_step_calls(kinds, tp: int, compiler: str) -> Counter:
-    """Fused-op calls one decode step makes, from the model's layer kinds (TP >= 2). Inductor lowers the shared
-    expert's side-stream markers to nothing (kernels/ops/shared_expert.py), so only the eager compiler calls them."""
+    """Fused-op calls one decode step makes, from the model's layer kinds (TP >= 2). The eager compiler calls the
+    shared expert's side-stream markers; under Inductor the backend outlined each region into one op and its join
+    (kernels/ops/shared_expert.py)."""
     calls: Counter = Counter()
     for k in kinds:
         calls["gemm_ar_residual_rmsnorm"] += 1  # the attention's out-projection + residual + the MLP's norm
@@ -51,7 +52,8 @@ def _per_step_calls(kinds, tp: int, compiler: str) -> Counter:
         if k.mlp == "dense":
             calls["decode_gemm"] += 2  # gate up
         else:
-            markers = ("shared_expert_fork", "shared_expert_join") if compiler == "eager" else ()
+            markers = (("shared_expert_fork", "shared_expert_join") if compiler == "eager"
+                       else ("shared_expert_region", "shared_expert_region_join"))
             for op in ("moe_front_sharded", "route_topk", "routed_experts", "moe_combine", *markers):
                 calls[op] += 1
             calls["decode_gemm"] += 3  # W_up; the shared expert's gate and up (its down feeds the reduction)
