@@ -32,6 +32,7 @@ At TP=1 oproj and moe_front are rejected by their contract guard (tp >= 2) and l
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
 
 import pytest
@@ -495,3 +496,9 @@ def test_inductor_calls_the_outlined_shared_expert_region(tp2):
     assert code.count("k3fuse.shared_expert_region.default(") == N_LAYERS
     assert code.count("k3fuse.shared_expert_region_join.default(") == N_LAYERS
     assert 0 < code.count("k3fuse.decode_gemm.default(") < expected_total(2, N_LAYERS)["decode_gemm"]
+    # each region is called before its layer's routed experts (it overlaps them), its join after
+    at = {op: [m.start() for m in re.finditer(re.escape(f"k3fuse.{op}.default("), code)]
+          for op in ("shared_expert_region", "routed_experts", "shared_expert_region_join")}
+    for start in at["shared_expert_region"]:
+        routed = min(p for p in at["routed_experts"] if p > start)
+        assert routed < min(p for p in at["shared_expert_region_join"] if p > start)

@@ -24,7 +24,9 @@ a stream switched inside an Inductor graph would split a region between two stre
 torch.compile backend therefore outlines each region before Inductor lowers the graph
 (`outline_regions`): fork, region and end become one opaque op, `shared_expert_region`, which runs
 the region's own nodes (an FX GraphModule, kept in this process under a hash of its code) on the
-side stream, and the join becomes `shared_expert_region_join`, the same wait. Its kernels run
+side stream, and the join becomes `shared_expert_region_join`, the same wait. The op also returns
+x_pass, a copy of x that the main stream's readers of x read instead, so that no reordering pass
+(Inductor's `reorder_for_locality` moves a producer to its only consumer) sinks the region to its join. Its kernels run
 node by node, unfused, but off the main stream. Where a graph reaches Inductor with its markers
 (the post-grad pass the engines host, whose FX-graph cache would replay an outlined op in a process
 that never outlined it), Inductor lowers them to nothing (`_lower_in_inductor`): the region is
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import sys
 from dataclasses import dataclass
 
@@ -149,25 +152,30 @@ def _run_region(x: torch.Tensor, inputs: list[torch.Tensor], key: str) -> torch.
         return _program(key)(x.clone(), *inputs)
 
 
-def side_stream_region(x: torch.Tensor, inputs: list[torch.Tensor], key: str, site: int) -> torch.Tensor:
-    """CUDA: the region's nodes run on the side stream after the main stream's work so far."""
+def side_stream_region(x: torch.Tensor, inputs: list[torch.Tensor], key: str,
+                       site: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: the region's nodes run on the side stream after the main stream's work so far; returns
+    (its output, x_pass: a copy of x made on the main stream)."""
+    with torch.no_grad():
+        x_pass = x.clone()
     streams.fork(site, x, SIDE_STREAM)
     try:
-        return _run_region(x, inputs, key)
+        return _run_region(x, inputs, key), x_pass
     finally:
         streams.end(site, x.device)
 
 
 def _inline_region(producer: str):
-    def run(x: torch.Tensor, inputs: list[torch.Tensor], key: str, site: int) -> torch.Tensor:
+    def run(x: torch.Tensor, inputs: list[torch.Tensor], key: str, site: int) -> tuple[torch.Tensor, torch.Tensor]:
         streams.fork_inline(site, x.device, producer)
-        return _run_region(x, inputs, key)
+        with torch.no_grad():
+            return _run_region(x, inputs, key), x.clone()
 
     return run
 
 
-def _region_fake(x: torch.Tensor, inputs: list[torch.Tensor], key: str, site: int) -> torch.Tensor:
-    return _program(key)(x, *inputs)   # the region's own ops' fake impls give its output
+def _region_fake(x: torch.Tensor, inputs: list[torch.Tensor], key: str, site: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _program(key)(x, *inputs), torch.empty_like(x)   # the region's own ops' fake impls give its output
 
 
 def _region_join(y: torch.Tensor, anchor: torch.Tensor, keep_alive: list[torch.Tensor], site: int) -> torch.Tensor:
@@ -232,11 +240,18 @@ def _outline(graph: fx.Graph, region: _Region) -> str | None:
     key = f"{site}:{hashlib.sha1(program.code.encode()).hexdigest()[:16]}"
     _programs.setdefault(key, program)
     ops = torch.ops.k3fuse
+    x = region.fork.args[0]
     with graph.inserting_before(region.fork):
-        call = graph.call_function(ops.shared_expert_region.default, (region.fork.args[0], external, key, site))
-    call.meta["val"] = y.meta.get("val")
+        call = graph.call_function(ops.shared_expert_region.default, (x, external, key, site))
+        y_side = graph.call_function(operator.getitem, (call, 0))
+        x_pass = graph.call_function(operator.getitem, (call, 1))
+    y_side.meta["val"], x_pass.meta["val"] = y.meta.get("val"), x.meta.get("val")
+    call.meta["val"] = (y_side.meta["val"], x_pass.meta["val"])
+    # the main stream's readers of x read x_pass, so no scheduler sinks the region towards its join
+    for user in [u for u in x.users if u not in (call, region.fork, region.join)]:
+        user.replace_input_with(x, x_pass)
     with graph.inserting_before(region.join):
-        join = graph.call_function(ops.shared_expert_region_join.default, (call, *region.join.args[1:]))
+        join = graph.call_function(ops.shared_expert_region_join.default, (y_side, *region.join.args[1:]))
     join.meta["val"] = region.join.meta.get("val")
     region.join.replace_all_uses_with(join)
     for n in (region.join, region.end, *reversed(region.body), region.fork):
@@ -273,8 +288,9 @@ DECLS = (
     OpDecl(JOIN, "(Tensor y, Tensor anchor, Tensor[] keep_alive, int site) -> Tensor", _join_fake, None, None,
            traits=OpTraits(sync=True, ordering_args=frozenset({1, 2}), side_stream="join"), eager=_join),
     # the outlined forms, made only where Inductor compiles the graph (outline_regions)
-    OpDecl(REGION, "(Tensor x, Tensor[] inputs, str key, int site) -> Tensor", _region_fake, _inline_region(STOCK),
-           _inline_region(dispatch.REFERENCE)),
+    # returns (the region's output, x_pass): the main stream's readers of x read x_pass (see outline_regions)
+    OpDecl(REGION, "(Tensor x, Tensor[] inputs, str key, int site) -> (Tensor, Tensor)", _region_fake,
+           _inline_region(STOCK), _inline_region(dispatch.REFERENCE)),
     OpDecl(REGION_JOIN, "(Tensor y, Tensor anchor, Tensor[] keep_alive, int site) -> Tensor", _join_fake, None, None,
            traits=OpTraits(sync=True, ordering_args=frozenset({1, 2})), eager=_region_join),
 )
