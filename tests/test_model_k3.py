@@ -354,6 +354,19 @@ def test_prefill_steps_the_prompt_and_refuses_a_context_past_the_cache():
         prefill(step, state, prompts[0])
 
 
+def test_a_full_cache_is_refused_before_a_step_reads_past_its_blocks():
+    """fill_context and GraphedSteps check the room host-side: a step on a full cache would index past its blocks
+    (a device-side assert on a GPU) instead of naming the problem."""
+    from k3fuse.tools.model_run import fill_context
+
+    model = K3Model(get_config("tiny"), seed=0)
+    state = model.new_state(2, 8, block_size=4)  # 8 tokens a sequence
+    fill_context(model, state, [7, 3], seed=0)
+    with pytest.raises(ValueError, match="a context of 9 tokens does not fit the cache .* give new_state a context "
+                                         "of at least 9 tokens"):
+        fill_context(model, state, [8, 3], seed=0)
+
+
 def test_standin_rank_and_bad_tp_are_refused():
     cfg = get_config("k3", expert_layout="rows")
     with pytest.raises(ValueError, match="TP=64 does not divide kda_heads=96"):

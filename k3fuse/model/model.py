@@ -336,7 +336,8 @@ def check_room(state: ModelState, steps: int) -> None:
     longest = int(state.seq_lens.max()) + steps
     if longest > state.capacity:
         raise ValueError(f"a context of {longest} tokens does not fit the cache ({state.capacity} tokens a "
-                         f"sequence: {state.block_table.shape[1]} blocks of {state.block_size})")
+                         f"sequence: {state.block_table.shape[1]} blocks of {state.block_size}); give new_state a "
+                         f"context of at least {longest} tokens, or decode fewer steps")
 
 
 def prefill(step: Callable[[torch.Tensor, ModelState], tuple[torch.Tensor, torch.Tensor]], state: ModelState,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..model import DecodeStep, K3Model, ModelState, SamplingConfig
+from ..model import DecodeStep, K3Model, ModelState, SamplingConfig, check_room
 from .bench.timing import record, warm_up
 from .model_args import ModelArgs
 
@@ -70,6 +70,7 @@ def fill_context(model: K3Model, state: ModelState, lengths: list[int], seed: in
             draw = torch.randn(t.shape, generator=gen, device=t.device) * scale
             t.copy_(draw * started.view(-1, *([1] * (t.dim() - 1))))
         state.seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+    check_room(state, 1)   # the next step appends a token: a full cache would index past its blocks
 
 
 def compile_step(model: K3Model, arm: str, *, strict: bool = True, log: Any = None, compiler: str = "inductor",
@@ -119,6 +120,7 @@ class GraphedSteps:
                 self.tokens_out[i].copy_(nxt)
             self.logits = logits
 
+        check_room(state, n)   # read once here: the captured steps never read a length back
         saved, first = snapshot(state), self.tokens.clone()
         warm_up(steps, warmup)
         restore(state, saved)

@@ -33,7 +33,7 @@ def _run(model, arm: str, kv_dtype: str, rules=None) -> dict:
     rlog = k3fuse.RewriteLog()
     step = compile_step(model, "stock" if arm == "stock" else "k3fuse", log=rlog, rules=rules)
     state = model.new_state(BATCH, CONTEXT, block_size=64, kv_dtype=kv_dtype, kv_scale=0.25)
-    fill_context(model, state, [CONTEXT - 500 * b for b in range(BATCH)], seed=0)
+    fill_context(model, state, [CONTEXT - 2 * STEPS - 500 * b for b in range(BATCH)], seed=0)
     k3fuse.reset_stats()
     with torch.no_grad(), k3fuse.strict(arm != "stock"):
         graphed = GraphedSteps(step, state, torch.arange(BATCH, device=DEV), STEPS)
@@ -85,7 +85,7 @@ def test_the_gate_on_the_side_stream_under_graph_replay():
         ctx = k3fuse.DecodeContext(strict=True, rule_settings={"mla_decode": MLADecodeSettings(gate=gate)})
         step = DecodeStep(model, backend="k3fuse", options={"compiler": "eager", "context": ctx})
         state = model.new_state(BATCH, CONTEXT, block_size=64)
-        fill_context(model, state, [CONTEXT - 500 * b for b in range(BATCH)], seed=0)
+        fill_context(model, state, [CONTEXT - 2 * STEPS - 500 * b for b in range(BATCH)], seed=0)
         k3fuse.reset_stats()
         with torch.no_grad(), k3fuse.strict():
             graphed = GraphedSteps(step, state, torch.arange(BATCH, device=DEV), STEPS)

@@ -27,6 +27,7 @@ def _rank_model(of: int = 16, layers: int = LAYERS, **kw):
 
 
 def test_rank_slice_is_drawn_on_the_device_without_full_float32_temporaries():
+    torch.cuda.init()  # the allocator's statistics exist once CUDA is initialised
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(DEV)
     base = torch.cuda.memory_allocated(DEV)
