@@ -160,11 +160,8 @@ def _steps_match_the_model(fn) -> list[dict]:
     return stats
 
 
-def test_node_by_node_the_region_runs_on_the_side_stream():
-    fn, rlog = _compiled("eager")
-    for stats in _steps_match_the_model(fn):
-        assert stats["shared_expert_fork"] == {"torch.side_stream": 1}
-        assert stats["shared_expert_join"] == {"torch.side_stream": 1}
+def _assert_two_streams(fn) -> None:
+    """One profiled step at 8 tokens launched kernels on at least two streams."""
     with torch.no_grad():
         x = torch.randn(8, H, device=DEV).to(BF16)
         with warnings.catch_warnings():
@@ -172,9 +169,17 @@ def test_node_by_node_the_region_runs_on_the_side_stream():
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn(x)
                 torch.cuda.synchronize()
-    assert rlog.applied("shared_expert_stream") >= 1
     kernels = kernel_events(prof)
     assert len({k.stream for k in kernels}) >= 2, [(k.stream, k.name[:60]) for k in kernels]
+
+
+def test_node_by_node_the_region_runs_on_the_side_stream():
+    fn, rlog = _compiled("eager")
+    for stats in _steps_match_the_model(fn):
+        assert stats["shared_expert_fork"] == {"torch.side_stream": 1}
+        assert stats["shared_expert_join"] == {"torch.side_stream": 1}
+    assert rlog.applied("shared_expert_stream") >= 1
+    _assert_two_streams(fn)
 
 
 def test_a_slowed_side_stream_gives_the_same_bits(monkeypatch):
@@ -344,12 +349,4 @@ def test_inductor_runs_the_outlined_region_on_the_side_stream():
         assert stats["shared_expert_region_join"] == {"torch.side_stream": 1}, stats
     graphs = {e.graph_id for e in rlog.events}  # 1 token compiles a static graph, 8 a dynamic one
     assert rlog.applied("shared_expert_stream") == len(graphs) >= 1
-    with torch.no_grad():
-        x = torch.randn(8, H, device=DEV).to(BF16)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                fn(x)
-                torch.cuda.synchronize()
-    kernels = kernel_events(prof)
-    assert len({k.stream for k in kernels}) >= 2, [(k.stream, k.name[:60]) for k in kernels]
+    _assert_two_streams(fn)
