@@ -47,8 +47,11 @@ def _check(res_code: int, stderr: str, out: Path, work: Path) -> str:
 
 def _signalled(argv: list[str], work: Path, after: float | Path) -> subprocess.CompletedProcess[str]:
     """Run argv in `work`; SIGINT it `after` seconds, or once the file `after` exists."""
+    # SIGINT's default action, as a terminal's foreground job has it, also where pytest itself runs with SIGINT
+    # ignored (a background job, nohup), which its children would inherit
     proc = subprocess.Popen(argv, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"})
+                            env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if isinstance(after, Path):
         deadline = time.monotonic() + 300
         while not after.exists() and proc.poll() is None and time.monotonic() < deadline:
