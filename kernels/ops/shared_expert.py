@@ -49,6 +49,8 @@ from k3fuse.graph_facts import OpTraits
 from .. import dispatch, streams
 from ..declare import OpDecl, declare
 
+logger = logging.getLogger("k3fuse")
+
 FORK = "shared_expert_fork"
 END = "shared_expert_end"
 JOIN = "shared_expert_join"
@@ -88,12 +90,17 @@ def _end(y: torch.Tensor, site: int) -> None:
     streams.end(site, y.device)
 
 
-def _join(y: torch.Tensor, anchor: torch.Tensor, keep_alive: list[torch.Tensor], site: int) -> torch.Tensor:
-    """Wait for `site`'s region and return a copy of its output; counts under the fork's implementation."""
-    producer = streams.join(site, y)
-    runtime.record(JOIN, producer)
-    with torch.no_grad():
-        return y.clone()
+def _joining(op: str):
+    """The eager body of a join op `op` (the marker's, the outlined region's): wait for `site`'s region and
+    return a copy of its output; counts under the implementation that ran the fork."""
+
+    def join(y: torch.Tensor, anchor: torch.Tensor, keep_alive: list[torch.Tensor], site: int) -> torch.Tensor:
+        producer = streams.join(site, y)
+        runtime.record(op, producer)
+        with torch.no_grad():
+            return y.clone()
+
+    return join
 
 
 _lowered = False
@@ -136,7 +143,6 @@ def _join_fake(y: torch.Tensor, anchor: torch.Tensor, keep_alive: list[torch.Ten
 #: outlined regions of this process by key (a hash of the program's code and site); filled by `outline_regions`,
 #: which the backend runs on every graph before Inductor compiles it, so a cached compile finds its program here
 _programs: dict[str, fx.GraphModule] = {}
-logger = logging.getLogger("k3fuse")
 
 
 def _program(key: str) -> fx.GraphModule:
@@ -176,13 +182,6 @@ def _inline_region(producer: str):
 
 def _region_fake(x: torch.Tensor, inputs: list[torch.Tensor], key: str, site: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _program(key)(x, *inputs), torch.empty_like(x)   # the region's own ops' fake impls give its output
-
-
-def _region_join(y: torch.Tensor, anchor: torch.Tensor, keep_alive: list[torch.Tensor], site: int) -> torch.Tensor:
-    producer = streams.join(site, y)
-    runtime.record(REGION_JOIN, producer)
-    with torch.no_grad():
-        return y.clone()
 
 
 @dataclass(frozen=True)
@@ -286,13 +285,13 @@ DECLS = (
            traits=OpTraits(side_stream="end", ordering_args=frozenset({0})), side_effect=True, eager=_end),
     # `anchor` (argument 1) orders the join after the routed experts; `keep_alive` (argument 2) is not read
     OpDecl(JOIN, "(Tensor y, Tensor anchor, Tensor[] keep_alive, int site) -> Tensor", _join_fake, None, None,
-           traits=OpTraits(sync=True, ordering_args=frozenset({1, 2}), side_stream="join"), eager=_join),
+           traits=OpTraits(sync=True, ordering_args=frozenset({1, 2}), side_stream="join"), eager=_joining(JOIN)),
     # the outlined forms, made only where Inductor compiles the graph (outline_regions)
     # returns (the region's output, x_pass): the main stream's readers of x read x_pass (see outline_regions)
     OpDecl(REGION, "(Tensor x, Tensor[] inputs, str key, int site) -> (Tensor, Tensor)", _region_fake,
            _inline_region(STOCK), _inline_region(dispatch.REFERENCE)),
     OpDecl(REGION_JOIN, "(Tensor y, Tensor anchor, Tensor[] keep_alive, int site) -> Tensor", _join_fake, None, None,
-           traits=OpTraits(sync=True, ordering_args=frozenset({1, 2})), eager=_region_join),
+           traits=OpTraits(sync=True, ordering_args=frozenset({1, 2})), eager=_joining(REGION_JOIN)),
 )
 for _decl in DECLS:
     declare(_decl)
